@@ -1,0 +1,218 @@
+"""Typed configuration, one dataclass per concern.
+
+Every field is a command-line flag of the same name (OpenRLHF's spelling) and a
+key a YAML file may set, either flat (``pretrain: ...``) or under its group
+(``model: {pretrain: ...}``).  ``metadata`` carries the help text and, where the
+type alone does not say it, the choices or ``nargs``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional, Tuple
+
+
+def opt(default, help: str, choices=None, nargs=None, flag_type=None):
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    if nargs is not None:
+        meta["nargs"] = nargs
+    if flag_type is not None:
+        meta["type"] = flag_type
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    pretrain: Optional[str] = opt(None, "HF model dir or hub name of the actor / policy (default: the built-in tiny kit)")
+    reward_pretrain: Optional[str] = opt(None, "HF dir of the sequence-classification reward model")
+    critic_pretrain: Optional[str] = opt(None, "HF dir the critic is initialised from (default: --pretrain)")
+    ref_pretrain: Optional[str] = opt(None, "HF dir of the reference model (default: --pretrain)")
+    bf16: bool = opt(False, "train in bfloat16 mixed precision")
+    flash_attn: bool = opt(False, "use flash_attention_2 (needs the [flash] extra and CUDA)")
+    gradient_checkpointing: bool = opt(False, "recompute activations in backward")
+    packing_samples: bool = opt(False, "pack sequences into one row with position ids instead of padding")
+    lora_rank: int = opt(0, "LoRA rank (0 = full fine-tuning)")
+    lora_alpha: int = opt(16, "LoRA alpha")
+    target_modules: str = opt("all-linear", "LoRA target modules (comma separated or all-linear)")
+    logprob_chunk_size: int = opt(1024, "tokens per chunk when computing log-probs (bounds the vocab-sized buffer)")
+
+
+@dataclass
+class DataConfig:
+    dataset: Optional[str] = opt(None, "SFT/RM/DPO data: jsonl/json/parquet files or dirs or hub names, comma separated")
+    dataset_probs: Optional[str] = opt(None, "mixture weights for --dataset, comma separated")
+    eval_dataset: Optional[str] = opt(None, "held-out data (default: a split of the training data)")
+    prompt_data: Optional[str] = opt(None, "RL prompts: files, dirs or hub names, comma separated (default: built-in arithmetic task)")
+    prompt_data_probs: Optional[str] = opt(None, "mixture weights for --prompt_data")
+    input_key: str = opt("input", "key of the prompt / input text")
+    output_key: str = opt("output", "key of the SFT response text")
+    label_key: Optional[str] = opt("label", "key of the label passed to the reward function")
+    chosen_key: str = opt("chosen", "key of the preferred response")
+    rejected_key: str = opt("rejected", "key of the rejected response")
+    input_template: Optional[str] = opt(None, "template with {} applied to the prompt when no chat template is used")
+    apply_chat_template: bool = opt(False, "format prompts with the tokenizer's chat template")
+    max_samples: int = opt(10**9, "use at most this many samples from each data set")
+    eval_split: float = opt(0.1, "fraction held out for eval when no --eval_dataset is given")
+    prompt_max_len: int = opt(1024, "max prompt tokens (longer prompts are left-truncated)")
+    generate_max_len: int = opt(1024, "max new tokens per response")
+    max_len: int = opt(2048, "max total tokens for SFT/RM/DPO samples")
+
+
+@dataclass
+class TopologyConfig:
+    actor_num_nodes: int = opt(1, "nodes for the actor role")
+    actor_num_gpus_per_node: int = opt(0, "ranks per node for the actor (0 = all ranks)")
+    critic_num_nodes: int = opt(1, "nodes for the critic role")
+    critic_num_gpus_per_node: int = opt(0, "ranks per node for the critic (0 = same as actor / colocated)")
+    ref_num_nodes: int = opt(1, "nodes for the reference role")
+    ref_num_gpus_per_node: int = opt(0, "ranks per node for the reference model (0 = same as actor / colocated)")
+    reward_num_nodes: int = opt(1, "nodes for the reward-model role")
+    reward_num_gpus_per_node: int = opt(0, "ranks per node for the reward model (0 = same as actor / colocated)")
+    vllm_num_engines: int = opt(0, "rollout engines (0 = one per actor rank, colocated)")
+    vllm_tensor_parallel_size: int = opt(1, "tensor-parallel ranks per rollout engine")
+    colocate_all_models: bool = opt(False, "all roles share the same ranks and take turns (hybrid engine)")
+    colocate_actor_ref: bool = opt(False, "reference model on the actor's ranks")
+    colocate_critic_reward: bool = opt(False, "reward model on the critic's ranks")
+    vllm_enable_sleep: bool = opt(False, "put the rollout engine to sleep while other roles run")
+    deepspeed_enable_sleep: bool = opt(False, "offload training state while the rollout runs")
+    backend: str = opt("fsdp2", "training backend", choices=("fsdp2", "deepspeed"))
+    zero_stage: int = opt(3, "ZeRO stage (fsdp2: 3 reshards after forward, 2/1 keep params gathered)", choices=(0, 1, 2, 3), flag_type=int)
+    dist_timeout_s: int = opt(1800, "timeout for collectives and weight sync, seconds")
+    nnodes_hint: int = opt(0, "nodes in the job (0 = from torchrun/SLURM env); used to check node boundaries")
+
+
+@dataclass
+class RolloutConfig:
+    rollout_engine: str = opt("auto", "generation engine (auto = vllm with CUDA, else hf)", choices=("auto", "hf", "vllm"))
+    rollout_batch_size: int = opt(8, "prompts per RL step (global)")
+    micro_rollout_batch_size: int = opt(4, "prompts per generation / inference micro batch per rank")
+    n_samples_per_prompt: int = opt(1, "responses sampled per prompt")
+    temperature: float = opt(1.0, "sampling temperature")
+    top_p: float = opt(1.0, "nucleus sampling")
+    top_k: int = opt(-1, "top-k sampling (-1 = off)")
+    eval_temperature: float = opt(0.0, "temperature for eval generation (0 = greedy)")
+    eval_n_samples_per_prompt: int = opt(1, "samples per eval prompt")
+    vllm_gpu_memory_utilization: float = opt(0.5, "fraction of GPU memory vLLM may take")
+    vllm_sleep_level: int = opt(1, "vLLM sleep level (1 keeps weights in CPU, 2 discards)", choices=(1, 2), flag_type=int)
+    enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM")
+    remote_rm_url: Optional[str] = opt(None, "reward_func.py path or http(s) URL of a reward server (comma separated)")
+    reward_timeout_s: float = opt(120.0, "timeout of one reward call")
+    agent_func_path: Optional[str] = opt(None, "python file defining AgentInstance / AgentExecutor for multi-turn rollouts")
+    max_steps: int = opt(4, "max environment steps per agent episode")
+    async_train: bool = opt(False, "overlap generation of step t+1 with training of step t (one-step off-policy)")
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage_estimator: str = opt("gae", "advantage estimator (see rlhf.algorithms.advantages)")
+    gamma: float = opt(1.0, "discount")
+    lambd: float = opt(0.95, "GAE lambda")
+    init_kl_coef: float = opt(0.01, "initial KL coefficient")
+    kl_target: Optional[float] = opt(None, "target KL for the adaptive controller (unset = fixed coefficient)")
+    kl_horizon: int = opt(10000, "horizon of the adaptive KL controller")
+    use_kl_loss: bool = opt(False, "KL as a loss term instead of a per-token reward penalty")
+    kl_estimator: str = opt("k1", "KL estimator", choices=("k1", "k2", "k3"))
+    normalize_reward: bool = opt(False, "normalise rewards with running mean/std")
+    no_advantage_std_norm: bool = opt(False, "group estimators: subtract the mean only")
+    clip_eps_low: float = opt(0.2, "PPO clip lower epsilon")
+    clip_eps_high: float = opt(0.2, "PPO clip upper epsilon")
+    dual_clip: Optional[float] = opt(None, "dual-clip constant c > 1 (unset = off)")
+    value_clip: float = opt(0.5, "value clip range")
+    reward_clip_range: Optional[Tuple[float, float]] = opt(None, "clamp rewards to [lo, hi]", nargs=2, flag_type=float)
+    policy_loss_type: str = opt("ppo", "policy loss", choices=("ppo", "gspo"))
+    loss_agg_mode: str = opt("token-mean", "loss aggregation", choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+    entropy_loss_coef: float = opt(0.0, "entropy bonus coefficient")
+    vf_coef: float = opt(0.5, "value loss coefficient (when critic and actor share a step)")
+    enable_is_correction: bool = opt(False, "truncated importance sampling for rollout-vs-train log-prob mismatch")
+    is_truncated_threshold: float = opt(2.0, "cap of the token importance weight")
+    overlong_buffer_len: int = opt(0, "overlong penalty: soft buffer length in tokens (0 = off)")
+    overlong_penalty_factor: float = opt(1.0, "overlong penalty: max penalty")
+    dynamic_filtering: bool = opt(False, "drop prompt groups whose scores are all equal or out of range")
+    dynamic_filtering_reward_range: Tuple[float, float] = opt((0.0, 1.0), "keep groups whose mean score lies strictly inside", nargs=2, flag_type=float)
+    beta: float = opt(0.1, "DPO beta")
+    loss_type: str = opt("sigmoid", "DPO loss", choices=("sigmoid", "ipo", "hinge"))
+    label_smoothing: float = opt(0.0, "conservative DPO label smoothing")
+    nll_loss_coef: float = opt(0.0, "DPO: add chosen NLL times this")
+    rm_loss: str = opt("sigmoid", "reward-model loss", choices=("sigmoid", "logexp"))
+    margin: float = opt(0.0, "reward-model margin")
+
+
+@dataclass
+class OptimConfig:
+    learning_rate: float = opt(5e-6, "learning rate (SFT/RM/DPO)")
+    actor_learning_rate: float = opt(1e-6, "actor learning rate")
+    critic_learning_rate: float = opt(9e-6, "critic learning rate")
+    adam_betas: Tuple[float, float] = opt((0.9, 0.95), "AdamW betas", nargs=2, flag_type=float)
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    lr_warmup_ratio: float = opt(0.03, "warmup fraction of the schedule")
+    lr_scheduler: str = opt("cosine_with_min_lr", "schedule", choices=("constant", "cosine", "cosine_with_min_lr", "linear"))
+    max_norm: float = opt(1.0, "gradient clipping norm")
+    micro_train_batch_size: int = opt(4, "samples per forward/backward per rank")
+    train_batch_size: int = opt(8, "samples per optimizer step (global)")
+    max_epochs: int = opt(1, "SFT/RM/DPO: passes over the data; PPO: epochs over each rollout batch")
+    num_episodes: int = opt(1, "RL: passes over the prompt data")
+    max_global_steps: int = opt(0, "stop after this many steps (0 = run the full schedule)")
+    seed: int = opt(42, "random seed")
+
+
+@dataclass
+class CheckpointConfig:
+    save_path: str = opt("./output/model", "final HF-format model")
+    ckpt_path: str = opt("./output/ckpt", "training checkpoints (global_step_N/)")
+    save_steps: int = opt(-1, "save a checkpoint every N steps (-1 = off)")
+    load_checkpoint: bool = opt(False, "resume from the newest complete checkpoint in --ckpt_path")
+    save_hf_ckpt: bool = opt(False, "also write an HF model into each checkpoint")
+    max_ckpt_num: int = opt(3, "keep at most this many checkpoints")
+
+
+@dataclass
+class LoggingConfig:
+    logging_steps: int = opt(1, "log metrics every N steps")
+    eval_steps: int = opt(-1, "evaluate every N steps (-1 = only at the end)")
+    log_dir: str = opt("./output/logs", "where metrics.jsonl (always) and TensorBoard files go")
+    use_wandb: Optional[str] = opt(None, "wandb API key or 'True' to use the logged-in account / WANDB_MODE")
+    wandb_org: Optional[str] = opt(None, "wandb entity")
+    wandb_project: str = opt("rlhf", "wandb project")
+    wandb_run_name: Optional[str] = opt(None, "wandb run name")
+    use_tensorboard: bool = opt(False, "write TensorBoard events to --log_dir")
+    progress_bar: bool = opt(True, "rank-0 progress bar with ETA")
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "topology": TopologyConfig,
+    "rollout": RolloutConfig,
+    "algorithm": AlgorithmConfig,
+    "optim": OptimConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def flag_index() -> dict:
+    """flag name -> (group name, dataclass field)."""
+    out = {}
+    for gname, cls in GROUPS.items():
+        for f in fields(cls):
+            assert f.name not in out, f"duplicate flag {f.name}"
+            out[f.name] = (gname, f)
+    return out

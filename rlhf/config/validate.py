@@ -1,0 +1,80 @@
+"""Cross-field checks run at parse time, before any process group or device memory.
+
+Each failure names the flag and says what would fit.  Checks that need the
+world size (topology) live in ``rlhf.distributed.plan`` and also run before
+``init_process_group``.
+"""
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    def __init__(self, flag: str, message: str):
+        self.flag = flag
+        super().__init__(message)
+
+
+RL_KINDS = ("ppo", "grpo")
+
+
+def _check(cond: bool, flag: str, message: str):
+    if not cond:
+        raise ConfigError(flag, message)
+
+
+def validate(cfg, kind: str) -> None:
+    o, r, a, d, t, m = cfg.optim, cfg.rollout, cfg.algorithm, cfg.data, cfg.topology, cfg.model
+    _check(o.micro_train_batch_size > 0, "micro_train_batch_size", "--micro_train_batch_size must be > 0")
+    _check(o.train_batch_size % o.micro_train_batch_size == 0, "train_batch_size",
+           f"--train_batch_size {o.train_batch_size} must be a multiple of --micro_train_batch_size {o.micro_train_batch_size}")
+    _check(o.max_epochs >= 1, "max_epochs", "--max_epochs must be >= 1")
+    _check(0.0 <= d.eval_split < 1.0, "eval_split", "--eval_split must lie in [0, 1)")
+    _check(o.lr_warmup_ratio >= 0 and o.lr_warmup_ratio < 1, "lr_warmup_ratio", "--lr_warmup_ratio must lie in [0, 1)")
+    if m.lora_rank < 0:
+        raise ConfigError("lora_rank", "--lora_rank must be >= 0")
+    if kind in RL_KINDS:
+        _validate_rl(cfg)
+    if kind in ("sft", "rm", "dpo"):
+        _check(d.max_len > 8, "max_len", "--max_len must be > 8")
+
+
+def _validate_rl(cfg) -> None:
+    from rlhf.algorithms import ADVANTAGE_ESTIMATORS
+
+    o, r, a, d, t, m = cfg.optim, cfg.rollout, cfg.algorithm, cfg.data, cfg.topology, cfg.model
+    est = a.advantage_estimator
+    _check(est in ADVANTAGE_ESTIMATORS, "advantage_estimator",
+           f"--advantage_estimator {est!r} is unknown; choose one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+    spec = ADVANTAGE_ESTIMATORS[est]
+    if spec.needs_group:
+        _check(r.n_samples_per_prompt > 1, "n_samples_per_prompt",
+               f"--advantage_estimator {est} compares samples of the same prompt: set --n_samples_per_prompt > 1 "
+               f"(got {r.n_samples_per_prompt}), or use gae/reinforce")
+    if not spec.needs_critic:
+        _check(m.critic_pretrain is None, "critic_pretrain",
+               f"--critic_pretrain is set but --advantage_estimator {est} trains no critic; drop it or use gae")
+        _check(t.critic_num_gpus_per_node == 0, "critic_num_gpus_per_node",
+               f"--critic_num_gpus_per_node is set but --advantage_estimator {est} trains no critic; drop it or use gae")
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    _check(r.rollout_batch_size > 0, "rollout_batch_size", "--rollout_batch_size must be > 0")
+    _check(samples % o.train_batch_size == 0, "train_batch_size",
+           f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples must be a multiple of "
+           f"--train_batch_size {o.train_batch_size}; e.g. --train_batch_size {samples}")
+    _check(a.clip_eps_low >= 0 and a.clip_eps_high >= 0, "clip_eps_low", "clip epsilons must be >= 0")
+    if a.dual_clip is not None:
+        _check(a.dual_clip > 1.0, "dual_clip", f"--dual_clip must be > 1, got {a.dual_clip}")
+    if a.reward_clip_range is not None:
+        lo, hi = a.reward_clip_range
+        _check(lo < hi, "reward_clip_range", f"--reward_clip_range needs lo < hi, got {lo} {hi}")
+    if a.dynamic_filtering:
+        _check(r.n_samples_per_prompt > 1, "dynamic_filtering",
+               "--dynamic_filtering drops groups of equal scores: it needs --n_samples_per_prompt > 1")
+    if a.kl_target is not None:
+        _check(a.kl_target > 0 and a.kl_horizon > 0, "kl_target", "--kl_target and --kl_horizon must be > 0")
+    if r.async_train:
+        _check(not t.colocate_all_models, "async_train",
+               "--async_train overlaps generation with training, which colocated roles cannot do (they take turns): "
+               "drop --colocate_all_models and give the rollout its own ranks with --vllm_num_engines")
+    _check(r.temperature >= 0, "temperature", "--temperature must be >= 0")
+    if d.prompt_data is not None and r.remote_rm_url is None and m.reward_pretrain is None and r.agent_func_path is None:
+        raise ConfigError("remote_rm_url", "--prompt_data is set but no reward source: give --reward_pretrain, "
+                                           "--remote_rm_url (reward_func.py or http URL) or --agent_func_path")

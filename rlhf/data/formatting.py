@@ -1,0 +1,72 @@
+"""Turn rows into prompt text and tokenized SFT / preference samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+
+def format_prompt(raw, tokenizer, apply_chat_template: bool, input_template: Optional[str] = None) -> str:
+    """Chat template (messages list or plain text as one user turn) or ``input_template.format(text)``."""
+    if apply_chat_template:
+        msgs = raw if isinstance(raw, list) else [{"role": "user", "content": str(raw)}]
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    text = raw if isinstance(raw, str) else "\n".join(m["content"] for m in raw)
+    return input_template.format(text) if input_template else text
+
+
+@dataclass
+class PromptItem:
+    prompt: str
+    label: Optional[str]
+    ids: List[int]
+
+
+def build_prompts(rows: List[Dict], tokenizer, cfg_data) -> List[PromptItem]:
+    out = []
+    for r in rows:
+        text = format_prompt(r[cfg_data.input_key], tokenizer, cfg_data.apply_chat_template, cfg_data.input_template)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][-cfg_data.prompt_max_len:]
+        label = r.get(cfg_data.label_key) if cfg_data.label_key else None
+        out.append(PromptItem(text, None if label is None else str(label), ids))
+    return out
+
+
+def tokenize_pair(tokenizer, prompt: str, response: str, max_len: int):
+    """(input_ids, loss_mask) of prompt + response + eos; loss on response tokens (and eos) only."""
+    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids = (p + r)[:max_len]
+    mask = ([0] * len(p) + [1] * len(r))[:max_len]
+    return ids, mask
+
+
+def pad_batch(seqs: List[List[int]], pad_id: int, side: str = "right"):
+    n = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
+    att = torch.zeros((len(seqs), n), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if side == "right":
+            ids[i, :len(s)] = torch.tensor(s)
+            att[i, :len(s)] = 1
+        else:
+            ids[i, n - len(s):] = torch.tensor(s)
+            att[i, n - len(s):] = 1
+    return ids, att
+
+
+def collate_supervised(samples, pad_id: int) -> Dict[str, torch.Tensor]:
+    """samples: list of (ids, loss_mask) -> padded input_ids, attention_mask, loss_mask (aligned to labels)."""
+    ids, att = pad_batch([s[0] for s in samples], pad_id)
+    lm, _ = pad_batch([s[1] for s in samples], 0)
+    return {"input_ids": ids, "attention_mask": att, "loss_mask": lm}
+
+
+def collate_packed(samples) -> Dict[str, torch.Tensor]:
+    """One row of all samples back to back, position ids restarting per sample (no padding)."""
+    ids = torch.tensor([t for s in samples for t in s[0]]).unsqueeze(0)
+    lm = torch.tensor([m for s in samples for m in s[1]]).unsqueeze(0)
+    pos = torch.cat([torch.arange(len(s[0])) for s in samples]).unsqueeze(0)
+    seg = torch.cat([torch.full((len(s[0]),), i) for i, s in enumerate(samples)]).unsqueeze(0)
+    return {"input_ids": ids, "position_ids": pos, "loss_mask": lm, "segment_ids": seg}

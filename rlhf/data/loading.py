@@ -1,0 +1,87 @@
+"""Load rows from local jsonl/json/parquet files or dirs, or hub data sets, with mixtures.
+
+``spec`` is comma separated; each part is a file, a directory (its data files),
+or a hub name (``name`` or ``name@split``) loaded with ``datasets.load_dataset``.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from typing import Dict, List, Optional
+
+EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DataError(ValueError):
+    pass
+
+
+def _load_one(part: str, split: str = "train"):
+    import datasets
+
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    part = os.path.expanduser(part)
+    if os.path.isdir(part):
+        files = sorted(f for f in glob.glob(os.path.join(part, "*")) if os.path.splitext(f)[1] in EXT)
+        if not files:
+            raise DataError(f"directory {part} holds no .jsonl/.json/.parquet/.csv files")
+        kinds = {EXT[os.path.splitext(f)[1]] for f in files}
+        if len(kinds) > 1:
+            raise DataError(f"directory {part} mixes file types {sorted(kinds)}; use one")
+        return datasets.load_dataset(kinds.pop(), data_files=files, split="train")
+    ext = os.path.splitext(part)[1]
+    if ext in EXT:
+        if not os.path.isfile(part):
+            raise DataError(f"data file {part} does not exist")
+        return datasets.load_dataset(EXT[ext], data_files=part, split="train")
+    name, _, sp = part.partition("@")
+    return datasets.load_dataset(name, split=sp or split)
+
+
+def load_rows(spec: str, required_keys: Dict[str, Optional[str]], probs: Optional[str] = None, max_samples: int = 10**9,
+              seed: int = 42) -> List[Dict]:
+    """Rows of the (mixed) data set as dicts.
+
+    ``required_keys`` maps the flag that names a key (``input_key``) to the key; every
+    source must have every key, else the error names the source, the key and the flag.
+    """
+    import datasets
+
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if not parts:
+        raise DataError("empty --dataset / --prompt_data")
+    sets = []
+    for part in parts:
+        ds = _load_one(part)
+        if len(ds) == 0:
+            raise DataError(f"data set {part} is empty")
+        for flag, key in required_keys.items():
+            if key and key not in ds.column_names:
+                raise DataError(f"data set {part} has no key {key!r} (it has {', '.join(ds.column_names)}); "
+                                f"set --{flag} to one of those")
+        sets.append(ds.select(range(min(max_samples, len(ds)))))
+    if len(sets) == 1:
+        return list(sets[0])
+    if probs:
+        weights = [float(p) for p in probs.split(",")]
+        if len(weights) != len(sets):
+            raise DataError(f"--dataset_probs has {len(weights)} weights for {len(sets)} data sets")
+        total = sum(weights)
+        mixed = datasets.interleave_datasets([s.select_columns([k for k in required_keys.values() if k])
+                                              for s in sets], probabilities=[w / total for w in weights], seed=seed,
+                                             stopping_strategy="all_exhausted")
+        return list(mixed)
+    return [r for s in sets for r in s]
+
+
+def split_eval(rows: List[Dict], frac: float, seed: int):
+    import random
+
+    if frac <= 0:
+        return rows, []
+    idx = list(range(len(rows)))
+    random.Random(seed).shuffle(idx)
+    n_eval = max(1, int(len(rows) * frac))
+    ev = set(idx[:n_eval])
+    return [r for i, r in enumerate(rows) if i not in ev], [rows[i] for i in sorted(ev)]

@@ -1,0 +1,96 @@
+"""Process groups for a Plan.  Every rank creates every group in the same order (SPMD)."""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .plan import ROLES, Plan
+
+
+def default_backend() -> str:
+    """nccl when CUDA is usable, else gloo."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def init_distributed(timeout_s: int = 1800) -> tuple:
+    """Init the default group from torchrun's env (a 1-rank group when run as plain python).
+
+    Returns (rank, world_size, local_rank, device).
+    """
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    backend = default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size(), local_rank, device
+
+
+def nnodes_from_env() -> int:
+    """Nodes in the job, from torchrun / SLURM env (1 if unknown)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if "SLURM_NNODES" in os.environ:
+        return int(os.environ["SLURM_NNODES"])
+    return max(1, world // max(local, 1))
+
+
+@dataclass
+class Groups:
+    plan: Plan
+    rank: int
+    roles: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
+    engine: Optional[dist.ProcessGroup] = None      # this rank's rollout TP group
+    sync: Optional[dist.ProcessGroup] = None        # actor rank 0 + rollout ranks (separate rollout only)
+
+    def has(self, role: str) -> bool:
+        return self.rank in self.plan.roles.get(role, [])
+
+    def group(self, role: str) -> Optional[dist.ProcessGroup]:
+        return self.roles.get(role)
+
+    def role_rank(self, role: str) -> int:
+        return self.plan.roles[role].index(self.rank)
+
+    def role_size(self, role: str) -> int:
+        return len(self.plan.roles[role])
+
+
+def build_groups(plan: Plan, rank: int) -> Groups:
+    """new_group for each role, each engine and the sync group, called identically on all ranks."""
+    g = Groups(plan, rank)
+    world = list(range(plan.world_size))
+    cache: Dict[tuple, dist.ProcessGroup] = {}
+
+    def make(ranks: List[int]):
+        key = tuple(ranks)
+        if key not in cache:
+            cache[key] = dist.group.WORLD if list(ranks) == world else dist.new_group(list(ranks))
+        return cache[key]
+
+    for role in ROLES:
+        ranks = plan.roles.get(role) or []
+        grp = make(ranks) if ranks else None
+        g.roles[role] = grp if rank in ranks else None
+    for e in plan.engines:
+        grp = make(e)
+        if rank in e:
+            g.engine = grp
+    if plan.sync_ranks:
+        grp = make(plan.sync_ranks)
+        if rank in plan.sync_ranks:
+            g.sync = grp
+    return g

@@ -1,0 +1,109 @@
+"""Phase scheduler for colocated roles: wake role -> work -> (next phase sleeps it), ordered by barriers.
+
+Every memory-heavy role on a rank implements ``Sleepable``.  ``phase(name)``
+first waits for all ranks of the group to finish the previous phase, then puts
+every other awake role on this rank to sleep, then wakes ``name``.  A phase may
+``share`` a role that stays awake beside it (weight sync: actor parameters and
+the engine's weights, not its KV cache).  The ledger records each transition so
+tests can assert the protocol.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Dict, Iterable, List, Optional, Protocol, Tuple
+
+import torch.distributed as dist
+
+
+class Sleepable(Protocol):
+    def sleep(self) -> None: ...
+
+    def wake(self, tags: Optional[List[str]] = None) -> None: ...
+
+
+class Ledger:
+    """Append-only record of (seq, rank, event, role, awake-after) per transition."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.events: List[Tuple[int, int, str, str, Tuple[str, ...]]] = []
+        self._lock = threading.Lock()
+
+    def record(self, event: str, role: str, awake: Iterable[str]) -> None:
+        with self._lock:
+            self.events.append((len(self.events), self.rank, event, role, tuple(sorted(awake))))
+
+    def max_awake(self, allowed_pairs: Iterable[Tuple[str, str]] = ()) -> int:
+        """Most roles awake at once, not counting declared shared pairs."""
+        allowed = {tuple(sorted(p)) for p in allowed_pairs}
+        worst = 0
+        for *_, awake in self.events:
+            n = len(awake)
+            if n == 2 and tuple(sorted(awake)) in allowed:
+                n = 1
+            worst = max(worst, n)
+        return worst
+
+
+class PhaseScheduler:
+    def __init__(self, rank: int, roles: Dict[str, Sleepable], group=None, enabled: bool = True,
+                 ledger: Optional[Ledger] = None, barrier: bool = True):
+        self.rank = rank
+        self.roles = roles            # role name -> object on this rank
+        self.group = group            # barrier group (all ranks sharing these roles)
+        self.enabled = enabled        # False: roles stay resident (no offload)
+        self.use_barrier = barrier    # separate-role placement: phases on different ranks must not wait on each other
+        self.awake = set(roles)       # everything starts resident
+        self.ledger = ledger or Ledger(rank)
+        self.timings: Dict[str, float] = {}
+        self.current: Optional[str] = None
+        for r in roles:
+            self.ledger.record("init", r, self.awake)
+
+    def _barrier(self):
+        if self.use_barrier and dist.is_initialized():
+            dist.barrier(group=self.group)
+
+    def sleep(self, role: str) -> None:
+        if role in self.awake and role in self.roles:
+            self.roles[role].sleep()
+            self.awake.discard(role)
+            self.ledger.record("sleep", role, self.awake)
+
+    def wake(self, role: str, tags: Optional[List[str]] = None) -> None:
+        if role not in self.roles:
+            return
+        if role not in self.awake or tags:
+            self.roles[role].wake(tags)
+            self.awake.add(role)
+            self.ledger.record("wake" if not tags else f"wake:{','.join(tags)}", role, self.awake)
+
+    def put_all_to_sleep(self) -> None:
+        if self.enabled:
+            for r in list(self.awake):
+                self.sleep(r)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, role: Optional[str] = None, share: Optional[str] = None,
+              tags: Optional[List[str]] = None):
+        """Run one phase of work for ``role`` (default: ``name``) on this rank."""
+        role = role or name
+        self._barrier()
+        if self.enabled:
+            for other in list(self.awake):
+                if other not in (role, share):
+                    self.sleep(other)
+            self.wake(role, tags)
+            if share is not None and share not in self.awake:
+                self.wake(share)
+        self.ledger.record("begin", name, self.awake)
+        self.current = name
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
+            self.ledger.record("end", name, self.awake)
+            self.current = None

@@ -1,0 +1,184 @@
+"""Placement plan: which ranks hold which roles, computed from the topology flags alone.
+
+Pure Python (no torch.distributed): it runs, and fails, before any process group
+exists.  Ranks are laid out in blocks in this order when roles are separate:
+actor, ref, critic, reward, rollout.  A role with ``*_num_gpus_per_node 0``
+shares the actor's ranks (``reward`` shares the critic's with
+``--colocate_critic_reward``, ``ref`` the actor's with ``--colocate_actor_ref``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+ROLES = ("actor", "ref", "critic", "reward", "rollout")
+
+
+class TopologyError(ValueError):
+    pass
+
+
+@dataclass
+class Plan:
+    world_size: int
+    gpus_per_node: int
+    roles: Dict[str, List[int]]            # role -> ranks (empty list: role not used)
+    engines: List[List[int]]               # rollout engines' TP groups
+    colocated: bool                        # every role on every rank (hybrid engine)
+    separate_rollout: bool                 # rollout ranks hold no actor shard
+    sync_ranks: List[int] = field(default_factory=list)  # actor rank 0 + rollout ranks (broadcast weight sync)
+
+    def roles_of(self, rank: int) -> List[str]:
+        return [r for r in ROLES if rank in self.roles.get(r, [])]
+
+    def engine_of(self, rank: int) -> Optional[int]:
+        for i, e in enumerate(self.engines):
+            if rank in e:
+                return i
+        return None
+
+    def table(self) -> str:
+        rows = [f"world_size={self.world_size}  ranks/node={self.gpus_per_node}  "
+                f"mode={'colocated (hybrid engine)' if self.colocated else 'separate roles'}",
+                f"{'rank':>4}  {'node':>4}  roles"]
+        for rank in range(self.world_size):
+            roles = []
+            for r in self.roles_of(rank):
+                roles.append(f"rollout[engine {self.engine_of(rank)}]" if r == "rollout" else r)
+            rows.append(f"{rank:>4}  {rank // self.gpus_per_node:>4}  {', '.join(roles) or '-'}")
+        for name in ROLES:
+            if self.roles.get(name):
+                rows.append(f"{name:>8}: ranks {_ranges(self.roles[name])}")
+        rows.append(f" engines: {len(self.engines)} x TP {len(self.engines[0]) if self.engines else 0}: "
+                    + "; ".join(_ranges(e) for e in self.engines))
+        rows.append(f"weights:  {'in-process (colocated)' if not self.separate_rollout else 'broadcast over ranks ' + _ranges(self.sync_ranks)}")
+        return "\n".join(rows)
+
+
+def _ranges(ranks: List[int]) -> str:
+    if not ranks:
+        return "-"
+    out, start, prev = [], ranks[0], ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(out)
+
+
+def _block(name: str, nodes: int, per_node: int, gpus_per_node: int) -> int:
+    if nodes < 1:
+        raise TopologyError(f"--{name}_num_nodes must be >= 1, got {nodes}")
+    if nodes > 1 and per_node != gpus_per_node:
+        raise TopologyError(f"--{name}_num_nodes {nodes} spans nodes, so --{name}_num_gpus_per_node must equal the "
+                            f"ranks per node ({gpus_per_node}), got {per_node}")
+    return nodes * per_node
+
+
+def make_plan(topo, world_size: int, nnodes: int = 1, need_ref: bool = True, need_critic: bool = False,
+              need_reward_model: bool = False) -> Plan:
+    """Compute and validate the placement.  Raises TopologyError naming the numbers that disagree."""
+    if world_size < 1:
+        raise TopologyError(f"world size must be >= 1, got {world_size}")
+    if nnodes < 1 or world_size % nnodes:
+        raise TopologyError(f"world size {world_size} is not divisible by {nnodes} nodes")
+    gpn = world_size // nnodes
+    tp = topo.vllm_tensor_parallel_size
+    if tp < 1:
+        raise TopologyError(f"--vllm_tensor_parallel_size must be >= 1, got {tp}")
+    if tp > gpn or gpn % tp:
+        raise TopologyError(f"--vllm_tensor_parallel_size {tp} must divide the ranks per node ({gpn}): "
+                            f"a TP group may not cross a node boundary")
+    per = topo.actor_num_gpus_per_node or (gpn if topo.actor_num_nodes > 1 else None)
+    n_actor = _block("actor", topo.actor_num_nodes, per, gpn) if per else None
+
+    if topo.colocate_all_models:
+        n_actor = n_actor or world_size
+        if n_actor != world_size:
+            raise TopologyError(f"--colocate_all_models puts every role on every rank: actor ranks "
+                                f"({topo.actor_num_nodes} x {topo.actor_num_gpus_per_node} = {n_actor}) must equal "
+                                f"the world size {world_size}")
+        engines = topo.vllm_num_engines or n_actor // tp
+        if engines * tp != n_actor:
+            raise TopologyError(f"colocated rollout: --vllm_num_engines {engines} x --vllm_tensor_parallel_size {tp} "
+                                f"= {engines * tp} must equal the actor ranks {n_actor}; "
+                                f"use --vllm_num_engines {n_actor // tp}" if n_actor % tp == 0 else
+                                f"colocated rollout: actor ranks {n_actor} are not a multiple of TP {tp}")
+        ranks = list(range(world_size))
+        roles = {"actor": ranks, "rollout": ranks, "ref": ranks if need_ref else [],
+                 "critic": ranks if need_critic else [], "reward": ranks if need_reward_model else []}
+        return Plan(world_size, gpn, roles, [ranks[i * tp:(i + 1) * tp] for i in range(engines)], True, False)
+
+    blocks: List[Tuple[str, int]] = []
+    sizes = {}
+    cursor = 0
+
+    def take(name, n):
+        nonlocal cursor
+        sizes[name] = list(range(cursor, cursor + n))
+        blocks.append((name, n))
+        cursor += n
+
+    rollout_n = topo.vllm_num_engines * tp
+    others = 0
+    if need_ref and topo.ref_num_gpus_per_node and not topo.colocate_actor_ref:
+        others += _block("ref", topo.ref_num_nodes, topo.ref_num_gpus_per_node, gpn)
+    if need_critic and topo.critic_num_gpus_per_node:
+        others += _block("critic", topo.critic_num_nodes, topo.critic_num_gpus_per_node, gpn)
+    if need_reward_model and topo.reward_num_gpus_per_node and not topo.colocate_critic_reward:
+        others += _block("reward", topo.reward_num_nodes, topo.reward_num_gpus_per_node, gpn)
+    if n_actor is None:
+        n_actor = world_size - others - rollout_n
+        if n_actor < 1:
+            raise TopologyError(f"no ranks left for the actor: world {world_size} - other roles {others} - rollout "
+                                f"{rollout_n} = {n_actor}")
+    take("actor", n_actor)
+    if need_ref:
+        if topo.ref_num_gpus_per_node and not topo.colocate_actor_ref:
+            take("ref", _block("ref", topo.ref_num_nodes, topo.ref_num_gpus_per_node, gpn))
+        else:
+            sizes["ref"] = sizes["actor"]
+    if need_critic:
+        if topo.critic_num_gpus_per_node:
+            take("critic", _block("critic", topo.critic_num_nodes, topo.critic_num_gpus_per_node, gpn))
+        else:
+            sizes["critic"] = sizes["actor"]
+    if need_reward_model:
+        if topo.colocate_critic_reward and need_critic:
+            sizes["reward"] = sizes["critic"]
+        elif topo.reward_num_gpus_per_node:
+            take("reward", _block("reward", topo.reward_num_nodes, topo.reward_num_gpus_per_node, gpn))
+        else:
+            sizes["reward"] = sizes["actor"]
+    separate = topo.vllm_num_engines > 0
+    if separate:
+        take("rollout", rollout_n)
+    else:
+        if n_actor % tp:
+            raise TopologyError(f"rollout on the actor ranks: actor ranks {n_actor} are not a multiple of "
+                                f"--vllm_tensor_parallel_size {tp}")
+        sizes["rollout"] = sizes["actor"]
+    if cursor != world_size:
+        detail = " + ".join(f"{n} {name}" for name, n in blocks)
+        raise TopologyError(f"the roles need {detail} = {cursor} ranks but the world size is {world_size}; "
+                            f"launch with --nproc_per_node x --nnodes = {cursor} or change the *_num_gpus_per_node / "
+                            f"--vllm_num_engines flags")
+    # node boundaries: a block that does not fill whole nodes must sit inside one node
+    for name, n in blocks:
+        ranks = sizes[name]
+        first, last = ranks[0] // gpn, ranks[-1] // gpn
+        if first != last and (ranks[0] % gpn or n % gpn):
+            raise TopologyError(f"role {name} (ranks {_ranges(ranks)}) straddles a node boundary with {gpn} ranks "
+                                f"per node; make its size a multiple of {gpn} or fit it in one node")
+    rollout = sizes["rollout"]
+    engines = [rollout[i * tp:(i + 1) * tp] for i in range(len(rollout) // tp)]
+    for e in engines:
+        if e[0] // gpn != e[-1] // gpn:
+            raise TopologyError(f"rollout engine on ranks {_ranges(e)} crosses a node boundary")
+    for r in ROLES:
+        sizes.setdefault(r, [])
+    sync = [sizes["actor"][0]] + rollout if separate else []
+    return Plan(world_size, gpn, sizes, engines, False, separate, sync)

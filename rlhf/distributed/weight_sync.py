@@ -1,0 +1,141 @@
+"""Actor -> rollout weight sync.
+
+Colocated: every rank gathers full parameters from its actor shards and loads
+them into its own engine, bucket by bucket (no extra copy of the whole model).
+Separate rollout ranks: actor rank 0 packs each bucket into one flat tensor and
+broadcasts it over the sync group (actor rank 0 + rollout ranks); receivers
+split and load it.  Both sides derive the same bucket plan from the parameter
+metadata, which is broadcast once.  Every wait has a timeout.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Iterable, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+Meta = Tuple[str, Tuple[int, ...], torch.dtype]
+
+
+class WeightSyncTimeout(RuntimeError):
+    pass
+
+
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """Unshard an FSDP2 DTensor parameter (collective over its mesh); plain tensors pass through."""
+    t = p.data if isinstance(p, torch.nn.Parameter) else p
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def param_meta(model: torch.nn.Module) -> List[Meta]:
+    return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+
+
+def bucket_plan(meta: List[Meta], bucket_bytes: int, dtype: Optional[torch.dtype] = None) -> List[List[int]]:
+    """Group parameter indices into buckets of at most bucket_bytes (a larger tensor gets its own bucket)."""
+    buckets, cur, size = [], [], 0
+    for i, (_, shape, dt) in enumerate(meta):
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype or dt).element_size()
+        if cur and size + nbytes > bucket_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += nbytes
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def _wait(work, timeout_s: float, what: str):
+    try:
+        ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:  # gloo raises on timeout
+        raise WeightSyncTimeout(f"weight sync timed out after {timeout_s}s during {what}: a rank of the sync group "
+                                f"did not join (crashed, or is stuck in another phase). Cause: {e}") from None
+    if ok is False:
+        raise WeightSyncTimeout(f"weight sync timed out after {timeout_s}s during {what}")
+
+
+class WeightSync:
+    def __init__(self, groups, engine=None, bucket_mb: float = 256, dtype: Optional[torch.dtype] = None,
+                 timeout_s: float = 600, device: Optional[torch.device] = None):
+        self.groups = groups
+        self.engine = engine
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.dtype = dtype
+        self.timeout_s = timeout_s
+        self.device = device or torch.device("cpu")
+        self._meta: Optional[List[Meta]] = None
+        self.bytes_sent = 0
+
+    # ---- colocated -------------------------------------------------------------------------------------------
+    def _named_full(self, model) -> Iterator[Tuple[str, torch.Tensor]]:
+        for name, p in model.named_parameters():
+            t = full_tensor(p)
+            yield name, (t.to(self.dtype) if self.dtype is not None else t)
+
+    def sync_colocated(self, model) -> int:
+        """Gather and load bucket by bucket; returns bytes loaded."""
+        meta = param_meta(model)
+        it = self._named_full(model)
+        total = 0
+        for bucket in bucket_plan(meta, self.bucket_bytes, self.dtype):
+            batch = [next(it) for _ in bucket]
+            total += sum(t.numel() * t.element_size() for _, t in batch)
+            if self.engine is not None:
+                self.engine.load_weights(batch)
+        if self.engine is not None:
+            self.engine.reset_prefix_cache()
+        self.bytes_sent = total
+        return total
+
+    # ---- separate rollout ranks --------------------------------------------------------------------------------
+    def sync_broadcast(self, model=None) -> int:
+        """Called on all actor ranks and all rollout ranks.  Non-zero actor ranks only help unshard."""
+        plan = self.groups.plan
+        rank = self.groups.rank
+        src = plan.sync_ranks[0]
+        in_sync = rank in plan.sync_ranks
+        is_actor = model is not None
+        if self._meta is None and in_sync:
+            box = [param_meta(model) if rank == src else None]
+            dist.broadcast_object_list(box, src=src, group=self.groups.sync)
+            self._meta = box[0]
+        if not in_sync:  # other actor ranks: take part in unsharding only
+            for _ in self._named_full(model):
+                pass
+            return 0
+        meta = self._meta
+        dtype_of = (lambda dt: self.dtype or dt)
+        it = self._named_full(model) if is_actor else None
+        total = 0
+        for bucket in bucket_plan(meta, self.bucket_bytes, self.dtype):
+            by_dtype = {}
+            for i in bucket:
+                by_dtype.setdefault(dtype_of(meta[i][2]), []).append(i)
+            tensors = dict(next(it) for _ in bucket) if is_actor else {}
+            loaded = []
+            for dt, idxs in by_dtype.items():
+                numels = [int(torch.Size(meta[i][1]).numel()) for i in idxs]
+                if rank == src:
+                    flat = torch.cat([tensors[meta[i][0]].reshape(-1).to(dt) for i in idxs]).to(self.device)
+                else:
+                    flat = torch.empty(sum(numels), dtype=dt, device=self.device)
+                work = dist.broadcast(flat, src=src, group=self.groups.sync, async_op=True)
+                _wait(work, self.timeout_s, f"bucket of {len(idxs)} tensors")
+                total += flat.numel() * flat.element_size()
+                if not is_actor:
+                    for i, piece in zip(idxs, torch.split(flat, numels)):
+                        loaded.append((meta[i][0], piece.view(meta[i][1])))
+            if loaded and self.engine is not None:
+                self.engine.load_weights(loaded)
+        if not is_actor and self.engine is not None:
+            self.engine.reset_prefix_cache()
+        self.bytes_sent = total
+        return total
+
+    def sync(self, model=None) -> int:
+        if self.groups.plan.separate_rollout:
+            return self.sync_broadcast(model)
+        return self.sync_colocated(model)

@@ -1,0 +1,37 @@
+"""Critic: LM backbone + scalar value head, values at the action positions."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from .forward import position_ids_from_mask
+
+
+class CriticModel(nn.Module):
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.value_head.weight, std=1.0 / (hidden_size + 1))
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_pretrained(cls, path: str, gradient_checkpointing: bool = False):
+        from transformers import AutoModel
+
+        backbone = AutoModel.from_pretrained(path, attn_implementation="sdpa")
+        if gradient_checkpointing:
+            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = cls(backbone, backbone.config.hidden_size)
+        head = os.path.join(path, "value_head.pt")
+        if os.path.isfile(head):
+            model.value_head.load_state_dict(torch.load(head, map_location="cpu"))
+        return model
+
+    def forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int) -> torch.Tensor:
+        """V(s_t) for the states before each of the last num_actions tokens: (B, num_actions)."""
+        h = self.backbone(input_ids=sequences, attention_mask=attention_mask,
+                          position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+        return self.value_head(h[:, -num_actions - 1:-1]).squeeze(-1).float()

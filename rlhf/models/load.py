@@ -1,0 +1,83 @@
+"""Load HF models and tokenizers from a local dir (or a hub name, when the machine can reach one)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+import transformers
+
+transformers.utils.logging.disable_progress_bar()
+
+
+def resolve_pretrain(path: Optional[str]) -> str:
+    """None means the built-in tiny kit (built on first use)."""
+    if path:
+        return os.path.expanduser(path)
+    from rlhf.tools.make_tiny import ensure_tiny
+
+    return ensure_tiny()
+
+
+def _attn(flash_attn: bool) -> str:
+    if flash_attn:
+        if not torch.cuda.is_available():
+            raise RuntimeError("--flash_attn needs CUDA and the [flash] extra; drop the flag on CPU")
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_tokenizer(path: str, padding_side: str = "left"):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = padding_side
+    return tok
+
+
+def load_causal_lm(path: str, bf16: bool = False, flash_attn: bool = False, gradient_checkpointing: bool = False,
+                   lora_rank: int = 0, lora_alpha: int = 16, target_modules: str = "all-linear"):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if bf16 and flash_attn else torch.float32,
+                                                 attn_implementation=_attn(flash_attn))
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora_rank > 0:
+        model = apply_lora(model, lora_rank, lora_alpha, target_modules)
+    return model
+
+
+def apply_lora(model, rank: int, alpha: int, target_modules: str):
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:  # pragma: no cover
+        raise RuntimeError("--lora_rank needs peft: pip install 'rlhf[lora]'") from e
+    targets = target_modules if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
+                                            task_type="CAUSAL_LM"))
+
+
+RM_NORM_FILE = "reward_norm.json"
+
+
+def load_reward_model(path: str, bf16: bool = False, flash_attn: bool = False):
+    """Sequence-classification RM; returns (model, (mean, std)) with normalisation stats saved by train_rm."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=torch.bfloat16 if bf16 and flash_attn else torch.float32,
+        attn_implementation=_attn(flash_attn))
+    stats = (0.0, 1.0)
+    f = os.path.join(path, RM_NORM_FILE)
+    if os.path.isfile(f):
+        with open(f) as fh:
+            d = json.load(fh)
+        stats = (float(d["mean"]), float(d["std"]))
+    model.requires_grad_(False)
+    model.eval()
+    return model, stats

@@ -1,0 +1,86 @@
+"""transformers ``generate`` rollout engine: the CPU / test / debug engine, same contract as vLLM's."""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+from rlhf.algorithms.logprob import logprobs_from_logits
+from rlhf.data.formatting import pad_batch
+
+from .base import RolloutBatch, RolloutEngine, SamplingParams, response_mask
+
+
+class HFEngine(RolloutEngine):
+    """Holds its own copy of the policy (like a vLLM engine would); weights arrive via load_weights."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, device=None, micro_batch_size: int = 16):
+        self.model = model.to(device or torch.device("cpu"))
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.device = device or torch.device("cpu")
+        self.micro_batch_size = micro_batch_size
+        self._offloaded = False
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> RolloutBatch:
+        stop = tuple(params.stop_token_ids) or (self.tokenizer.eos_token_id,)
+        per = max(1, self.micro_batch_size // max(params.n, 1))
+        outs = []
+        gen = torch.Generator(device="cpu")
+        if params.seed is not None:
+            gen.manual_seed(params.seed)
+        for s in range(0, len(prompt_ids), per):
+            outs.append(self._generate_chunk(prompt_ids[s:s + per], params, stop, gen))
+        from .base import merge_batches
+
+        return merge_batches(outs, self.tokenizer.pad_token_id)
+
+    def _generate_chunk(self, prompts, params: SamplingParams, stop, gen) -> RolloutBatch:
+        pad = self.tokenizer.pad_token_id
+        ids, att = pad_batch([list(p) for p in prompts], pad, side="left")
+        ids = ids.repeat_interleave(params.n, 0).to(self.device)
+        att = att.repeat_interleave(params.n, 0).to(self.device)
+        greedy = params.temperature == 0
+        kwargs = dict(max_new_tokens=params.max_new_tokens, do_sample=not greedy, eos_token_id=list(stop),
+                      pad_token_id=pad, return_dict_in_generate=True, output_logits=True, use_cache=True)
+        if not greedy:
+            kwargs.update(temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k if params.top_k > 0 else 0)
+        if params.seed is not None:
+            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        out = self.model.generate(input_ids=ids, attention_mask=att, **kwargs)
+        P = ids.size(1)
+        resp = out.sequences[:, P:]
+        logits = torch.stack(out.logits, 1).float()
+        if not greedy and params.temperature != 1.0:
+            logits = logits / params.temperature
+        lp = logprobs_from_logits(logits, resp)
+        am = response_mask(resp, stop)
+        resp = torch.where(am.bool(), resp, torch.full_like(resp, pad))
+        truncated = ~(torch.isin(resp, torch.tensor(stop, device=resp.device)).any(1))
+        seqs = torch.cat([ids, resp], 1)
+        full_att = torch.cat([att, am], 1)
+        return RolloutBatch(seqs.cpu(), full_att.cpu(), am.cpu(), (lp * am).cpu(), P, truncated.cpu())
+
+    def load_weights(self, named_tensors) -> None:
+        params = dict(self.model.named_parameters())
+        for name, t in named_tensors:
+            if name not in params:
+                raise KeyError(f"rollout engine has no parameter {name!r} (actor and engine models differ)")
+            params[name].data.copy_(t.to(params[name].dtype))
+
+    def reset_prefix_cache(self) -> None:
+        return None  # HF generate keeps no cache across calls
+
+    def sleep(self) -> None:
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._offloaded = True
+
+    def wake(self, tags=None) -> None:
+        if self.device.type != "cpu" and self._offloaded:
+            self.model.to(self.device)
+        self._offloaded = False

@@ -1,0 +1,14 @@
+"""Supervised fine-tuning (loss on response tokens).  torchrun -m rlhf.train_sft [flags | --config configs/x.yaml]"""
+from rlhf.config import main_entry
+
+
+def run(cfg):
+    from rlhf.trainers.supervised import run_supervised
+    from rlhf.trainers.tasks import SFTTask
+
+    return run_supervised(cfg, SFTTask, "sft")
+
+
+if __name__ == "__main__":
+    main_entry("sft", run, {"learning_rate": 1e-3, "train_batch_size": 32, "micro_train_batch_size": 8} if "sft" != "dpo"
+               else {"learning_rate": 1e-4, "train_batch_size": 32, "micro_train_batch_size": 8}, help="Supervised fine-tuning (loss on response tokens).")

@@ -1,0 +1,252 @@
+"""One RL step's experience: rollout -> rewards -> ref / critic / old log-probs -> advantages.
+
+Each role computes its shard of the global batch on its own ranks; the shards
+are all-gathered over the world so every rank holds the same full batch (token
+ids and per-token floats only, never weights).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from rlhf.algorithms import (ADVANTAGE_ESTIMATORS, clip_rewards, compute_advantages, compute_kl, dynamic_filter_mask,
+                             masked_mean, overlong_penalty)
+from rlhf.distributed import all_gather_padded, shard_rows
+from rlhf.models.forward import action_logprobs, packed_action_logprobs
+from rlhf.rewards.reward_model import score_sequences
+from rlhf.rollout.base import RolloutBatch, SamplingParams
+
+
+@dataclass
+class Experience:
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    action_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    ref_logprobs: Optional[torch.Tensor]
+    values: Optional[torch.Tensor]
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    scores: torch.Tensor
+    metrics: Dict[str, float] = field(default_factory=dict)
+
+    def rows(self, idx) -> "Experience":
+        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        return Experience(*(pick(getattr(self, f)) for f in (
+            "sequences", "attention_mask", "action_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs", "values",
+            "advantages", "returns", "scores")), metrics={})
+
+
+def gather_rows(x: Optional[torch.Tensor], n_rows: int, pad=0) -> torch.Tensor:
+    """All-gather row shards over the world (ranks without the role pass None)."""
+    if x is None:
+        x = torch.zeros((0, 1), dtype=torch.float32)
+    out = all_gather_padded(x, None, pad)
+    assert out.size(0) == n_rows, f"gathered {out.size(0)} rows, expected {n_rows}"
+    return out
+
+
+def role_shard(groups, role: str, n: int) -> Optional[slice]:
+    if not groups.has(role):
+        return None
+    return shard_rows(n, groups.role_rank(role), groups.role_size(role))
+
+
+def generate_shard(roles, groups, prompts, params: SamplingParams) -> Optional[RolloutBatch]:
+    """This rank's engine generates for its engine's shard of prompts (engine leaders only report rows)."""
+    if roles.rollout is None:
+        return None
+    plan = groups.plan
+    e = plan.engine_of(groups.rank)
+    sl = shard_rows(len(prompts), e, len(plan.engines))
+    batch = roles.rollout.generate([p.ids for p in prompts[sl]], params)
+    return batch if plan.engines[e][0] == groups.rank else None
+
+
+def gather_rollout(local: Optional[RolloutBatch], n_rows: int, pad_id: int) -> RolloutBatch:
+    """Full RolloutBatch on every rank, with prompts re-aligned to a common left padding."""
+    if local is None:
+        P = torch.zeros(1, dtype=torch.long)
+    else:
+        P = torch.tensor([local.prompt_len])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(P, op=dist.ReduceOp.MAX)
+    P = int(P)
+    if local is not None and local.prompt_len < P:
+        lp = P - local.prompt_len
+        pad = torch.nn.functional.pad
+        local = RolloutBatch(pad(local.sequences, (lp, 0), value=pad_id), pad(local.attention_mask, (lp, 0)),
+                             local.action_mask, local.rollout_logprobs, P, local.truncated)
+    if local is None:
+        empty_l, empty_f = torch.zeros((0, P), dtype=torch.long), torch.zeros((0, 1))
+        seq, att, am, lp, tr = empty_l, empty_l, empty_l[:, :1], empty_f, torch.zeros((0, 1), dtype=torch.long)
+    else:
+        seq, att, am, lp = local.sequences, local.attention_mask, local.action_mask, local.rollout_logprobs
+        tr = local.truncated.long().unsqueeze(1)
+    seq = gather_rows(seq, n_rows, pad_id)
+    att = gather_rows(att, n_rows, 0)
+    am = gather_rows(am, n_rows, 0)
+    lp = gather_rows(lp, n_rows, 0.0)
+    tr = gather_rows(tr, n_rows, 0).squeeze(1).bool()
+    R = am.size(1)
+    seq, att = seq[:, :P + R], att[:, :P + R]
+    if seq.size(1) < P + R:  # response slot of a shard shorter than the longest
+        extra = P + R - seq.size(1)
+        seq = torch.nn.functional.pad(seq, (0, extra), value=pad_id)
+        att = torch.nn.functional.pad(att, (0, extra))
+    return RolloutBatch(seq, att, am, lp, P, tr)
+
+
+@torch.no_grad()
+def forward_logprobs_shard(engine, batch: RolloutBatch, sl: Optional[slice], temperature: float, micro: int,
+                           chunk: int, packing: bool) -> Optional[torch.Tensor]:
+    if engine is None or sl is None:
+        return None
+    model = engine.model
+    seqs, att, am = batch.sequences[sl], batch.attention_mask[sl], batch.action_mask[sl]
+    dev = next(model.parameters()).device
+    out = []
+    for s in range(0, seqs.size(0), micro):
+        args = (seqs[s:s + micro].to(dev), att[s:s + micro].to(dev))
+        if packing:
+            out.append(packed_action_logprobs(model, *args, am[s:s + micro].to(dev), temperature, chunk).cpu())
+        else:
+            out.append(action_logprobs(model, *args, batch.num_actions, temperature, chunk)[0].cpu())
+    return torch.cat(out) if out else torch.zeros((0, batch.num_actions))
+
+
+@torch.no_grad()
+def values_shard(engine, batch: RolloutBatch, sl: Optional[slice], micro: int) -> Optional[torch.Tensor]:
+    if engine is None or sl is None:
+        return None
+    dev = next(engine.model.parameters()).device
+    out = [engine.model(batch.sequences[sl][s:s + micro].to(dev), batch.attention_mask[sl][s:s + micro].to(dev),
+                        batch.num_actions).cpu() for s in range(0, batch.sequences[sl].size(0), micro)]
+    return torch.cat(out) if out else torch.zeros((0, batch.num_actions))
+
+
+def decode_queries(tokenizer, batch: RolloutBatch, sl: slice):
+    """(query = prompt + response text, prompt text) for rows sl."""
+    P = batch.prompt_len
+    queries, prompts = [], []
+    for i in range(sl.start, sl.stop):
+        p = batch.sequences[i, :P][batch.attention_mask[i, :P].bool()]
+        r = batch.sequences[i, P:][batch.action_mask[i].bool()]
+        pt = tokenizer.decode(p, skip_special_tokens=False)
+        prompts.append(pt)
+        queries.append(pt + tokenizer.decode(r, skip_special_tokens=True))
+    return queries, prompts
+
+
+def reward_shard(roles, groups, reward_source, tokenizer, batch: RolloutBatch, labels: List, micro: int):
+    """{rewards, scores, valid, extra_logs} for this rank's shard, or None when this rank scores nothing.
+
+    A reward model scores on the reward role's ranks; a reward function is called by
+    every rank on its own shard of the batch (so remote servers see parallel requests).
+    """
+    n = batch.sequences.size(0)
+    if groups.plan.roles.get("reward"):
+        sl = role_shard(groups, "reward", n)
+        if sl is None:
+            return None
+        r = score_sequences(roles.reward.model, batch.sequences[sl], batch.attention_mask[sl], roles.reward_stats,
+                            micro)
+        return {"rewards": r, "scores": r, "valid": torch.ones_like(r, dtype=torch.bool), "extra_logs": {}}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    sl = shard_rows(n, dist.get_rank() if dist.is_initialized() else 0, world)
+    if sl.stop <= sl.start:
+        return None
+    queries, prompts = decode_queries(tokenizer, batch, sl)
+    return reward_source(queries, prompts, labels[sl])
+
+
+def _all_gather_obj(obj):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def make_experience(cfg, roles, groups, batch: RolloutBatch, labels: List, reward_source, tokenizer, kl_coef: float,
+                    reward_norm=None, timings=None, scheduler=None) -> Experience:
+    """Everything the update needs, identical on every rank."""
+    a, r, m = cfg.algorithm, cfg.rollout, cfg.model
+    n = batch.sequences.size(0)
+    micro = r.micro_rollout_batch_size
+    spec = ADVANTAGE_ESTIMATORS[a.advantage_estimator]
+    phase = scheduler.phase if scheduler is not None else None
+
+    def run(name, fn):
+        if phase is None or name not in scheduler.roles:
+            return fn()
+        with phase(name):
+            return fn()
+
+    def gather_col(res, key, dtype=torch.float32):
+        return gather_rows(None if res is None else res[key].to(dtype).unsqueeze(1), n).squeeze(1)
+
+    # rewards (reward model ranks, or every rank calling the reward function on its shard)
+    res = run("reward", lambda: reward_shard(roles, groups, reward_source, tokenizer, batch, labels, micro))
+    rewards, scores = gather_col(res, "rewards"), gather_col(res, "scores")
+    valid = gather_col(res, "valid", torch.long).bool()
+    keys = sorted(res["extra_logs"]) if res is not None else []
+    keys = sorted(set(k for ks in _all_gather_obj(keys) for k in ks))
+    extra = {k: float(gather_rows(None if res is None else res["extra_logs"][k].float().unsqueeze(1), n).mean())
+             for k in keys}
+    # reference and old log-probs, values
+    temp = r.temperature if r.temperature > 0 else 1.0
+    chunk = m.logprob_chunk_size
+    ref_lp = None
+    if roles.ref is not None or groups.plan.roles.get("ref"):
+        loc = run("ref", lambda: forward_logprobs_shard(roles.ref, batch, role_shard(groups, "ref", n), temp, micro,
+                                                        chunk, m.packing_samples))
+        ref_lp = gather_rows(loc, n) * batch.action_mask
+    loc = run("actor", lambda: forward_logprobs_shard(roles.actor, batch, role_shard(groups, "actor", n), temp, micro,
+                                                      chunk, m.packing_samples))
+    old_lp = gather_rows(loc, n) * batch.action_mask
+    values = None
+    if spec.needs_critic:
+        loc = run("critic", lambda: values_shard(roles.critic, batch, role_shard(groups, "critic", n), micro))
+        values = gather_rows(loc, n) * batch.action_mask
+    # reward shaping
+    mask = batch.action_mask.float()
+    resp_len = batch.action_mask.sum(1)
+    shaped = clip_rewards(rewards, a.reward_clip_range)
+    shaped = shaped + overlong_penalty(resp_len, cfg.data.generate_max_len, a.overlong_buffer_len,
+                                       a.overlong_penalty_factor)
+    if reward_norm is not None:
+        reward_norm.update(shaped[valid])
+        shaped = reward_norm.normalize(shaped)
+    keep = valid.clone()
+    filtered = 0.0
+    if a.dynamic_filtering:
+        dyn = dynamic_filter_mask(scores, r.n_samples_per_prompt, a.dynamic_filtering_reward_range)
+        filtered = 1.0 - dyn.float().mean().item()
+        keep &= dyn
+    kl = None
+    kl_mean = 0.0
+    if ref_lp is not None:
+        kl_tok = compute_kl(a.kl_estimator, old_lp, ref_lp, mask)
+        kl_mean = float(masked_mean(kl_tok, mask))
+        if not a.use_kl_loss:
+            kl = kl_tok
+    adv, ret = compute_advantages(a.advantage_estimator, shaped, mask, values=values, kl=kl, kl_coef=kl_coef,
+                                  gamma=a.gamma, lambd=a.lambd, group_size=r.n_samples_per_prompt,
+                                  std_norm=not a.no_advantage_std_norm)
+    train_mask = batch.action_mask * keep.long().unsqueeze(1)
+    metrics = {
+        "reward": float(rewards.mean()), "reward_std": float(rewards.std()) if n > 1 else 0.0,
+        "score": float(scores.mean()),
+        "shaped_reward": float(shaped.mean()), "response_len": float(resp_len.float().mean()),
+        "truncated_frac": float(batch.truncated.float().mean()), "kl": kl_mean, "kl_coef": kl_coef,
+        "reward_invalid": float((~valid).sum()), "filtered_frac": filtered,
+        "adv_mean": float(masked_mean(adv, mask)), "adv_abs": float(masked_mean(adv.abs(), mask)),
+        **{f"reward_{k}": v for k, v in extra.items()},
+    }
+    return Experience(batch.sequences, batch.attention_mask, train_mask, batch.rollout_logprobs, old_lp, ref_lp, values,
+                      adv, ret, scores, metrics)

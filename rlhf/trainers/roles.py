@@ -1,0 +1,91 @@
+"""Build the role objects this rank holds (actor, ref, critic, reward, rollout) from the plan."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from rlhf.backends.base import EngineSpec, make_engine
+from rlhf.distributed import Groups
+from rlhf.models.load import load_causal_lm, load_reward_model, load_tokenizer, resolve_pretrain
+from rlhf.rollout.hf_engine import HFEngine
+
+
+class FrozenModel:
+    """A replicated, frozen module (reward model) that can sleep (offload) like any other role."""
+
+    def __init__(self, model, device):
+        self.model, self.device = model.to(device), device
+
+    def sleep(self):
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake(self, tags=None):
+        if self.device.type != "cpu":
+            self.model.to(self.device)
+
+
+@dataclass
+class Roles:
+    actor: Optional[object] = None       # TrainEngine
+    ref: Optional[object] = None         # TrainEngine (frozen)
+    critic: Optional[object] = None      # TrainEngine
+    reward: Optional[FrozenModel] = None
+    reward_stats: tuple = (0.0, 1.0)
+    rollout: Optional[object] = None     # RolloutEngine
+
+    def sleepables(self) -> Dict[str, object]:
+        return {k: v for k, v in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic),
+                                  ("reward", self.reward), ("rollout", self.rollout)) if v is not None}
+
+
+def build_roles(cfg, groups: Groups, device, total_steps: int, need_ref: bool, need_critic: bool) -> Roles:
+    m, o, t = cfg.model, cfg.optim, cfg.topology
+    path = resolve_pretrain(m.pretrain)
+    roles = Roles()
+    spec_common = dict(train_batch_size=o.train_batch_size, micro_batch_size=o.micro_train_batch_size,
+                       total_steps=max(1, total_steps), bf16=m.bf16, zero_stage=t.zero_stage, max_norm=o.max_norm,
+                       weight_decay=o.weight_decay, betas=o.adam_betas, warmup_ratio=o.lr_warmup_ratio,
+                       scheduler=o.lr_scheduler, offload=t.deepspeed_enable_sleep)
+    if groups.has("actor"):
+        model = load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
+                               m.target_modules)
+        roles.actor = make_engine(t.backend, model, EngineSpec(lr=o.actor_learning_rate, **spec_common),
+                                  group=groups.group("actor"), device=device)
+    if need_ref and groups.has("ref"):
+        ref = load_causal_lm(m.ref_pretrain or path, m.bf16, m.flash_attn)
+        spec = EngineSpec(lr=0.0, trainable=False, **spec_common)
+        spec.train_batch_size = spec.micro_batch_size * groups.role_size("ref")
+        roles.ref = make_engine(t.backend, ref, spec, group=groups.group("ref"), device=device)
+    if need_critic and groups.has("critic"):
+        from rlhf.models.critic import CriticModel
+
+        critic = CriticModel.from_pretrained(m.critic_pretrain or path, m.gradient_checkpointing)
+        roles.critic = make_engine(t.backend, critic, EngineSpec(lr=o.critic_learning_rate, **spec_common), group=groups.group("critic"), device=device)
+    if m.reward_pretrain and groups.has("reward"):
+        rm, stats = load_reward_model(m.reward_pretrain, m.bf16, m.flash_attn)
+        roles.reward, roles.reward_stats = FrozenModel(rm, device), stats
+    if groups.has("rollout"):
+        roles.rollout = build_rollout_engine(cfg, path, groups, device)
+    return roles
+
+
+def build_rollout_engine(cfg, path: str, groups: Groups, device):
+    r, t = cfg.rollout, cfg.topology
+    kind = r.rollout_engine
+    if kind == "auto":
+        kind = "vllm" if torch.cuda.is_available() else "hf"
+    tok = load_tokenizer(path)
+    if kind == "vllm":
+        from rlhf.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(path, t.vllm_tensor_parallel_size, r.vllm_gpu_memory_utilization, t.vllm_enable_sleep,
+                          cfg.data.prompt_max_len + cfg.data.generate_max_len, cfg.optim.seed, tok.pad_token_id,
+                          tok.eos_token_id, "bfloat16" if cfg.model.bf16 else "float32", r.enforce_eager,
+                          r.vllm_sleep_level)
+    model = load_causal_lm(path)
+    model.config.use_cache = True
+    return HFEngine(model, tok, device, micro_batch_size=r.micro_rollout_batch_size * r.n_samples_per_prompt)

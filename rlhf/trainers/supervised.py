@@ -1,0 +1,188 @@
+"""Shared loop for SFT, reward-model and DPO training: data -> micro-batches -> engine -> metrics / eval / save.
+
+A ``Task`` supplies the model(s), the tokenized samples, the collate and the loss;
+the loop owns batching, accumulation, logging, checkpoints and the HF export.
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from rlhf.backends.base import EngineSpec, make_engine
+from rlhf.data.loading import load_rows, split_eval
+from rlhf.distributed import init_distributed, shard_rows
+from rlhf.models.load import load_tokenizer, resolve_pretrain
+from rlhf.utils import checkpoint as ckpt
+from rlhf.utils.logging import MetricsLogger
+
+
+class Task:
+    name = "task"
+    required_keys: Dict[str, str] = {}
+
+    def __init__(self, cfg, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+
+    def build_model(self, path: str): ...
+
+    def make_sample(self, row: dict): ...
+
+    def loss(self, model, batch: List) -> tuple: ...  # (loss tensor, metrics dict)
+
+    def setup(self, trainer, spec: EngineSpec) -> None:
+        """Extra models (DPO's reference) once process groups exist."""
+        return None
+
+    def after_fit(self, trainer) -> None:
+        return None
+
+
+def default_data(cfg, kit: str, kind: str):
+    return os.path.join(kit, "data", f"{kind}_train.jsonl"), os.path.join(kit, "data", f"{kind}_eval.jsonl")
+
+
+class SupervisedTrainer:
+    def __init__(self, cfg, task_cls, data_kind: str):
+        self.cfg = cfg
+        d, o, t = cfg.data, cfg.optim, cfg.topology
+        self.path = resolve_pretrain(cfg.model.pretrain)
+        self.tokenizer = load_tokenizer(self.path, padding_side="right")
+        self.task = task_cls(cfg, self.tokenizer)
+        keys = {k: getattr(d, k) for k in self.task.required_keys}
+        if d.dataset:
+            rows = load_rows(d.dataset, keys, d.dataset_probs, d.max_samples, o.seed)
+            if d.eval_dataset:
+                ev = load_rows(d.eval_dataset, keys, None, d.max_samples, o.seed)
+            else:
+                rows, ev = split_eval(rows, d.eval_split, o.seed)
+        elif cfg.model.pretrain is None:
+            tr, te = default_data(cfg, self.path, data_kind)
+            rows, ev = load_rows(tr, keys, None, d.max_samples), load_rows(te, keys, None, d.max_samples)
+        else:
+            raise ValueError("--dataset is required with --pretrain (the built-in task goes with the built-in kit)")
+        self.train_samples = [self.task.make_sample(r) for r in rows]
+        self.eval_samples = [self.task.make_sample(r) for r in ev]
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if o.train_batch_size % (o.micro_train_batch_size * world):
+            raise ValueError(f"--train_batch_size {o.train_batch_size} must be a multiple of --micro_train_batch_size "
+                             f"{o.micro_train_batch_size} x world size {world}")
+        self.steps_per_epoch = len(self.train_samples) // o.train_batch_size
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"{len(self.train_samples)} samples is fewer than --train_batch_size {o.train_batch_size}")
+        total = self.steps_per_epoch * o.max_epochs
+        self.total_steps = min(total, o.max_global_steps) if o.max_global_steps > 0 else total
+        self.rank, self.world, _, self.device = init_distributed(t.dist_timeout_s)
+        torch.manual_seed(o.seed)
+        m = cfg.model
+        spec = EngineSpec(lr=o.learning_rate, train_batch_size=o.train_batch_size,
+                          micro_batch_size=o.micro_train_batch_size, total_steps=self.total_steps, bf16=m.bf16,
+                          zero_stage=t.zero_stage, max_norm=o.max_norm, weight_decay=o.weight_decay, betas=o.adam_betas,
+                          warmup_ratio=o.lr_warmup_ratio, scheduler=o.lr_scheduler)
+        self.engine = make_engine(t.backend, self.task.build_model(self.path), spec, device=self.device)
+        self.task.setup(self, spec)
+        self.step = 0
+        lg = cfg.logging
+        self.logger = MetricsLogger(self.rank, lg.log_dir, self.total_steps, run_name=lg.wandb_run_name or self.task.name,
+                                    use_wandb=lg.use_wandb, wandb_project=lg.wandb_project, wandb_org=lg.wandb_org,
+                                    use_tensorboard=lg.use_tensorboard, progress_bar=lg.progress_bar,
+                                    config=cfg.to_dict())
+
+    def batches_for(self, step: int):
+        o = self.cfg.optim
+        epoch, j = divmod(step, self.steps_per_epoch)
+        perm = torch.randperm(len(self.train_samples), generator=torch.Generator().manual_seed(o.seed + epoch))
+        rows = perm[j * o.train_batch_size:(j + 1) * o.train_batch_size]
+        mine = rows[shard_rows(rows.numel(), self.rank, self.world)].tolist()
+        mb = o.micro_train_batch_size
+        return [[self.train_samples[i] for i in mine[s:s + mb]] for s in range(0, len(mine), mb)]
+
+    def _reduce(self, logs: Dict[str, List[float]]) -> Dict[str, float]:
+        keys = sorted(logs)
+        t = torch.tensor([sum(logs[k]) / len(logs[k]) for k in keys], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(t)
+            t /= self.world
+        return dict(zip(keys, t.tolist()))
+
+    @torch.no_grad()
+    def evaluate(self) -> Dict[str, float]:
+        if not self.eval_samples:
+            return {}
+        self.engine.model.eval()
+        mine = self.eval_samples[shard_rows(len(self.eval_samples), self.rank, self.world)]
+        logs = defaultdict(list)
+        mb = self.cfg.optim.micro_train_batch_size
+        for s in range(0, max(len(mine), 1), mb):  # every rank runs the same number of forwards (FSDP collectives)
+            chunk = mine[s:s + mb] or self.eval_samples[:1]
+            _, met = self.task.loss(self.engine.model, chunk)
+            for k, v in met.items():
+                logs[k].append(v)
+        n_local = (len(mine) + mb - 1) // mb
+        n_max = torch.tensor([n_local])
+        if self.world > 1:
+            dist.all_reduce(n_max, op=dist.ReduceOp.MAX)
+        for _ in range(int(n_max) - max(n_local, 1)):
+            self.task.loss(self.engine.model, self.eval_samples[:1])
+        self.engine.model.train()
+        return self._reduce(logs)
+
+    def save(self):
+        c = self.cfg.checkpoint
+        ckpt.save_checkpoint(c.ckpt_path, self.step, lambda tmp: self.engine.save_checkpoint(os.path.join(tmp, "model")),
+                             {"step": self.step}, c.max_ckpt_num)
+
+    def resume(self):
+        path = ckpt.latest_checkpoint(self.cfg.checkpoint.ckpt_path)
+        if path is None:
+            return
+        self.engine.load_checkpoint(os.path.join(path, "model"))
+        self.step = ckpt.load_trainer_state(path)["step"]
+        ckpt.load_rank_state(path)
+        self.logger.advance(self.step)
+
+    def fit(self):
+        cfg = self.cfg
+        if cfg.checkpoint.load_checkpoint:
+            self.resume()
+        self.engine.model.train()
+        while self.step < self.total_steps:
+            logs = defaultdict(list)
+            for i, mb in enumerate(self.batches_for(self.step)):
+                loss, met = self.task.loss(self.engine.model, mb)
+                self.engine.backward(loss, i)
+                for k, v in met.items():
+                    logs[k].append(v)
+            for k, v in self.engine.step().items():
+                logs[k].append(v)
+            self.step += 1
+            if self.step % cfg.logging.logging_steps == 0 or self.step == self.total_steps:
+                self.logger.log(self.step, self._reduce(logs))
+            self.logger.advance()
+            if cfg.logging.eval_steps > 0 and self.step % cfg.logging.eval_steps == 0:
+                self.logger.log(self.step, self.evaluate(), prefix="eval")
+            if cfg.checkpoint.save_steps > 0 and self.step % cfg.checkpoint.save_steps == 0:
+                self.save()
+        self.final_eval = self.evaluate()
+        self.logger.log(self.step, self.final_eval, prefix="eval")
+        sd = self.engine.full_state_dict()
+        if self.rank == 0:
+            ckpt.save_hf(sd, self.engine.model, self.tokenizer, cfg.checkpoint.save_path)
+        self.task.after_fit(self)
+        if dist.is_initialized():
+            dist.barrier()
+        self.logger.close()
+        return self
+
+
+def run_supervised(cfg, task_cls, data_kind: str):
+    trainer = SupervisedTrainer(cfg, task_cls, data_kind)
+    try:
+        trainer.fit()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return trainer

@@ -1,0 +1,178 @@
+"""SFT, reward-model and DPO tasks for the supervised loop."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from rlhf.algorithms import logprobs_from_logits
+from rlhf.algorithms.preference import REWARD_MODEL_LOSSES, dpo_loss, sft_token_loss
+from rlhf.data.formatting import collate_packed, collate_supervised, format_prompt, pad_batch, tokenize_pair
+from rlhf.models.load import RM_NORM_FILE, load_causal_lm
+
+from .supervised import Task
+
+
+def _prompt(cfg, tok, row):
+    d = cfg.data
+    return format_prompt(row[d.input_key], tok, d.apply_chat_template, d.input_template)
+
+
+def token_logprobs(model, batch, chunk: int):
+    """Per-token log p(x_{t+1} | x_<=t) aligned with loss_mask[:, 1:] (padded or packed batch)."""
+    kw = {"input_ids": batch["input_ids"]}
+    if "position_ids" in batch:
+        kw["position_ids"] = batch["position_ids"]
+    else:
+        kw["attention_mask"] = batch["attention_mask"]
+    logits = model(**kw, use_cache=False).logits[:, :-1]
+    return logprobs_from_logits(logits, batch["input_ids"][:, 1:], chunk)
+
+
+def _collate(cfg, tok, samples):
+    if cfg.model.packing_samples:
+        b = collate_packed(samples)
+        # never predict a sample's first token from the previous sample's last one
+        lm = b["loss_mask"].clone()
+        lm[0, 1:][b["segment_ids"][0, 1:] != b["segment_ids"][0, :-1]] = 0
+        b["loss_mask"] = lm
+        return b
+    return collate_supervised(samples, tok.pad_token_id)
+
+
+class SFTTask(Task):
+    name = "sft"
+    required_keys = {"input_key": None, "output_key": None}
+
+    def build_model(self, path):
+        m = self.cfg.model
+        return load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
+                              m.target_modules)
+
+    def make_sample(self, row):
+        return tokenize_pair(self.tokenizer, _prompt(self.cfg, self.tokenizer, row), str(row[self.cfg.data.output_key]),
+                             self.cfg.data.max_len)
+
+    def loss(self, model, samples):
+        b = _collate(self.cfg, self.tokenizer, samples)
+        lp = token_logprobs(model, b, self.cfg.model.logprob_chunk_size)
+        loss = sft_token_loss(lp, b["loss_mask"][:, 1:])
+        return loss, {"loss": float(loss.detach())}
+
+
+class RMTask(Task):
+    name = "rm"
+    required_keys = {"input_key": None, "chosen_key": None, "rejected_key": None}
+
+    def build_model(self, path):
+        from transformers import AutoModelForSequenceClassification
+
+        m = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, attn_implementation="sdpa")
+        m.config.pad_token_id = self.tokenizer.pad_token_id
+        if self.cfg.model.gradient_checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return m
+
+    def make_sample(self, row):
+        d, tok = self.cfg.data, self.tokenizer
+        p = _prompt(self.cfg, tok, row)
+        c = tokenize_pair(tok, p, str(row[d.chosen_key]), d.max_len)[0]
+        r = tokenize_pair(tok, p, str(row[d.rejected_key]), d.max_len)[0]
+        return c, r
+
+    def scores(self, model, samples):
+        ids, att = pad_batch([s[0] for s in samples] + [s[1] for s in samples], self.tokenizer.pad_token_id)
+        out = model(input_ids=ids, attention_mask=att, use_cache=False).logits.squeeze(-1).float()
+        n = len(samples)
+        return out[:n], out[n:]
+
+    def loss(self, model, samples):
+        a = self.cfg.algorithm
+        c, r = self.scores(model, samples)
+        loss = REWARD_MODEL_LOSSES.get_fn(a.rm_loss)(c, r, a.margin).mean()
+        return loss, {"loss": float(loss.detach()), "acc": float((c > r).float().mean()),
+                      "margin": float((c - r).mean()), "chosen_reward": float(c.mean()),
+                      "rejected_reward": float(r.mean())}
+
+    @torch.no_grad()
+    def after_fit(self, trainer):
+        """Save reward mean/std over the eval (or train) pairs so PPO can normalise scores."""
+        import torch.distributed as dist
+
+        from rlhf.distributed import shard_rows
+
+        samples = trainer.eval_samples or trainer.train_samples
+        mine = samples[shard_rows(len(samples), trainer.rank, trainer.world)]
+        vals = []
+        mb = self.cfg.optim.micro_train_batch_size
+        trainer.engine.model.eval()
+        n_local = (len(mine) + mb - 1) // mb
+        n_max = torch.tensor([n_local])
+        if dist.is_initialized():
+            dist.all_reduce(n_max, op=dist.ReduceOp.MAX)
+        for s in range(int(n_max)):
+            chunk = mine[s * mb:(s + 1) * mb]
+            c, r = self.scores(trainer.engine.model, chunk or samples[:1])
+            if chunk:
+                vals += c.tolist() + r.tolist()
+        t = torch.tensor([sum(vals), sum(v * v for v in vals), len(vals)], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(t)
+        mean = t[0] / t[2]
+        std = (t[1] / t[2] - mean ** 2).clamp(min=1e-12).sqrt()
+        if trainer.rank == 0:
+            with open(os.path.join(self.cfg.checkpoint.save_path, RM_NORM_FILE), "w") as fh:
+                json.dump({"mean": float(mean), "std": float(std)}, fh)
+
+
+class DPOTask(Task):
+    name = "dpo"
+    required_keys = {"input_key": None, "chosen_key": None, "rejected_key": None}
+
+    def build_model(self, path):
+        m = self.cfg.model
+        return load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
+                              m.target_modules)
+
+    def setup(self, trainer, spec):
+        from dataclasses import replace
+
+        from rlhf.backends.base import make_engine
+
+        ref = load_causal_lm(self.cfg.model.ref_pretrain or trainer.path, self.cfg.model.bf16, self.cfg.model.flash_attn)
+        rspec = replace(spec, trainable=False)
+        self.ref = make_engine(self.cfg.topology.backend, ref, rspec, device=trainer.device)
+
+    def make_sample(self, row):
+        d, tok = self.cfg.data, self.tokenizer
+        p = _prompt(self.cfg, tok, row)
+        return tokenize_pair(tok, p, str(row[d.chosen_key]), d.max_len), tokenize_pair(tok, p, str(row[d.rejected_key]),
+                                                                                        d.max_len)
+
+    def _seq_logps(self, model, samples):
+        pairs = [s[0] for s in samples] + [s[1] for s in samples]
+        b = _collate(self.cfg, self.tokenizer, pairs)
+        lp = token_logprobs(model, b, self.cfg.model.logprob_chunk_size)
+        mask = b["loss_mask"][:, 1:].float()
+        if "segment_ids" in b:
+            seg = b["segment_ids"][0, 1:]
+            sums = torch.zeros(len(pairs), dtype=lp.dtype).index_add(0, seg, (lp * mask)[0])
+            cnt = torch.zeros(len(pairs)).index_add(0, seg, mask[0])
+        else:
+            sums, cnt = (lp * mask).sum(1), mask.sum(1)
+        n = len(samples)
+        return sums[:n], sums[n:], cnt[:n]
+
+    def loss(self, model, samples):
+        a = self.cfg.algorithm
+        pc, pr, nc = self._seq_logps(model, samples)
+        with torch.no_grad():
+            rc, rr, _ = self._seq_logps(self.ref.model, samples)
+        losses, cr, rj = dpo_loss(a.loss_type, pc, pr, rc, rr, a.beta, a.label_smoothing)
+        loss = losses.mean()
+        if a.nll_loss_coef > 0:
+            loss = loss + a.nll_loss_coef * (-(pc / nc.clamp(min=1))).mean()
+        return loss, {"loss": float(loss.detach()), "reward_acc": float((cr > rj).float().mean()),
+                      "reward_margin": float((cr - rj).mean()), "chosen_reward": float(cr.mean()),
+                      "rejected_reward": float(rj.mean())}

@@ -1,0 +1,112 @@
+"""Crash-safe checkpoint directories: ckpt_path/global_step_N/, written under a temporary name and renamed.
+
+A directory only gets its final name after every rank finished writing, so a
+crash mid-save leaves a ``.tmp-global_step_N`` that resume ignores (and the next
+save removes).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+STEP_RE = re.compile(r"^global_step_(\d+)$")
+STATE_FILE = "trainer_state.json"
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def list_checkpoints(root: str):
+    """Complete checkpoints, oldest first, as (step, path)."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        m = STEP_RE.match(name)
+        if m and os.path.isfile(os.path.join(root, name, STATE_FILE)):
+            out.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(out)
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    cks = list_checkpoints(root)
+    return cks[-1][1] if cks else None
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(s: dict) -> None:
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+
+
+def save_checkpoint(root: str, step: int, write: Callable[[str], None], trainer_state: dict, max_keep: int = 3,
+                    extra_rank_state: Optional[dict] = None) -> str:
+    """Collective.  ``write(tmp_dir)`` saves the engines (all ranks); rank 0 writes the trainer state."""
+    final = os.path.join(root, f"global_step_{step}")
+    tmp = os.path.join(root, f".tmp-global_step_{step}")
+    rank = _rank()
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    _barrier()
+    write(tmp)
+    torch.save({"rng": rng_state(), **(extra_rank_state or {})}, os.path.join(tmp, f"rank_{rank}.pt"))
+    _barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, STATE_FILE), "w") as fh:
+            json.dump(trainer_state, fh)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for _, old in list_checkpoints(root)[:-max_keep] if max_keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_trainer_state(path: str) -> dict:
+    with open(os.path.join(path, STATE_FILE)) as fh:
+        return json.load(fh)
+
+
+def load_rank_state(path: str) -> dict:
+    f = os.path.join(path, f"rank_{_rank()}.pt")
+    s = torch.load(f, weights_only=False)
+    set_rng_state(s["rng"])
+    return s
+
+
+def save_hf(model_state: Optional[dict], model, tokenizer, path: str) -> None:
+    """Rank 0: write an HF model (safetensors) + tokenizer under a temp name, then rename."""
+    if model_state is None:
+        return
+    tmp = path.rstrip("/") + ".tmp"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    base = getattr(model, "module", model)  # a peft model saves its adapter from the full state dict
+    base.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.replace(tmp, path)

@@ -1,0 +1,85 @@
+"""Rank-0 progress bar with ETA, one metrics line per step, JSONL always, wandb / TensorBoard on request."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Dict, Optional
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+class MetricsLogger:
+    def __init__(self, rank: int, log_dir: str, total_steps: int, run_name: str = "run", use_wandb: Optional[str] = None,
+                 wandb_project: str = "rlhf", wandb_org: Optional[str] = None, use_tensorboard: bool = False,
+                 progress_bar: bool = True, config: Optional[dict] = None, initial_step: int = 0):
+        self.rank = rank
+        self.active = rank == 0
+        self.jsonl = None
+        self.bar = None
+        self.wandb = None
+        self.tb = None
+        self.t0 = time.time()
+        if not self.active:
+            return
+        os.makedirs(log_dir, exist_ok=True)
+        self.path = os.path.join(log_dir, "metrics.jsonl")
+        self.jsonl = open(self.path, "a", buffering=1)
+        if progress_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=initial_step, desc=run_name, dynamic_ncols=True,
+                            mininterval=0.5)
+        if use_wandb:
+            import wandb
+
+            if use_wandb not in ("True", "true", "1") and os.environ.get("WANDB_MODE") != "offline":
+                wandb.login(key=use_wandb)
+            self.wandb = wandb.init(project=wandb_project, entity=wandb_org, name=run_name, config=config,
+                                    dir=log_dir, reinit=True)
+        if use_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=os.path.join(log_dir, "tensorboard"))
+
+    def log(self, step: int, metrics: Dict[str, float], prefix: str = "train") -> None:
+        if not self.active:
+            return
+        row = {"step": step, "split": prefix, "time_s": round(time.time() - self.t0, 3), **metrics}
+        self.jsonl.write(json.dumps(row) + "\n")
+        line = f"[{prefix} {step}] " + " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+        if self.wandb is not None:
+            self.wandb.log({f"{prefix}/{k}": v for k, v in metrics.items()}, step=step)
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"{prefix}/{k}", v, step)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        if self.jsonl:
+            self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(path: str):
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]

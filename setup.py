@@ -1,0 +1,32 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="rlhf",
+    version="0.1.0",
+    description="torchrun-native RLHF: PPO, GRPO, RLOO, REINFORCE++, DPO, RM, SFT without Ray",
+    packages=find_packages(include=["rlhf", "rlhf.*", "launch", "launch.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6,<2.15",
+        "transformers>=4.51",
+        "datasets>=3.0",
+        "tokenizers>=0.21",
+        "safetensors",
+        "numpy",
+        "click>=8.1",
+        "pyyaml",
+        "tqdm",
+        "submitit>=1.5",
+        "wandb",
+        "tensorboard",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout", "peft"],
+        "vllm": ["vllm>=0.10.2,<0.13"],
+        "deepspeed": ["deepspeed>=0.16"],
+        "flash": ["flash-attn>=2.7"],
+        "lora": ["peft"],
+        "ray": ["ray[default]>=2.40"],
+        "bench": ["trl>=1.0"],
+    },
+)
