@@ -36,10 +36,12 @@ class Ledger:
             self.events.append((len(self.events), self.rank, event, role, tuple(sorted(awake))))
 
     def max_awake(self, allowed_pairs: Iterable[Tuple[str, str]] = ()) -> int:
-        """Most roles awake at once, not counting declared shared pairs."""
+        """Most roles awake at once from the first phase on, not counting declared shared pairs
+        (loading puts every role in memory once, before the scheduler first sends them to sleep)."""
         allowed = {tuple(sorted(p)) for p in allowed_pairs}
         worst = 0
-        for *_, awake in self.events:
+        first = next((i for i, e in enumerate(self.events) if e[2] == "begin"), len(self.events))
+        for *_, awake in self.events[first:]:
             n = len(awake)
             if n == 2 and tuple(sorted(awake)) in allowed:
                 n = 1

@@ -27,6 +27,8 @@ class RolloutBatch:
     rollout_logprobs: torch.Tensor  # (B, R) log-probs under the engine's sampling distribution (temperature-scaled)
     prompt_len: int
     truncated: torch.Tensor = None  # (B,) bool: hit max_new_tokens without a stop token
+    rewards: Optional[torch.Tensor] = None  # (B,) set by agent rollouts (the environment scores them)
+    scores: Optional[torch.Tensor] = None
 
     @property
     def response_len(self) -> torch.Tensor:

@@ -63,11 +63,16 @@ def generate_shard(roles, groups, prompts, params: SamplingParams) -> Optional[R
     plan = groups.plan
     e = plan.engine_of(groups.rank)
     sl = shard_rows(len(prompts), e, len(plan.engines))
-    batch = roles.rollout.generate([p.ids for p in prompts[sl]], params)
+    mine = prompts[sl]
+    if roles.agent is not None:
+        batch = roles.agent.run([p.ids for p in mine], [p.prompt for p in mine], [p.label for p in mine], params)
+    else:
+        batch = roles.rollout.generate([p.ids for p in mine], params)
     return batch if plan.engines[e][0] == groups.rank else None
 
 
-def gather_rollout(local: Optional[RolloutBatch], n_rows: int, pad_id: int) -> RolloutBatch:
+def gather_rollout(local: Optional[RolloutBatch], n_rows: int, pad_id: int, with_rewards: bool = False
+                   ) -> RolloutBatch:
     """Full RolloutBatch on every rank, with prompts re-aligned to a common left padding."""
     if local is None:
         P = torch.zeros(1, dtype=torch.long)
@@ -80,7 +85,8 @@ def gather_rollout(local: Optional[RolloutBatch], n_rows: int, pad_id: int) -> R
         lp = P - local.prompt_len
         pad = torch.nn.functional.pad
         local = RolloutBatch(pad(local.sequences, (lp, 0), value=pad_id), pad(local.attention_mask, (lp, 0)),
-                             local.action_mask, local.rollout_logprobs, P, local.truncated)
+                             local.action_mask, local.rollout_logprobs, P, local.truncated, local.rewards,
+                             local.scores)
     if local is None:
         empty_l, empty_f = torch.zeros((0, P), dtype=torch.long), torch.zeros((0, 1))
         seq, att, am, lp, tr = empty_l, empty_l, empty_l[:, :1], empty_f, torch.zeros((0, 1), dtype=torch.long)
@@ -98,7 +104,11 @@ def gather_rollout(local: Optional[RolloutBatch], n_rows: int, pad_id: int) -> R
         extra = P + R - seq.size(1)
         seq = torch.nn.functional.pad(seq, (0, extra), value=pad_id)
         att = torch.nn.functional.pad(att, (0, extra))
-    return RolloutBatch(seq, att, am, lp, P, tr)
+    rewards = scores = None
+    if with_rewards:
+        rewards = gather_rows(None if local is None else local.rewards.float().unsqueeze(1), n_rows).squeeze(1)
+        scores = gather_rows(None if local is None else local.scores.float().unsqueeze(1), n_rows).squeeze(1)
+    return RolloutBatch(seq, att, am, lp, P, tr, rewards, scores)
 
 
 @torch.no_grad()
@@ -149,6 +159,13 @@ def reward_shard(roles, groups, reward_source, tokenizer, batch: RolloutBatch, l
     every rank on its own shard of the batch (so remote servers see parallel requests).
     """
     n = batch.sequences.size(0)
+    if batch.rewards is not None:  # agent rollouts: the environment already scored every row
+        sl = shard_rows(n, dist.get_rank() if dist.is_initialized() else 0,
+                        dist.get_world_size() if dist.is_initialized() else 1)
+        if sl.stop <= sl.start:
+            return None
+        r = batch.rewards[sl]
+        return {"rewards": r, "scores": batch.scores[sl], "valid": torch.isfinite(r), "extra_logs": {}}
     if groups.plan.roles.get("reward"):
         sl = role_shard(groups, "reward", n)
         if sl is None:

@@ -58,6 +58,11 @@ class RLTrainer:
         if cfg.rollout.async_train and not self.plan.separate_rollout:
             raise ValueError("--async_train needs rollout ranks of their own: set --vllm_num_engines > 0 and give "
                              "the job those extra ranks")
+        self.agent_mode = bool(cfg.rollout.agent_func_path)
+        if self.agent_mode:
+            from rlhf.agents.base import load_agent
+
+            load_agent(cfg.rollout.agent_func_path)  # fail on a bad file before any process group
         self.reward_source = make_reward_source(cfg.rollout.remote_rm_url, cfg.rollout.reward_timeout_s, _log0)
         if self.reward_source is None and not cfg.model.reward_pretrain:
             self.reward_source = builtin_reward_source(_log0)
@@ -81,6 +86,7 @@ class RLTrainer:
         self.roles = build_roles(cfg, self.groups, self.device, opt_steps, self.need_ref, self.spec.needs_critic)
         self.scheduler = PhaseScheduler(self.rank, self.roles.sleepables(), group=None, barrier=self.plan.colocated,
                                         enabled=self.plan.colocated and (t.vllm_enable_sleep or t.deepspeed_enable_sleep))
+        self.scheduler.put_all_to_sleep()
         self.weight_sync = WeightSync(self.groups, self.roles.rollout, timeout_s=t.dist_timeout_s, device=self.device,
                                       dtype=torch.bfloat16 if cfg.model.bf16 else None)
         self.kl_ctl = make_kl_controller(a.init_kl_coef, a.kl_target, a.kl_horizon)
@@ -171,7 +177,7 @@ class RLTrainer:
             return {}
         local = self.generate(self.step, self.eval_prompts, eval_mode=True)
         n = len(self.eval_prompts) * self.cfg.rollout.eval_n_samples_per_prompt
-        batch = gather_rollout(local, n, self.tokenizer.pad_token_id)
+        batch = gather_rollout(local, n, self.tokenizer.pad_token_id, self.agent_mode)
         labels = [p.label for p in self.eval_prompts for _ in range(self.cfg.rollout.eval_n_samples_per_prompt)]
         from .experience import reward_shard, gather_rows
 
@@ -195,7 +201,7 @@ class RLTrainer:
             prompts = self.prompts_for(self.step)
             t0 = time.perf_counter()
             local = pending if cfg.rollout.async_train else self.generate(self.step, prompts)
-            batch = gather_rollout(local, n_rows, self.tokenizer.pad_token_id)
+            batch = gather_rollout(local, n_rows, self.tokenizer.pad_token_id, self.agent_mode)
             t_gen = time.perf_counter() - t0
             labels = [p.label for p in prompts for _ in range(cfg.rollout.n_samples_per_prompt)]
             t0 = time.perf_counter()

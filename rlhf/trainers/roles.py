@@ -36,6 +36,7 @@ class Roles:
     reward: Optional[FrozenModel] = None
     reward_stats: tuple = (0.0, 1.0)
     rollout: Optional[object] = None     # RolloutEngine
+    agent: Optional[object] = None       # AgentExecutor driving the rollout engine (--agent_func_path)
 
     def sleepables(self) -> Dict[str, object]:
         return {k: v for k, v in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic),
@@ -70,6 +71,12 @@ def build_roles(cfg, groups: Groups, device, total_steps: int, need_ref: bool, n
         roles.reward, roles.reward_stats = FrozenModel(rm, device), stats
     if groups.has("rollout"):
         roles.rollout = build_rollout_engine(cfg, path, groups, device)
+        if cfg.rollout.agent_func_path:
+            from rlhf.agents.base import load_agent
+
+            inst, exe = load_agent(cfg.rollout.agent_func_path)
+            roles.agent = exe(inst, cfg.rollout.max_steps, cfg.data.generate_max_len * cfg.rollout.max_steps,
+                              roles.rollout, load_tokenizer(path))
     return roles
 
 

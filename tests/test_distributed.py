@@ -1,0 +1,233 @@
+"""Multi-process (gloo) checks of groups, weight sync, exchange, phases, and the FSDP2 engine."""
+import os
+
+import pytest
+import torch
+
+from mp import spawn
+from rlhf.config import TopologyConfig
+
+
+def _topo(**kw):
+    t = TopologyConfig()
+    for k, v in kw.items():
+        setattr(t, k, v)
+    return t
+
+
+class RecordingEngine:
+    def __init__(self, model):
+        self.model = model
+        self.loads = 0
+        self.resets = 0
+
+    def load_weights(self, named):
+        params = dict(self.model.named_parameters())
+        for n, t in named:
+            params[n].data.copy_(t)
+            self.loads += 1
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+
+def _net(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _topology_worker(rank, world, out_dir):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from rlhf.distributed import (Ledger, PhaseScheduler, WeightSync, all_gather_padded, build_groups, make_plan)
+
+    # --- separate roles: actor 0-1, ref 2, rollout 3 ---
+    plan = make_plan(_topo(actor_num_gpus_per_node=2, ref_num_gpus_per_node=1, vllm_num_engines=1), world)
+    g = build_groups(plan, rank)
+    expect = {"actor": [0, 1], "ref": [2], "rollout": [3]}
+    for role, ranks in expect.items():
+        grp = g.group(role)
+        assert (grp is not None) == (rank in ranks)
+        if grp is not None:
+            assert dist.get_process_group_ranks(grp) == ranks
+    assert (g.sync is not None) == (rank in (0, 3))
+    # weight sync by bucketed broadcast from actor rank 0 to the rollout rank only
+    engine = None
+    model = None
+    if rank in (0, 1):
+        model = _net(0)
+        mesh = DeviceMesh.from_group(g.group("actor"), "cpu")
+        fully_shard(model, mesh=mesh)
+    if rank in (2, 3):
+        engine = RecordingEngine(_net(123))
+    before = [p.clone() for p in engine.model.parameters()] if engine else None
+    ws = WeightSync(g, engine if rank == 3 else None, bucket_mb=0.0005)  # tiny buckets: several broadcasts
+    if rank in (0, 1, 3):
+        ws.sync(model)
+    dist.barrier()
+    ref = _net(0)
+    if rank == 3:
+        for p, q in zip(engine.model.parameters(), ref.parameters()):
+            assert torch.equal(p, q)
+        assert engine.loads == 4 and engine.resets == 1
+    if rank == 2:  # the ref rank received nothing
+        for p, q in zip(engine.model.parameters(), before):
+            assert torch.equal(p, q)
+    # --- variable-length exchange ---
+    x = torch.full((rank, 2 + rank), float(rank))
+    y = all_gather_padded(x, None, pad_value=-1)
+    assert y.shape == (0 + 1 + 2 + 3, 5)
+    assert y[0].tolist() == [1, 1, 1, -1, -1] and y[-1].tolist() == [3.0] * 5
+    # --- colocated: phase protocol keeps one heavy role awake per rank ---
+    plan = make_plan(_topo(colocate_all_models=True), world)
+    g = build_groups(plan, rank)
+    assert g.group("actor") is dist.group.WORLD and plan.engines == [[0], [1], [2], [3]]
+
+    class Role:
+        def __init__(self):
+            self.awake = True
+
+        def sleep(self):
+            self.awake = False
+
+        def wake(self, tags=None):
+            self.awake = True
+
+    roles = {r: Role() for r in ("actor", "ref", "reward", "rollout")}
+    sched = PhaseScheduler(rank, roles, ledger=Ledger(rank))
+    sched.put_all_to_sleep()
+    for _ in range(2):
+        for phase, role in (("rollout", "rollout"), ("reward", "reward"), ("ref", "ref"), ("actor", "actor"),
+                            ("actor_train", "actor")):
+            with sched.phase(phase, role=role):
+                assert roles[role].awake
+                assert sum(r.awake for r in roles.values()) == 1
+        with sched.phase("sync", role="rollout", share="actor", tags=["weights"]):
+            assert roles["rollout"].awake and roles["actor"].awake and not roles["ref"].awake
+    assert sched.ledger.max_awake(allowed_pairs=[("actor", "rollout")]) == 1
+    begins = [e[3] for e in sched.ledger.events if e[2] == "begin"]
+    assert begins[:6] == ["rollout", "reward", "ref", "actor", "actor_train", "sync"]
+    torch.save(sched.ledger.events, os.path.join(out_dir, f"ledger_{rank}.pt"))
+
+
+def test_topology_groups_sync_exchange_phases(tmp_path):
+    spawn(_topology_worker, 4, str(tmp_path))
+    ledgers = [torch.load(tmp_path / f"ledger_{r}.pt", weights_only=False) for r in range(4)]
+    assert all(len(led) == len(ledgers[0]) for led in ledgers)
+
+
+def test_weight_sync_timeout_message():
+    from rlhf.distributed.weight_sync import WeightSyncTimeout, _wait
+
+    class Stuck:
+        def wait(self, timeout):
+            raise RuntimeError("Timed out waiting 1000ms for recv")
+
+    with pytest.raises(WeightSyncTimeout, match="did not join"):
+        _wait(Stuck(), 1.0, "bucket of 3 tensors")
+
+
+def test_bad_topology_fails_before_process_group(tiny_kit, monkeypatch):
+    import torch.distributed as dist
+
+    from rlhf.config import parse
+    from rlhf.distributed import TopologyError
+    from rlhf.trainers.rl_trainer import RLTrainer
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg = parse("grpo", ["--pretrain", tiny_kit, "--colocate_all_models", "--vllm_num_engines", "3",
+                         "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2",
+                         "--rollout_batch_size", "4", "--train_batch_size", "8"])
+    with pytest.raises(TopologyError, match="must equal the actor ranks 4"):
+        RLTrainer(cfg, "grpo")
+    assert not dist.is_initialized()
+
+
+def _fsdp_worker(rank, world, kit, out_dir):
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.backends.base import EngineSpec
+    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.utils.checkpoint import save_hf
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, 100, (4, 12))
+
+    def loss_of(model, x):
+        out = model(input_ids=x, labels=x)
+        return out.loss
+
+    spec = EngineSpec(lr=1e-2, train_batch_size=4, micro_batch_size=1, total_steps=10, warmup_ratio=0.0,
+                      scheduler="constant")
+    eng = FSDP2Engine(AutoModelForCausalLM.from_pretrained(kit), spec)
+    assert eng.accum_steps == 2
+    ref = AutoModelForCausalLM.from_pretrained(kit)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    for step in range(2):
+        mine = ids[rank * 2:(rank + 1) * 2]
+        for i in range(2):
+            eng.backward(loss_of(eng.model, mine[i:i + 1]), i)
+        eng.step()
+        opt.zero_grad()
+        sum(loss_of(ref, ids[j:j + 1]) for j in range(4)).div(4).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+    full = eng.full_state_dict()
+    if rank == 0:
+        worst = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if k in full)
+        assert worst < 2e-5, worst
+    # offload / reload keeps parameters bit-identical
+    local = [p.to_local().clone() for p in eng.model.parameters()]
+    eng.sleep()
+    eng.wake()
+    assert all(torch.equal(a, p.to_local()) for a, p in zip(local, eng.model.parameters()))
+    # checkpoint -> fresh engine -> identical next step
+    ck = os.path.join(out_dir, "ck")
+    eng.save_checkpoint(ck)
+    dist.barrier()
+    eng2 = FSDP2Engine(AutoModelForCausalLM.from_pretrained(kit), spec)
+    eng2.load_checkpoint(ck)
+    losses = []
+    for e in (eng, eng2):
+        mine = ids[rank * 2:(rank + 1) * 2]
+        ls = []
+        for i in range(2):
+            loss = loss_of(e.model, mine[i:i + 1])
+            ls.append(loss.item())
+            e.backward(loss, i)
+        e.step()
+        ls.append(loss_of(e.model, mine[:1]).item())
+        losses.append(ls)
+    assert losses[0] == losses[1], losses
+    # HF export reloads with the same logits
+    full = eng.full_state_dict()
+    x = ids[:2]
+    with torch.no_grad():
+        logits = eng.model(input_ids=x).logits
+    if rank == 0:
+        save_hf(full, eng.model, None, os.path.join(out_dir, "hf"))
+    dist.barrier()
+    re = AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "hf"))
+    with torch.no_grad():
+        assert torch.allclose(re(input_ids=x).logits, logits, atol=1e-5)
+
+
+def test_fsdp2_engine_matches_single_process_and_checkpoints(tiny_kit, tmp_path):
+    spawn(_fsdp_worker, 2, tiny_kit, str(tmp_path))
+
+
+def test_half_written_checkpoint_ignored(tmp_path):
+    from rlhf.utils.checkpoint import latest_checkpoint, save_checkpoint
+
+    save_checkpoint(str(tmp_path), 2, lambda d: None, {"step": 2})
+    (tmp_path / ".tmp-global_step_4").mkdir()          # crash mid-save
+    (tmp_path / "global_step_6").mkdir()               # renamed but no trainer state (foreign dir)
+    assert latest_checkpoint(str(tmp_path)).endswith("global_step_2")
+    for s in (3, 5, 7, 9):
+        save_checkpoint(str(tmp_path), s, lambda d: None, {"step": s}, max_keep=2)
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("global_step") and
+                   (p / "trainer_state.json").exists())
+    assert names == ["global_step_7", "global_step_9"]

@@ -1,0 +1,109 @@
+"""HF engine contract, packed vs padded log-probs, agent episodes' token masks."""
+import torch
+
+from rlhf.models.forward import action_logprobs, packed_action_logprobs
+from rlhf.models.load import load_causal_lm, load_tokenizer
+from rlhf.rollout import HFEngine, RolloutBatch, SamplingParams, response_mask
+
+
+def _engine(kit):
+    m = load_causal_lm(kit)
+    m.config.use_cache = True
+    return HFEngine(m, load_tokenizer(kit), micro_batch_size=8)
+
+
+def test_response_mask_stops_after_first_eos():
+    m = response_mask(torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8]]), (2,))
+    assert m.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+
+
+def test_hf_engine_greedy_deterministic_n_samples_eos_and_logprobs(tiny_kit):
+    eng = _engine(tiny_kit)
+    tok = eng.tokenizer
+    prompts = [tok("3+4=")["input_ids"], tok("12+7=")["input_ids"], tok("1+1=")["input_ids"]]
+    greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=6)
+    a, b = eng.generate(prompts, greedy), eng.generate(prompts, greedy)
+    assert a.sequences.shape[0] == 6 and torch.equal(a.sequences, b.sequences)
+    assert torch.equal(a.sequences[0], a.sequences[1])  # greedy: both samples of a prompt agree
+    # sampling: n rows per prompt, prompt-major, reproducible with a seed, stop at eos
+    p = SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=7)
+    s1, s2 = eng.generate(prompts, p), eng.generate(prompts, p)
+    assert torch.equal(s1.sequences, s2.sequences) and s1.sequences.shape[0] == 12
+    P = s1.prompt_len
+    for i in range(12):
+        resp = s1.sequences[i, P:]
+        n = int(s1.action_mask[i].sum())
+        eos_pos = (resp == tok.eos_token_id).nonzero()
+        if len(eos_pos):
+            assert n == int(eos_pos[0]) + 1 and not s1.truncated[i]
+            assert (resp[n:] == tok.pad_token_id).all()
+        else:
+            assert n == resp.numel() and s1.truncated[i]
+    for i in range(4):  # rows 0-3 carry prompt 0
+        real = s1.sequences[i, :P][s1.attention_mask[i, :P].bool()]
+        assert real.tolist() == prompts[0]
+    # rollout log-probs equal a teacher-forced forward of the same weights
+    lp, _ = action_logprobs(eng.model, s1.sequences, s1.attention_mask, s1.num_actions, temperature=1.0)
+    assert torch.allclose(lp * s1.action_mask, s1.rollout_logprobs, atol=1e-4)
+    packed = packed_action_logprobs(eng.model, s1.sequences, s1.attention_mask, s1.action_mask)
+    assert torch.allclose(packed * s1.action_mask, s1.rollout_logprobs, atol=1e-4)
+
+
+def test_temperature_logprobs_consistent(tiny_kit):
+    eng = _engine(tiny_kit)
+    prompts = [eng.tokenizer("5+5=")["input_ids"]]
+    b = eng.generate(prompts, SamplingParams(n=3, temperature=0.7, max_new_tokens=5, seed=1))
+    lp, _ = action_logprobs(eng.model, b.sequences, b.attention_mask, b.num_actions, temperature=0.7)
+    assert torch.allclose(lp * b.action_mask, b.rollout_logprobs, atol=1e-4)
+
+
+class ScriptedEngine:
+    """Returns scripted action tokens per call, shaped like a real engine's output."""
+
+    def __init__(self, turns, eos):
+        self.turns, self.calls, self.eos = turns, 0, eos
+
+    def generate(self, prompt_ids, params):
+        acts = self.turns[self.calls]
+        self.calls += 1
+        P = max(len(p) for p in prompt_ids)
+        R = max(len(a) for a in acts)
+        B = len(prompt_ids)
+        seq = torch.zeros((B, P + R), dtype=torch.long)
+        am = torch.zeros((B, R), dtype=torch.long)
+        for i, (p, a) in enumerate(zip(prompt_ids, acts)):
+            seq[i, P - len(p):P] = torch.tensor(p)
+            seq[i, P:P + len(a)] = torch.tensor(a)
+            am[i, :len(a)] = 1
+        lp = -0.5 * am.float()
+        return RolloutBatch(seq, (seq != 0).long(), am, lp, P, torch.zeros(B, dtype=torch.bool))
+
+
+def test_agent_episode_token_and_action_masks(tiny_kit):
+    import importlib.util
+    import os
+
+    from rlhf.agents.base import AgentExecutorBase, load_agent
+
+    tok = load_tokenizer(tiny_kit)
+    inst, exe = load_agent(os.path.join(os.path.dirname(__file__), "..", "examples", "agent_arithmetic.py"))
+    assert exe is AgentExecutorBase
+    eos = tok.eos_token_id
+    wrong, right = tok("9", add_special_tokens=False)["input_ids"] + [eos], tok("7", add_special_tokens=False)["input_ids"] + [eos]
+    prompt = tok("3+4=", add_special_tokens=False)["input_ids"]
+    fb = tok(" wrong, again:", add_special_tokens=False)["input_ids"]
+    # two episodes: first right at once, second wrong then right
+    engine = ScriptedEngine([[right, wrong], [right]], eos)
+    ex = exe(inst, max_steps=3, max_length=64, engine=engine, tokenizer=tok)
+    batch = ex.run([prompt], ["3+4="], ["7"], SamplingParams(n=2, max_new_tokens=4))
+    P = batch.prompt_len
+    r0 = batch.sequences[0, P:][batch.attention_mask[0, P:].bool()].tolist()
+    r1 = batch.sequences[1, P:][batch.attention_mask[1, P:].bool()].tolist()
+    assert r0 == right
+    assert r1 == wrong + fb + right
+    n1 = len(r1)
+    assert batch.action_mask[1, :n1].tolist() == [1] * len(wrong) + [0] * len(fb) + [1] * len(right)
+    assert batch.action_mask[0, :len(right)].tolist() == [1] * len(right) and batch.action_mask[0, len(right):].sum() == 0
+    assert torch.allclose(batch.rollout_logprobs[1, :n1], -0.5 * batch.action_mask[1, :n1].float())
+    assert batch.rewards.tolist() == [1.0, 0.5] and batch.scores.tolist() == [1.0, 1.0]
+    assert engine.calls == 2  # the finished episode does not generate again
