@@ -31,3 +31,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def sft_model(tiny_kit, tmp_path_factory):
+    """SFT the random tiny model on the task under torchrun (2 ranks); the loss must fall."""
+    from e2e import torchrun
+
+    work = tmp_path_factory.mktemp("sft")
+    d = os.path.join(tiny_kit, "data")
+    train, ev, _ = torchrun("rlhf.train_sft", 2, ["--pretrain", tiny_kit, "--dataset", f"{d}/sft_train.jsonl",
+                                                  "--eval_dataset", f"{d}/sft_eval.jsonl", "--max_epochs", 2,
+                                                  "--learning_rate", 3e-3, "--save_path", work / "sft",
+                                                  "--eval_steps", 40], work, str(work / "logs"))
+    first = sum(r["loss"] for r in train[:5]) / 5
+    last = sum(r["loss"] for r in train[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    assert ev[-1]["loss"] < ev[0]["loss"]
+    return str(work / "sft")
+
+

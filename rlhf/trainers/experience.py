@@ -41,10 +41,11 @@ class Experience:
             "advantages", "returns", "scores")), metrics={})
 
 
-def gather_rows(x: Optional[torch.Tensor], n_rows: int, pad=0) -> torch.Tensor:
-    """All-gather row shards over the world (ranks without the role pass None)."""
+def gather_rows(x: Optional[torch.Tensor], n_rows: int, pad=0, dtype=torch.float32) -> torch.Tensor:
+    """All-gather row shards over the world (ranks without the role pass None; every rank must agree on dtype)."""
     if x is None:
-        x = torch.zeros((0, 1), dtype=torch.float32)
+        x = torch.zeros((0, 1), dtype=dtype)
+    x = x.to(dtype)
     out = all_gather_padded(x, None, pad)
     assert out.size(0) == n_rows, f"gathered {out.size(0)} rows, expected {n_rows}"
     return out
@@ -93,11 +94,11 @@ def gather_rollout(local: Optional[RolloutBatch], n_rows: int, pad_id: int, with
     else:
         seq, att, am, lp = local.sequences, local.attention_mask, local.action_mask, local.rollout_logprobs
         tr = local.truncated.long().unsqueeze(1)
-    seq = gather_rows(seq, n_rows, pad_id)
-    att = gather_rows(att, n_rows, 0)
-    am = gather_rows(am, n_rows, 0)
+    seq = gather_rows(seq, n_rows, pad_id, torch.long)
+    att = gather_rows(att, n_rows, 0, torch.long)
+    am = gather_rows(am, n_rows, 0, torch.long)
     lp = gather_rows(lp, n_rows, 0.0)
-    tr = gather_rows(tr, n_rows, 0).squeeze(1).bool()
+    tr = gather_rows(tr, n_rows, 0, torch.long).squeeze(1).bool()
     R = am.size(1)
     seq, att = seq[:, :P + R], att[:, :P + R]
     if seq.size(1) < P + R:  # response slot of a shard shorter than the longest
@@ -205,7 +206,7 @@ def make_experience(cfg, roles, groups, batch: RolloutBatch, labels: List, rewar
             return fn()
 
     def gather_col(res, key, dtype=torch.float32):
-        return gather_rows(None if res is None else res[key].to(dtype).unsqueeze(1), n).squeeze(1)
+        return gather_rows(None if res is None else res[key].unsqueeze(1), n, dtype=dtype).squeeze(1)
 
     # rewards (reward model ranks, or every rank calling the reward function on its shard)
     res = run("reward", lambda: reward_shard(roles, groups, reward_source, tokenizer, batch, labels, micro))

@@ -1,0 +1,20 @@
+"""Run the real CLIs under torchrun and read their metrics."""
+import os
+import subprocess
+import sys
+
+from rlhf.utils.logging import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def torchrun(module: str, nproc: int, args, cwd, log_dir: str, timeout: int = 600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module,
+           "--log_dir", log_dir, "--no_progress_bar", *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
+    rows = read_metrics(os.path.join(log_dir, "metrics.jsonl"))
+    return [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "eval"], p.stdout
