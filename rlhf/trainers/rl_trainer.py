@@ -18,6 +18,7 @@ from rlhf.rewards.reward_func import builtin_reward_source, make_reward_source
 from rlhf.rollout.base import SamplingParams
 from rlhf.utils import checkpoint as ckpt
 from rlhf.utils.logging import MetricsLogger
+from rlhf.utils.preempt import install_signal_handler, stop_requested
 
 from .experience import gather_rollout, generate_shard, make_experience
 from .ppo_update import train_actor, train_critic
@@ -189,6 +190,8 @@ class RLTrainer:
     # ---- loop ------------------------------------------------------------------------------------------------------
     def fit(self):
         cfg = self.cfg
+        install_signal_handler()
+        self.preempted = False
         if cfg.checkpoint.load_checkpoint and self.resume():
             self.sync_weights()
             self.logger.advance(self.step)
@@ -238,6 +241,12 @@ class RLTrainer:
                 self.logger.log(self.step, self.evaluate(), prefix="eval")
             if cfg.checkpoint.save_steps > 0 and self.step % cfg.checkpoint.save_steps == 0:
                 self.save()
+            if self.step < self.total_steps and stop_requested():
+                _log0(f"[preempt] stop requested: checkpointing step {self.step} and exiting")
+                self.save()
+                self.preempted = True
+                self.logger.close()
+                return self
         es = cfg.logging.eval_steps
         if not (es > 0 and self.step % es == 0):  # final eval unless one just ran
             self.logger.log(self.step, self.evaluate(), prefix="eval")

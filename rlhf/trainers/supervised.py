@@ -18,6 +18,7 @@ from rlhf.distributed import init_distributed, shard_rows
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.utils import checkpoint as ckpt
 from rlhf.utils.logging import MetricsLogger
+from rlhf.utils.preempt import install_signal_handler, stop_requested
 
 
 class Task:
@@ -138,14 +139,20 @@ class SupervisedTrainer:
     def resume(self):
         path = ckpt.latest_checkpoint(self.cfg.checkpoint.ckpt_path)
         if path is None:
+            if self.rank == 0:
+                print(f"[resume] no complete checkpoint in {self.cfg.checkpoint.ckpt_path}; starting fresh", flush=True)
             return
         self.engine.load_checkpoint(os.path.join(path, "model"))
         self.step = ckpt.load_trainer_state(path)["step"]
         ckpt.load_rank_state(path)
         self.logger.advance(self.step)
+        if self.rank == 0:
+            print(f"[resume] from {path} at step {self.step}", flush=True)
 
     def fit(self):
         cfg = self.cfg
+        install_signal_handler()
+        self.preempted = False
         if cfg.checkpoint.load_checkpoint:
             self.resume()
         self.engine.model.train()
@@ -166,6 +173,13 @@ class SupervisedTrainer:
                 self.logger.log(self.step, self.evaluate(), prefix="eval")
             if cfg.checkpoint.save_steps > 0 and self.step % cfg.checkpoint.save_steps == 0:
                 self.save()
+            if self.step < self.total_steps and stop_requested():
+                if self.rank == 0:
+                    print(f"[preempt] stop requested: checkpointing step {self.step} and exiting", flush=True)
+                self.save()
+                self.preempted = True
+                self.logger.close()
+                return self
         self.final_eval = self.evaluate()
         self.logger.log(self.step, self.final_eval, prefix="eval")
         sd = self.engine.full_state_dict()

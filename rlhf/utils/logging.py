@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Dict, Optional
 
@@ -29,7 +30,7 @@ class MetricsLogger:
         os.makedirs(log_dir, exist_ok=True)
         self.path = os.path.join(log_dir, "metrics.jsonl")
         self.jsonl = open(self.path, "a", buffering=1)
-        if progress_bar:
+        if progress_bar and sys.stderr.isatty():  # in batch logs the per-step metrics lines are the progress
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=initial_step, desc=run_name, dynamic_ncols=True,

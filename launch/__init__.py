@@ -1,0 +1,1 @@
+"""Launchers: sbatch scripts (slurm/), submitit (launch.submit), Ray (launch.ray_submit)."""

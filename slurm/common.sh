@@ -1,0 +1,44 @@
+# Sourced by the sbatch scripts in slurm/: job env, InfiniBand/NCCL defaults, preemption -> checkpoint -> requeue.
+set -euo pipefail
+cd "${SLURM_SUBMIT_DIR:-.}"
+export RLHF_HOME="${RLHF_HOME:-$PWD}"   # the checkout (configs/, slurm/); the job's outputs go to the submit dir
+export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+export MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
+export GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
+# InfiniBand / NCCL: defaults only, whatever the user exported wins
+export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-0}"
+export NCCL_IB_HCA="${NCCL_IB_HCA:-mlx5}"
+export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"
+export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"
+export NCCL_IB_RETRY_CNT="${NCCL_IB_RETRY_CNT:-10}"
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+export TOKENIZERS_PARALLELISM=false
+export RLHF_STOP_FILE="${RLHF_STOP_FILE:-$PWD/output/slurm-$SLURM_JOB_ID.stop}"
+mkdir -p output
+rm -f "$RLHF_STOP_FILE"
+echo "[slurm] job $SLURM_JOB_ID: $SLURM_NNODES node(s) x $GPUS_PER_NODE ranks, rendezvous $MASTER_ADDR:$MASTER_PORT" \
+     "(restart ${SLURM_RESTART_COUNT:-0})"
+
+SRUN_PID=""
+on_preempt() {
+  echo "[slurm] preemption/time-limit signal: asking the trainers to checkpoint"
+  touch "$RLHF_STOP_FILE"
+  [ -n "$SRUN_PID" ] && wait "$SRUN_PID" || true
+  rm -f "$RLHF_STOP_FILE"
+  echo "[slurm] requeueing $SLURM_JOB_ID; the next start resumes with --load_checkpoint"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+}
+trap on_preempt USR1 TERM
+
+# rlhf_run MODULE [FLAGS...]: one srun task per node, each running torchrun over the node's ranks.
+rlhf_run() {
+  local module="$1"; shift
+  srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
+    python -m torch.distributed.run --nnodes "$SLURM_NNODES" --nproc_per_node "$GPUS_PER_NODE" \
+      --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" \
+      -m "$module" "$@" &
+  SRUN_PID=$!
+  wait "$SRUN_PID"
+}

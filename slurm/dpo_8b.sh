@@ -1,0 +1,16 @@
+#!/bin/bash
+#SBATCH --job-name=dpo-8b
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=64
+#SBATCH --gpus-per-node=8
+#SBATCH --time=12:00:00
+#SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+
+# dpo-8b: 1 node(s) x 8 ranks. Extra flags after the script name
+# override the config, e.g.  sbatch slurm/<this>.sh --actor_learning_rate 1e-6
+source "${RLHF_HOME:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
+rlhf_run rlhf.train_dpo --config "$RLHF_HOME/configs/dpo_llama3_8b.yaml" --load_checkpoint "$@"

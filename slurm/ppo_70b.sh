@@ -1,0 +1,16 @@
+#!/bin/bash
+#SBATCH --job-name=ppo-70b
+#SBATCH --nodes=4
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=64
+#SBATCH --gpus-per-node=8
+#SBATCH --time=48:00:00
+#SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+
+# ppo-70b: 4 node(s) x 8 ranks. Extra flags after the script name
+# override the config, e.g.  sbatch slurm/<this>.sh --actor_learning_rate 1e-6
+source "${RLHF_HOME:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
+rlhf_run rlhf.train_ppo --config "$RLHF_HOME/configs/ppo_llama3_70b_hybrid.yaml" --load_checkpoint "$@"

@@ -1,0 +1,16 @@
+#!/bin/bash
+#SBATCH --job-name=tiny-cpu
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=2
+#SBATCH --time=00:20:00
+#SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+
+# tiny-cpu: 1 node(s) x 2 ranks. Extra flags after the script name
+# override the config, e.g.  sbatch slurm/<this>.sh --actor_learning_rate 1e-6
+export GPUS_PER_NODE=${GPUS_PER_NODE:-2}
+source "${RLHF_HOME:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
+rlhf_run rlhf.train_sft --config "$RLHF_HOME/configs/sft_tiny.yaml" --save_steps 20 --max_global_steps 40 --load_checkpoint "$@"
