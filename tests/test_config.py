@@ -108,3 +108,10 @@ def test_shipped_recipes_parse():
         kind = os.path.basename(f).split("_")[0]
         kind = kind if kind in ("ppo", "grpo", "sft", "rm", "dpo") else "ppo"
         parse(kind, ["--config", f], GRPO_DEFAULTS if kind == "grpo" else None)
+
+
+def test_flag_reference_in_sync():
+    from rlhf.tools.flags_md import PATH, render
+
+    with open(PATH) as fh:
+        assert fh.read() == render(), "docs/FLAGS.md is stale: python -m rlhf.tools.flags_md"

@@ -20,9 +20,10 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def action_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int,
-                    temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False
-                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """log pi(a_t | s_<t) for the last num_actions tokens: (B, num_actions) float32, and entropy if asked."""
+                    temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
+                    entropy_grad: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log pi(a_t | s_<t) for the last num_actions tokens: (B, num_actions) float32, and entropy if asked
+    (without a graph when entropy_grad is False: a metric only)."""
     out = model(input_ids=sequences, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), logits_to_keep=num_actions + 1, use_cache=False)
     logits = out.logits[:, :-1]
@@ -30,7 +31,10 @@ def action_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor
         logits = logits / temperature
     labels = sequences[:, -num_actions:]
     logp = logprobs_from_logits(logits, labels, chunk_size)
-    ent = entropy_chunked(logits, chunk_size) if with_entropy else None
+    ent = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = entropy_chunked(logits.detach() if not entropy_grad else logits, chunk_size)
     return logp, ent
 
 

@@ -182,6 +182,16 @@ def reward_shard(roles, groups, reward_source, tokenizer, batch: RolloutBatch, l
     return reward_source(queries, prompts, labels[sl])
 
 
+def on_policy_single_update(cfg) -> bool:
+    """One epoch and one optimizer step per rollout batch, and no async lag: old log-probs equal the current ones.
+
+    With --enable_is_correction the old log-probs are still needed (they are the IS numerator), so not then.
+    """
+    r, o, a = cfg.rollout, cfg.optim, cfg.algorithm
+    return (o.max_epochs == 1 and r.rollout_batch_size * r.n_samples_per_prompt == o.train_batch_size
+            and not r.async_train and not a.enable_is_correction)
+
+
 def _all_gather_obj(obj):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
@@ -195,7 +205,7 @@ def make_experience(cfg, roles, groups, batch: RolloutBatch, labels: List, rewar
     """Everything the update needs, identical on every rank."""
     a, r, m = cfg.algorithm, cfg.rollout, cfg.model
     n = batch.sequences.size(0)
-    micro = r.micro_rollout_batch_size
+    micro = r.micro_rollout_batch_size * r.n_samples_per_prompt  # rows per inference forward
     spec = ADVANTAGE_ESTIMATORS[a.advantage_estimator]
     phase = scheduler.phase if scheduler is not None else None
 
@@ -224,9 +234,12 @@ def make_experience(cfg, roles, groups, batch: RolloutBatch, labels: List, rewar
         loc = run("ref", lambda: forward_logprobs_shard(roles.ref, batch, role_shard(groups, "ref", n), temp, micro,
                                                         chunk, m.packing_samples))
         ref_lp = gather_rows(loc, n) * batch.action_mask
-    loc = run("actor", lambda: forward_logprobs_shard(roles.actor, batch, role_shard(groups, "actor", n), temp, micro,
-                                                      chunk, m.packing_samples))
-    old_lp = gather_rows(loc, n) * batch.action_mask
+    if on_policy_single_update(cfg):
+        old_lp = None  # the one update sees ratio 1: the trainer uses its own log-probs, detached (no extra forward)
+    else:
+        loc = run("actor", lambda: forward_logprobs_shard(roles.actor, batch, role_shard(groups, "actor", n), temp,
+                                                          micro, chunk, m.packing_samples))
+        old_lp = gather_rows(loc, n) * batch.action_mask
     values = None
     if spec.needs_critic:
         loc = run("critic", lambda: values_shard(roles.critic, batch, role_shard(groups, "critic", n), micro))
@@ -249,7 +262,7 @@ def make_experience(cfg, roles, groups, batch: RolloutBatch, labels: List, rewar
     kl = None
     kl_mean = 0.0
     if ref_lp is not None:
-        kl_tok = compute_kl(a.kl_estimator, old_lp, ref_lp, mask)
+        kl_tok = compute_kl(a.kl_estimator, batch.rollout_logprobs if old_lp is None else old_lp, ref_lp, mask)
         kl_mean = float(masked_mean(kl_tok, mask))
         if not a.use_kl_loss:
             kl = kl_tok

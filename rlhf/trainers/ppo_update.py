@@ -43,12 +43,13 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
                 mask = mb.action_mask.to(dev).float()
                 logp, ent = action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev),
                                             mb.action_mask.size(1), temp, m.logprob_chunk_size,
-                                            with_entropy=True)
+                                            with_entropy=True, entropy_grad=a.entropy_loss_coef > 0)
+                old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs.to(dev)
                 is_w = None
                 if a.enable_is_correction:
-                    is_w, _ = importance_weights(mb.old_logprobs.to(dev), mb.rollout_logprobs.to(dev), mask,
+                    is_w, _ = importance_weights(old, mb.rollout_logprobs.to(dev), mask,
                                                  a.is_truncated_threshold)
-                pl, met = loss_fn(logp, mb.old_logprobs.to(dev), mb.advantages.to(dev), mask,
+                pl, met = loss_fn(logp, old, mb.advantages.to(dev), mask,
                                   clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, dual_clip=a.dual_clip,
                                   agg_mode=a.loss_agg_mode, norm_const=float(cfg.data.generate_max_len),
                                   is_weights=is_w)
@@ -61,7 +62,7 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
                     kl_loss = aggregate(compute_kl(a.kl_estimator, logp, mb.ref_logprobs.to(dev), mask), mask,
                                         a.loss_agg_mode, float(cfg.data.generate_max_len))
                     loss = loss + kl_coef * kl_loss
-                    logs["kl_loss"].append(float(kl_loss))
+                    logs["kl_loss"].append(float(kl_loss.detach()))
                 engine.backward(loss, i)
                 logs["policy_loss"].append(float(pl))
                 logs["entropy"].append(float(ent_mean))

@@ -1,0 +1,95 @@
+"""DPO step throughput: rlhf.train_dpo vs TRL's DPOTrainer, same tiny model, pairs, batch, lengths.
+
+    pip install -e ".[bench]" && python bench/dpo_vs_trl.py [--steps 20 --batch 32]
+
+Single process on the CPU, sigmoid loss, beta 0.1, frozen reference model
+computed on the fly on both sides.  Writes bench/results/dpo_vs_trl.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import click
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import kit, run_side, save, summarize, table  # noqa: E402
+
+
+def side_trl(path, steps, batch, lr):
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    torch.manual_seed(0)
+    ds = load_dataset("json", data_files=os.path.join(path, "data", "pref_train.jsonl"), split="train")
+    ds = ds.rename_column("input", "prompt").remove_columns(["label"])
+    tok = AutoTokenizer.from_pretrained(path)
+    times = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+
+    cfg = DPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=steps,
+                    learning_rate=lr, beta=0.1, loss_type=["sigmoid"], use_cpu=True, report_to="none",
+                    save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, max_length=64,
+                    dataloader_num_workers=0)
+    tr = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), ref_model=AutoModelForCausalLM.from_pretrained(path),
+                    args=cfg, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
+    tr.train()
+    tokens = [batch * 2 * 7.0] * len(times)  # prompt (4) + answer (1-2) + eos per sequence, same data both sides
+    return summarize(times, tokens, warmup=2)
+
+
+def side_rlhf(path, steps, batch, lr):
+    from rlhf.config import parse
+    from rlhf.trainers.supervised import run_supervised
+    from rlhf.trainers.tasks import DPOTask
+    from rlhf.utils.logging import read_metrics
+
+    log = tempfile.mkdtemp()
+    d = os.path.join(path, "data")
+    cfg = parse("dpo", ["--pretrain", path, "--dataset", f"{d}/pref_train.jsonl", "--eval_split", "0",
+                        "--train_batch_size", str(batch), "--micro_train_batch_size", str(batch),
+                        "--max_global_steps", str(steps), "--learning_rate", str(lr), "--beta", "0.1",
+                        "--log_dir", log, "--save_path", os.path.join(log, "m"), "--no_progress_bar",
+                        "--max_len", "64"])
+    run_supervised(cfg, DPOTask, "pref")
+    rows = [r for r in read_metrics(os.path.join(log, "metrics.jsonl")) if r["split"] == "train"]
+    times = [b["time_s"] - a["time_s"] for a, b in zip(rows, rows[1:])]
+    return summarize(times, [batch * 2 * 7.0] * len(times), warmup=1)
+
+
+@click.command()
+@click.option("--side", type=click.Choice(["both", "trl", "rlhf"]), default="both")
+@click.option("--steps", default=20)
+@click.option("--batch", default=32)
+@click.option("--lr", default=5e-5)
+@click.option("--kit_dir", default=os.path.join(tempfile.gettempdir(), "rlhf-bench-kit"))
+def main(side, steps, batch, lr, kit_dir):
+    path = kit(kit_dir)
+    args = ["--steps", str(steps), "--batch", str(batch), "--lr", str(lr), "--kit_dir", kit_dir]
+    if side != "both":
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+        fn = side_trl if side == "trl" else side_rlhf
+        print("RESULT " + json.dumps(fn(path, steps, batch, lr)))
+        return
+    rows = {s: run_side(__file__, s, args) for s in ("trl", "rlhf")}
+    settings = {"model": "qwen2 2L h64", "pairs_per_step": batch, "steps": steps,
+                "threads": os.environ.get("OMP_NUM_THREADS", "2")}
+    print(table("DPO step", rows, settings))
+    print("wrote", save("dpo_vs_trl", rows, settings))
+
+
+if __name__ == "__main__":
+    main()
