@@ -21,7 +21,7 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "peft"],
+        "test": ["pytest>=8", "pytest-timeout", "peft", "deepspeed>=0.16"],
         "vllm": ["vllm>=0.10.2,<0.13"],
         "deepspeed": ["deepspeed>=0.16"],
         "flash": ["flash-attn>=2.7"],

@@ -1,0 +1,194 @@
+"""One prepared GPU run (a lent H200): rollout tokens/s vs the bare engine, weight-sync GB/s,
+memory before/after sleep, train MFU.  Each section reports on its own; a missing package
+(vLLM is not on the device image: carry it as wheels) is reported, not fatal.
+
+    bash bench/gpu.sh        # under 8 minutes; writes $OUT/gpu_bench.json (or bench/results/)
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+RES = {}
+
+
+def section(name):
+    def deco(fn):
+        def run(*a):
+            t0 = time.time()
+            try:
+                RES[name] = fn(*a)
+            except Exception as e:  # report and go on
+                RES[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+            RES[name]["wall_s"] = round(time.time() - t0, 1)
+            print(name, json.dumps(RES[name])[:600], flush=True)
+        return run
+    return deco
+
+
+def qwen05_dir() -> str:
+    """A Qwen2-0.5B-shaped model (random init, bf16) with the tiny tokenizer, built locally."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from rlhf.tools.make_tiny import build_tokenizer
+
+    path = os.path.join(tempfile.gettempdir(), "qwen05-shaped")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        tok = build_tokenizer()
+        cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                          tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                          bos_token_id=tok.bos_token_id, torch_dtype="bfloat16")
+        AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(path)
+        tok.save_pretrained(path)
+    return path
+
+
+PROMPTS, NEW = 256, 256
+
+
+@section("rollout")
+def rollout(path):
+    prompts = [[5 + (i % 50), 7, 9, 11] * 8 for i in range(PROMPTS)]
+    from rlhf.rollout.base import SamplingParams
+
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=NEW, stop_token_ids=(0,), seed=0)
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        vllm = None
+    if vllm is not None:
+        from rlhf.rollout.vllm_engine import VLLMEngine
+
+        eng = VLLMEngine(path, 1, 0.5, True, 4096, 0, 0, 2)
+        llm = eng.llm
+        sp = vllm.SamplingParams(max_tokens=NEW, temperature=1.0, ignore_eos=True, seed=0)
+        llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in prompts[:8]], sp, use_tqdm=False)
+        t0 = time.perf_counter()
+        outs = llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        bare_t = time.perf_counter() - t0
+        bare_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        t0 = time.perf_counter()
+        b = eng.generate(prompts, params)
+        ours_t = time.perf_counter() - t0
+        free0 = torch.cuda.mem_get_info()[0]
+        eng.sleep()
+        free1 = torch.cuda.mem_get_info()[0]
+        eng.wake()
+        return {"engine": "vllm", "bare_tokens_per_s": bare_tok / bare_t,
+                "ours_tokens_per_s": int(b.action_mask.sum()) / ours_t,
+                "sleep_frees_gb": (free1 - free0) / 2**30}
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.data.formatting import pad_batch
+    from rlhf.rollout.hf_engine import HFEngine
+    from rlhf.models.load import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+    tok = load_tokenizer(path)
+    ids, att = pad_batch(prompts, tok.pad_token_id, side="left")
+    ids, att = ids.cuda(), att.cuda()
+    model.generate(input_ids=ids[:8], attention_mask=att[:8], max_new_tokens=8, do_sample=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=NEW, do_sample=True, min_new_tokens=NEW,
+                         pad_token_id=tok.pad_token_id)
+    torch.cuda.synchronize()
+    bare = (out.shape[1] - ids.shape[1]) * PROMPTS / (time.perf_counter() - t0)
+    eng = HFEngine(model, tok, torch.device("cuda"), micro_batch_size=PROMPTS)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    b = eng.generate(prompts, params)
+    torch.cuda.synchronize()
+    ours = int(b.action_mask.sum()) / (time.perf_counter() - t0)
+    return {"engine": "hf (vllm not installed on this machine)", "bare_tokens_per_s": bare,
+            "ours_tokens_per_s": ours}
+
+
+@section("weight_sync_and_sleep")
+def sync_and_sleep(path):
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.backends.base import EngineSpec
+    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.distributed import build_groups, make_plan
+    from rlhf.distributed.weight_sync import WeightSync
+    from rlhf.config.schema import TopologyConfig
+
+    dev = torch.device("cuda")
+    actor = FSDP2Engine(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                        EngineSpec(lr=1e-5, train_batch_size=1, micro_batch_size=1, total_steps=10, bf16=True),
+                        device=dev)
+    x = torch.randint(0, 1000, (1, 64), device=dev)
+    actor.backward(actor.model(input_ids=x, labels=x).loss, 0)
+    actor.step()  # optimizer state exists now
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    actor.sleep()
+    after = torch.cuda.memory_allocated()
+    actor.wake()
+    woke = torch.cuda.memory_allocated()
+
+    class Sink:
+        def __init__(self):
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+            self.params = dict(self.model.named_parameters())
+
+        def load_weights(self, named):
+            for n, t in named:
+                self.params[n].data.copy_(t)
+
+        def reset_prefix_cache(self):
+            pass
+
+    plan = make_plan(TopologyConfig(colocate_all_models=True), 1)
+    ws = WeightSync(build_groups(plan, 0), Sink(), bucket_mb=512, dtype=torch.bfloat16, device=dev)
+    ws.sync(actor.model)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    nbytes = ws.sync(actor.model)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return {"train_state_gb_before_sleep": before / 2**30, "after_sleep_gb": after / 2**30,
+            "after_wake_gb": woke / 2**30, "sync_gb": nbytes / 2**30, "sync_gb_per_s": nbytes / dt / 2**30}
+
+
+@section("mfu")
+def mfu(_):
+    import subprocess
+
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "mfu.py"), "--device", "cuda", "--layers", "24",
+                          "--hidden", "896", "--batch", "8", "--seq", "1024", "--steps", "8"],
+                         capture_output=True, text=True, timeout=240, env=dict(os.environ, MASTER_PORT="29655"))
+    with open(os.path.join(ROOT, "bench", "results", "mfu_cuda.json")) as fh:
+        return {**json.load(fh), "log": out.stdout[-300:]}
+
+
+def main():
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29641", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl")
+    path = qwen05_dir()
+    rollout(path)
+    sync_and_sleep(path)
+    dist.destroy_process_group()
+    mfu(path)
+    out = os.environ.get("OUT") or os.path.join(ROOT, "bench", "results")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gpu_bench.json"), "w") as fh:
+        json.dump(RES, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
