@@ -56,3 +56,25 @@ def test_packed_and_padded_losses_agree(tiny_kit):
             ref = (loss.item(), pc, pr)
     assert abs(loss.item() - ref[0]) < 1e-5
     assert torch.allclose(pc, ref[1], atol=1e-4) and torch.allclose(pr, ref[2], atol=1e-4)
+
+
+@pytest.mark.parametrize("flags,check", [
+    (["--lora_rank", "4", "--lora_alpha", "8"], "adapter_config.json"),
+    (["--bf16", "--gradient_checkpointing"], "model.safetensors"),
+])
+def test_sft_lora_bf16_gradient_checkpointing(tiny_kit, tmp_path, flags, check):
+    from rlhf.config import parse
+    from rlhf.trainers.supervised import run_supervised
+    from rlhf.trainers.tasks import SFTTask
+    from rlhf.utils.logging import read_metrics
+
+    os.environ.update(MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
+    d = os.path.join(tiny_kit, "data")
+    cfg = parse("sft", ["--pretrain", tiny_kit, "--dataset", f"{d}/sft_train.jsonl", "--max_global_steps", "6",
+                        "--train_batch_size", "16", "--micro_train_batch_size", "8", "--learning_rate", "3e-3",
+                        "--log_dir", str(tmp_path / "l"), "--save_path", str(tmp_path / "m"), "--no_progress_bar",
+                        *flags])
+    run_supervised(cfg, SFTTask, "sft")
+    rows = [r for r in read_metrics(str(tmp_path / "l" / "metrics.jsonl")) if r["split"] == "train"]
+    assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"]
+    assert os.path.isfile(tmp_path / "m" / check)

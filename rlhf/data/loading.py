@@ -34,7 +34,12 @@ def _load_one(part: str, split: str = "train"):
     if ext in EXT:
         if not os.path.isfile(part):
             raise DataError(f"data file {part} does not exist")
-        return datasets.load_dataset(EXT[ext], data_files=part, split="train")
+        if os.path.getsize(part) == 0:
+            raise DataError(f"data set {part} is empty")
+        try:
+            return datasets.load_dataset(EXT[ext], data_files=part, split="train")
+        except Exception as e:
+            raise DataError(f"could not read {part} as {EXT[ext]}: {type(e).__name__}: {e}") from e
     name, _, sp = part.partition("@")
     return datasets.load_dataset(name, split=sp or split)
 
@@ -68,8 +73,10 @@ def load_rows(spec: str, required_keys: Dict[str, Optional[str]], probs: Optiona
         if len(weights) != len(sets):
             raise DataError(f"--dataset_probs has {len(weights)} weights for {len(sets)} data sets")
         total = sum(weights)
-        mixed = datasets.interleave_datasets([s.select_columns([k for k in required_keys.values() if k])
-                                              for s in sets], probabilities=[w / total for w in weights], seed=seed,
+        cols = [k for k in required_keys.values() if k]
+        sel = [s.select_columns(cols) for s in sets]
+        sel = [sel[0]] + [s.cast(sel[0].features) for s in sel[1:]]  # jsonl 'string' vs parquet 'large_string'
+        mixed = datasets.interleave_datasets(sel, probabilities=[w / total for w in weights], seed=seed,
                                              stopping_strategy="all_exhausted")
         return list(mixed)
     return [r for s in sets for r in s]

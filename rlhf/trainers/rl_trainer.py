@@ -40,6 +40,9 @@ def load_prompt_sets(cfg, tokenizer, kit_dir: Optional[str]):
         else:
             rows, ev = split_eval(rows, d.eval_split, cfg.optim.seed)
     else:  # built-in arithmetic task of the tiny kit
+        if kit_dir is None:
+            raise ValueError("--prompt_data is required with --pretrain (the built-in task comes with the built-in "
+                             "kit); e.g. --prompt_data prompts.jsonl --input_key input --label_key label")
         data = os.path.join(kit_dir, "data")
         rows = load_rows(os.path.join(data, "prompts_train.jsonl"), keys, None, d.max_samples)
         ev = load_rows(os.path.join(data, "prompts_eval.jsonl"), keys, None, d.max_samples)
@@ -164,8 +167,7 @@ class RLTrainer:
         return True
 
     def save_hf(self, path: str):
-        if self.roles.actor is None and not self.plan.separate_rollout:
-            return
+        """Collective: the actor ranks gather the full weights, the first actor rank writes them."""
         if self.groups.has("actor"):
             sd = self.roles.actor.full_state_dict()
             if self.rank == self.plan.roles["actor"][0]:
