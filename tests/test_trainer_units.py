@@ -78,3 +78,32 @@ def test_sft_lora_bf16_gradient_checkpointing(tiny_kit, tmp_path, flags, check):
     rows = [r for r in read_metrics(str(tmp_path / "l" / "metrics.jsonl")) if r["split"] == "train"]
     assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"]
     assert os.path.isfile(tmp_path / "m" / check)
+
+
+def test_rm_packed_scores_equal_padded_and_dpo_precomputed_reference(tiny_kit):
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf.config import parse
+    from rlhf.models.load import load_causal_lm, load_tokenizer
+    from rlhf.trainers.tasks import DPOTask, RMTask
+
+    tok = load_tokenizer(tiny_kit, padding_side="right")
+    rm = AutoModelForSequenceClassification.from_pretrained(os.path.join(tiny_kit, "reward"), num_labels=1)
+    rm.config.pad_token_id = tok.pad_token_id
+    rows = [{"input": "1+2=", "chosen": "3", "rejected": "4"}, {"input": "12+9=", "chosen": "21", "rejected": "2"}]
+    out = []
+    for packing in (False, True):
+        task = RMTask(parse("rm", ["--packing_samples"] if packing else []), tok)
+        with torch.no_grad():
+            out.append(task.scores(rm, [task.make_sample(r) for r in rows]))
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-4) and torch.allclose(out[0][1], out[1][1], atol=1e-4)
+    # DPO with rows that carry the reference log-probs: the loss uses them (margins vs a policy == reference)
+    model = load_causal_lm(tiny_kit)
+    task = DPOTask(parse("dpo", []), tok)
+    task.ref = None
+    plain = [task.make_sample(r) for r in rows]
+    pc, pr, _ = task._seq_logps(model, plain)
+    pre = [task.make_sample(dict(r, ref_chosen_logps=float(c), ref_rejected_logps=float(j)))
+           for r, c, j in zip(rows, pc.detach(), pr.detach())]
+    loss, met = task.loss(model, pre)
+    assert abs(loss.item() - 0.6931) < 1e-3 and met["reward_margin"] == pytest.approx(0.0, abs=1e-5)

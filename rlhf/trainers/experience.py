@@ -141,16 +141,14 @@ def values_shard(engine, batch: RolloutBatch, sl: Optional[slice], micro: int) -
 
 
 def decode_queries(tokenizer, batch: RolloutBatch, sl: slice):
-    """(query = prompt + response text, prompt text) for rows sl."""
+    """(query = prompt + response text, prompt text) for rows sl, decoded in one batch call each."""
     P = batch.prompt_len
-    queries, prompts = [], []
-    for i in range(sl.start, sl.stop):
-        p = batch.sequences[i, :P][batch.attention_mask[i, :P].bool()]
-        r = batch.sequences[i, P:][batch.action_mask[i].bool()]
-        pt = tokenizer.decode(p, skip_special_tokens=False)
-        prompts.append(pt)
-        queries.append(pt + tokenizer.decode(r, skip_special_tokens=True))
-    return queries, prompts
+    rows = range(sl.start, sl.stop)
+    p_ids = [batch.sequences[i, :P][batch.attention_mask[i, :P].bool()].tolist() for i in rows]
+    r_ids = [batch.sequences[i, P:][batch.action_mask[i].bool()].tolist() for i in rows]
+    prompts = tokenizer.batch_decode(p_ids, skip_special_tokens=False)
+    responses = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
+    return [p + r for p, r in zip(prompts, responses)], prompts
 
 
 def reward_shard(roles, groups, reward_source, tokenizer, batch: RolloutBatch, labels: List, micro: int):

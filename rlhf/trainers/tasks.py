@@ -82,10 +82,29 @@ class RMTask(Task):
         return c, r
 
     def scores(self, model, samples):
-        ids, att = pad_batch([s[0] for s in samples] + [s[1] for s in samples], self.tokenizer.pad_token_id)
-        out = model(input_ids=ids, attention_mask=att, use_cache=False).logits.squeeze(-1).float()
+        seqs = [s[0] for s in samples] + [s[1] for s in samples]
         n = len(samples)
+        if self.cfg.model.packing_samples:
+            out = self._packed_scores(model, seqs)
+        else:
+            ids, att = pad_batch(seqs, self.tokenizer.pad_token_id)
+            out = model(input_ids=ids, attention_mask=att, use_cache=False).logits.squeeze(-1).float()
         return out[:n], out[n:]
+
+    @staticmethod
+    def _packed_scores(model, seqs):
+        """One packed row; the score head's per-token output (caught by a hook, through the root forward so
+        FSDP's hooks run) is read at each sequence's last token."""
+        head = getattr(model, "score", None) or model.get_submodule("base_model.model.score")
+        caught = {}
+        h = head.register_forward_hook(lambda mod, inp, out: caught.__setitem__("z", out))
+        try:
+            b = collate_packed([(s, [1] * len(s)) for s in seqs])
+            model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False)
+        finally:
+            h.remove()
+        ends = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
+        return caught["z"][0, ends, 0].float()
 
     def loss(self, model, samples):
         a = self.cfg.algorithm
@@ -135,11 +154,16 @@ class DPOTask(Task):
         return load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
                               m.target_modules)
 
+    REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+
     def setup(self, trainer, spec):
         from dataclasses import replace
 
         from rlhf.backends.base import make_engine
 
+        self.ref = None
+        if all(s[2] is not None for s in trainer.train_samples + trainer.eval_samples):
+            return  # every row carries precomputed reference log-probs: no reference model needed
         ref = load_causal_lm(self.cfg.model.ref_pretrain or trainer.path, self.cfg.model.bf16, self.cfg.model.flash_attn)
         rspec = replace(spec, trainable=False)
         self.ref = make_engine(self.cfg.topology.backend, ref, rspec, device=trainer.device)
@@ -147,8 +171,10 @@ class DPOTask(Task):
     def make_sample(self, row):
         d, tok = self.cfg.data, self.tokenizer
         p = _prompt(self.cfg, tok, row)
-        return tokenize_pair(tok, p, str(row[d.chosen_key]), d.max_len), tokenize_pair(tok, p, str(row[d.rejected_key]),
-                                                                                        d.max_len)
+        ref = tuple(float(row[k]) for k in self.REF_KEYS) if all(row.get(k) is not None for k in self.REF_KEYS) \
+            else None
+        return (tokenize_pair(tok, p, str(row[d.chosen_key]), d.max_len),
+                tokenize_pair(tok, p, str(row[d.rejected_key]), d.max_len), ref)
 
     def _seq_logps(self, model, samples):
         pairs = [s[0] for s in samples] + [s[1] for s in samples]
@@ -167,8 +193,12 @@ class DPOTask(Task):
     def loss(self, model, samples):
         a = self.cfg.algorithm
         pc, pr, nc = self._seq_logps(model, samples)
-        with torch.no_grad():
-            rc, rr, _ = self._seq_logps(self.ref.model, samples)
+        if self.ref is None:  # precomputed (rows' ref_chosen_logps / ref_rejected_logps)
+            rc = torch.tensor([s[2][0] for s in samples])
+            rr = torch.tensor([s[2][1] for s in samples])
+        else:
+            with torch.no_grad():
+                rc, rr, _ = self._seq_logps(self.ref.model, samples)
         losses, cr, rj = dpo_loss(a.loss_type, pc, pr, rc, rr, a.beta, a.label_smoothing)
         loss = losses.mean()
         if a.nll_loss_coef > 0:
