@@ -28,6 +28,10 @@ def check_vllm():
     return vllm
 
 
+def _load_weights_on_worker(worker, weights):
+    worker.model_runner.model.load_weights(weights=weights)
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, tp_size: int, gpu_memory_utilization: float, enable_sleep: bool,
                  max_model_len: int, seed: int, pad_token_id: int, eos_token_id: int, dtype: str = "bfloat16",
@@ -70,8 +74,13 @@ class VLLMEngine(RolloutEngine):
         return RolloutBatch(seqs, att, am, lp, P, trunc)
 
     def load_weights(self, named_tensors) -> None:
-        model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-        model.load_weights(weights=list(named_tensors))
+        """In-process: with external_launcher and V1 multiprocessing off, collective_rpc runs on this rank's worker,
+        so the tensors are handed over without a copy through another process."""
+        weights = list(named_tensors)
+        if hasattr(self.llm, "collective_rpc"):
+            self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+        else:  # older engines expose the worker directly
+            self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.load_weights(weights=weights)
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()

@@ -275,6 +275,9 @@ def make_experience(cfg, roles, groups, batch: RolloutBatch, labels: List, rewar
         "truncated_frac": float(batch.truncated.float().mean()), "kl": kl_mean, "kl_coef": kl_coef,
         "reward_invalid": float((~valid).sum()), "filtered_frac": filtered,
         "adv_mean": float(masked_mean(adv, mask)), "adv_abs": float(masked_mean(adv.abs(), mask)),
+        # rollout engine vs trainer log-probs of the same tokens: ~0 on-policy, > 0 one step off-policy (async)
+        "rollout_logprob_gap": 0.0 if old_lp is None else float(masked_mean((old_lp - batch.rollout_logprobs).abs(),
+                                                                            mask)),
         **{f"reward_{k}": v for k, v in extra.items()},
     }
     return Experience(batch.sequences, batch.attention_mask, train_mask, batch.rollout_logprobs, old_lp, ref_lp, values,
