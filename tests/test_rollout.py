@@ -45,8 +45,11 @@ def test_hf_engine_greedy_deterministic_n_samples_eos_and_logprobs(tiny_kit):
     # rollout log-probs equal a teacher-forced forward of the same weights
     lp, _ = action_logprobs(eng.model, s1.sequences, s1.attention_mask, s1.num_actions, temperature=1.0)
     assert torch.allclose(lp * s1.action_mask, s1.rollout_logprobs, atol=1e-4)
-    packed = packed_action_logprobs(eng.model, s1.sequences, s1.attention_mask, s1.action_mask)
+    packed, pent = packed_action_logprobs(eng.model, s1.sequences, s1.attention_mask, s1.action_mask,
+                                          with_entropy=True)
     assert torch.allclose(packed * s1.action_mask, s1.rollout_logprobs, atol=1e-4)
+    _, ent = action_logprobs(eng.model, s1.sequences, s1.attention_mask, s1.num_actions, with_entropy=True)
+    assert torch.allclose(pent * s1.action_mask, ent * s1.action_mask, atol=1e-4)
 
 
 def test_temperature_logprobs_consistent(tiny_kit):

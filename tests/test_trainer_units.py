@@ -28,6 +28,8 @@ def test_every_estimator_runs_one_step(tiny_kit, tmp_path, estimator):
     extra = ("--overlong_buffer_len", "2", "--normalize_reward", "--reward_clip_range", "-1", "1")
     if estimator == "dr_grpo":
         extra += ("--loss_agg_mode", "seq-mean-token-sum-norm", "--policy_loss_type", "gspo")
+    if estimator == "group_norm":
+        extra += ("--packing_samples", "--dynamic_filtering")
     if estimator == "rloo":
         extra += ("--dual_clip", "3", "--entropy_loss_coef", "0.01", "--enable_is_correction")
     _one_step(tiny_kit, tmp_path, estimator, extra)

@@ -48,8 +48,10 @@ def pack(sequences: torch.Tensor, attention_mask: torch.Tensor):
 
 
 def packed_action_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor,
-                           temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+                           temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
+                           entropy_grad: bool = True):
     """Same contract as action_logprobs, computed on one packed row (no padding FLOPs).
+    Returns log-probs, or (log-probs, entropy) with with_entropy.
 
     Position ids restart at 0 for each sample, which makes transformers build a
     block-diagonal causal mask, so packed and padded log-probs agree.
@@ -59,14 +61,19 @@ def packed_action_logprobs(model, sequences: torch.Tensor, attention_mask: torch
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
     num_actions = action_mask.size(1)
-    out = torch.zeros(sequences.size(0), num_actions, dtype=torch.float32, device=sequences.device)
+    rows, ent_rows = [], []
     start = 0
     resp_full = attention_mask[:, -num_actions:].sum(1)  # real tokens in the response slot
     for i, n in enumerate(lengths.tolist()):
         r = int(resp_full[i])
-        if r > 0:
-            seg_logits = logits[start + n - r - 1: start + n - 1]
-            seg_labels = ids[0, start + n - r: start + n]
-            out[i, :r] = logprobs_from_logits(seg_logits, seg_labels, chunk_size)
+        seg_logits = logits[start + n - r - 1: start + n - 1]
+        pad = (0, num_actions - r)
+        rows.append(torch.nn.functional.pad(logprobs_from_logits(seg_logits, ids[0, start + n - r: start + n],
+                                                                 chunk_size), pad))
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                src = seg_logits if entropy_grad else seg_logits.detach()
+                ent_rows.append(torch.nn.functional.pad(entropy_chunked(src, chunk_size), pad))
         start += n
-    return out
+    out = torch.stack(rows)
+    return (out, torch.stack(ent_rows)) if with_entropy else out

@@ -9,7 +9,7 @@ import torch
 from rlhf.algorithms import aggregate, compute_kl, importance_weights, value_loss
 from rlhf.algorithms.registry import POLICY_LOSSES
 from rlhf.distributed import shard_rows
-from rlhf.models.forward import action_logprobs
+from rlhf.models.forward import action_logprobs, packed_action_logprobs
 
 
 def _minibatches(n_rows: int, rank: int, world: int, train_batch_size: int, micro: int, epoch_seed: int):
@@ -41,9 +41,14 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
             for i, rows in enumerate(micro_rows):
                 mb = exp.rows(rows)
                 mask = mb.action_mask.to(dev).float()
-                logp, ent = action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev),
-                                            mb.action_mask.size(1), temp, m.logprob_chunk_size,
-                                            with_entropy=True, entropy_grad=a.entropy_loss_coef > 0)
+                if m.packing_samples:  # one packed row, no padding FLOPs
+                    logp, ent = packed_action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev),
+                                                       mb.action_mask.to(dev), temp, m.logprob_chunk_size,
+                                                       with_entropy=True, entropy_grad=a.entropy_loss_coef > 0)
+                else:
+                    logp, ent = action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev),
+                                                mb.action_mask.size(1), temp, m.logprob_chunk_size,
+                                                with_entropy=True, entropy_grad=a.entropy_loss_coef > 0)
                 old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs.to(dev)
                 is_w = None
                 if a.enable_is_correction:
