@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from mp import spawn
+from mp import spawn, train_side_by_side
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -22,18 +22,7 @@ def _ds_worker(rank, world, kit, out_dir, stage):
                       scheduler="constant", zero_stage=stage)
     eng = DeepSpeedEngine(AutoModelForCausalLM.from_pretrained(kit), spec)
     assert eng.accum_steps == 2
-    ref = AutoModelForCausalLM.from_pretrained(kit)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
-    for _ in range(2):
-        mine = ids[rank * 2:(rank + 1) * 2]
-        for i in range(2):
-            x = mine[i:i + 1]
-            eng.backward(eng.ds(input_ids=x, labels=x).loss, i)
-        eng.step()
-        opt.zero_grad()
-        sum(ref(input_ids=ids[j:j + 1], labels=ids[j:j + 1]).loss for j in range(4)).div(4).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
+    ref = train_side_by_side(eng, eng.ds, kit, ids, rank)
     full = eng.full_state_dict()
     if rank == 0:
         worst = max((full[k].float() - v).abs().max().item() for k, v in ref.state_dict().items() if k in full)

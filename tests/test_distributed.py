@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from mp import spawn
+from mp import spawn, train_side_by_side
 from rlhf.config import TopologyConfig
 
 
@@ -164,17 +164,7 @@ def _fsdp_worker(rank, world, kit, out_dir):
                       scheduler="constant")
     eng = FSDP2Engine(AutoModelForCausalLM.from_pretrained(kit), spec)
     assert eng.accum_steps == 2
-    ref = AutoModelForCausalLM.from_pretrained(kit)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
-    for step in range(2):
-        mine = ids[rank * 2:(rank + 1) * 2]
-        for i in range(2):
-            eng.backward(loss_of(eng.model, mine[i:i + 1]), i)
-        eng.step()
-        opt.zero_grad()
-        sum(loss_of(ref, ids[j:j + 1]) for j in range(4)).div(4).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
+    ref = train_side_by_side(eng, lambda **kw: eng.model(**kw), kit, ids, rank)
     full = eng.full_state_dict()
     if rank == 0:
         worst = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if k in full)
