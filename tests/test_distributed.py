@@ -88,12 +88,15 @@ def _topology_worker(rank, world, out_dir):
     class Role:
         def __init__(self):
             self.awake = True
+            self.parts = {"weights", "kv_cache"}
 
         def sleep(self):
             self.awake = False
+            self.parts = set()
 
         def wake(self, tags=None):
             self.awake = True
+            self.parts |= set(tags or ("weights", "kv_cache"))
 
     roles = {r: Role() for r in ("actor", "ref", "reward", "rollout")}
     sched = PhaseScheduler(rank, roles, ledger=Ledger(rank))
@@ -102,10 +105,11 @@ def _topology_worker(rank, world, out_dir):
         for phase, role in (("rollout", "rollout"), ("reward", "reward"), ("ref", "ref"), ("actor", "actor"),
                             ("actor_train", "actor")):
             with sched.phase(phase, role=role):
-                assert roles[role].awake
+                assert roles[role].awake and roles[role].parts == {"weights", "kv_cache"}
                 assert sum(r.awake for r in roles.values()) == 1
         with sched.phase("sync", role="rollout", share="actor", tags=["weights"]):
             assert roles["rollout"].awake and roles["actor"].awake and not roles["ref"].awake
+            assert roles["rollout"].parts == {"weights"}  # the KV cache stays asleep while weights load
     assert sched.ledger.max_awake(allowed_pairs=[("actor", "rollout")]) == 1
     begins = [e[3] for e in sched.ledger.events if e[2] == "begin"]
     assert begins[:6] == ["rollout", "reward", "ref", "actor", "actor_train", "sync"]

@@ -48,7 +48,7 @@ def test_grpo_colocated_hybrid_reward_rises(tiny_kit, sft_model, tmp_path):
     AutoModelForCausalLM.from_pretrained(str(tmp_path / "grpo"))
 
 
-def test_separate_roles_async_and_resume_exact(tiny_kit, sft_model, tmp_path):
+def test_separate_roles_broadcast_sync_async(tiny_kit, sft_model, tmp_path):
     """actor on ranks 0-1, ref on 2, rollout on 3 (weights by broadcast), one-step off-policy async."""
     common = dict(actor_num_gpus_per_node=2, ref_num_gpus_per_node=1, vllm_num_engines=1, async_train=True,
                   actor_learning_rate=1e-4, lr_warmup_ratio=0.0,

@@ -58,6 +58,7 @@ class PhaseScheduler:
         self.enabled = enabled        # False: roles stay resident (no offload)
         self.use_barrier = barrier    # separate-role placement: phases on different ranks must not wait on each other
         self.awake = set(roles)       # everything starts resident
+        self.partial = set()          # woken for some tags only (vLLM weights without KV cache)
         self.ledger = ledger or Ledger(rank)
         self.timings: Dict[str, float] = {}
         self.current: Optional[str] = None
@@ -72,15 +73,23 @@ class PhaseScheduler:
         if role in self.awake and role in self.roles:
             self.roles[role].sleep()
             self.awake.discard(role)
+            self.partial.discard(role)
             self.ledger.record("sleep", role, self.awake)
 
     def wake(self, role: str, tags: Optional[List[str]] = None) -> None:
+        """Wake fully (tags None) or only the given parts; a later full wake completes a partial one."""
         if role not in self.roles:
             return
-        if role not in self.awake or tags:
+        if tags:
             self.roles[role].wake(tags)
-            self.awake.add(role)
-            self.ledger.record("wake" if not tags else f"wake:{','.join(tags)}", role, self.awake)
+            self.partial.add(role)
+        elif role not in self.awake or role in self.partial:
+            self.roles[role].wake(None)
+            self.partial.discard(role)
+        else:
+            return
+        self.awake.add(role)
+        self.ledger.record("wake" if not tags else f"wake:{','.join(tags)}", role, self.awake)
 
     def put_all_to_sleep(self) -> None:
         if self.enabled:

@@ -115,7 +115,8 @@ class RLTrainer:
                               temperature=r.eval_temperature if eval_mode else r.temperature,
                               top_p=r.top_p, top_k=r.top_k, max_new_tokens=self.cfg.data.generate_max_len,
                               stop_token_ids=(self.tokenizer.eos_token_id,),
-                              seed=self.cfg.optim.seed * 100003 + step * 97 + self.rank)
+                              # per engine, not per rank: the TP ranks of one vLLM engine must sample identically
+                              seed=self.cfg.optim.seed * 100003 + step * 97 + (self.plan.engine_of(self.rank) or 0))
 
     def generate(self, step: int, prompts, eval_mode: bool = False):
         with self.scheduler.phase("rollout", tags=None):
