@@ -173,6 +173,17 @@ def _fsdp_worker(rank, world, kit, out_dir):
     if rank == 0:
         worst = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if k in full)
         assert worst < 2e-5, worst
+    # rank 1 builds on the meta device and receives its shards and buffers from rank 0: same model
+    from rlhf.models.load import load_causal_lm
+
+    fresh = FSDP2Engine(load_causal_lm(kit), spec)
+    meta = FSDP2Engine(load_causal_lm(kit, on_meta=rank != 0), spec, broadcast_from_rank0=True)
+    assert not any(p.is_meta for p in meta.model.parameters())
+    assert all(not b.is_meta for b in meta.model.buffers())
+    with torch.no_grad():
+        pos = torch.arange(12).expand(2, 12)
+        assert torch.equal(meta.model(input_ids=ids[:2], position_ids=pos).logits,
+                           fresh.model(input_ids=ids[:2], position_ids=pos).logits)
     # offload / reload keeps parameters bit-identical
     local = [p.to_local().clone() for p in eng.model.parameters()]
     eng.sleep()

@@ -62,11 +62,12 @@ class TrainEngine:
     def wake(self, tags=None) -> None: ...
 
 
-def make_engine(backend: str, model: torch.nn.Module, spec: EngineSpec, group=None, device=None) -> TrainEngine:
+def make_engine(backend: str, model: torch.nn.Module, spec: EngineSpec, group=None, device=None,
+                broadcast_from_rank0: bool = False) -> TrainEngine:
     if backend == "fsdp2":
         from .fsdp2 import FSDP2Engine
 
-        return FSDP2Engine(model, spec, group=group, device=device)
+        return FSDP2Engine(model, spec, group=group, device=device, broadcast_from_rank0=broadcast_from_rank0)
     if backend == "deepspeed":
         from .deepspeed_engine import DeepSpeedEngine
 

@@ -23,7 +23,10 @@ def decoder_layers(model: torch.nn.Module):
 
 
 class FSDP2Engine(TrainEngine):
-    def __init__(self, model: torch.nn.Module, spec: EngineSpec, group=None, device=None):
+    def __init__(self, model: torch.nn.Module, spec: EngineSpec, group=None, device=None,
+                 broadcast_from_rank0: bool = False):
+        """broadcast_from_rank0: only global rank 0 holds real weights (the others built ``model`` on the meta
+        device); after sharding, every rank receives its shards and the buffers from rank 0.  Needs the world group."""
         self.spec = spec
         self.group = group if group is not None else dist.group.WORLD
         self.device = device or torch.device("cpu")
@@ -33,7 +36,11 @@ class FSDP2Engine(TrainEngine):
             raise ValueError(f"--train_batch_size {spec.train_batch_size} must be a multiple of --micro_train_batch_size "
                              f"{spec.micro_batch_size} x data-parallel ranks {self.dp} = {per_step}")
         self.accum_steps = spec.train_batch_size // per_step
-        model.to(self.device)
+        if broadcast_from_rank0 and self.group is not dist.group.WORLD:
+            raise ValueError("broadcast_from_rank0 needs the engine on all ranks (the world group)")
+        full = model.state_dict() if broadcast_from_rank0 and dist.get_rank() == 0 else None
+        if not broadcast_from_rank0 or dist.get_rank() == 0:
+            model.to(self.device)
         # one rank and fp32: sharding would only add all-gather and DTensor overhead to every op (measured: 2x
         # slower forward on the tiny model), so the module stays plain; same optimizer, schedule and checkpoints.
         self.sharded = self.dp > 1 or spec.bf16
@@ -45,6 +52,9 @@ class FSDP2Engine(TrainEngine):
             for block in decoder_layers(model):
                 fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
             fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        if broadcast_from_rank0:
+            self._fill_from_rank0(model, full)
+            del full
         self.model = model
         self.optimizer = None
         self.scheduler = None
@@ -59,6 +69,16 @@ class FSDP2Engine(TrainEngine):
             model.requires_grad_(False)
             model.eval()
         self._offloaded = False
+
+    def _fill_from_rank0(self, model, full):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if dist.get_rank() != 0:
+            model.to_empty(device=self.device)
+        set_model_state_dict(model, full if full is not None else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for buf in model.buffers():  # incl. non-persistent ones (rotary inv_freq), absent from any state dict
+            dist.broadcast(buf.data, src=0)
 
     # ---- training ----------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, micro_step: int) -> None:

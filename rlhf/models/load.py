@@ -39,11 +39,18 @@ def load_tokenizer(path: str, padding_side: str = "left"):
 
 
 def load_causal_lm(path: str, bf16: bool = False, flash_attn: bool = False, gradient_checkpointing: bool = False,
-                   lora_rank: int = 0, lora_alpha: int = 16, target_modules: str = "all-linear"):
-    from transformers import AutoModelForCausalLM
+                   lora_rank: int = 0, lora_alpha: int = 16, target_modules: str = "all-linear", on_meta: bool = False):
+    """on_meta: build the architecture without weights (no host memory); the FSDP2 engine fills the shards by
+    broadcast from rank 0, so a node holds one full copy instead of one per rank."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if bf16 and flash_attn else torch.float32,
-                                                 attn_implementation=_attn(flash_attn))
+    dtype = torch.bfloat16 if bf16 and flash_attn else torch.float32
+    if on_meta:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype,
+                                                     attn_implementation=_attn(flash_attn))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=_attn(flash_attn))
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -43,6 +43,13 @@ class Roles:
                                   ("reward", self.reward), ("rollout", self.rollout)) if v is not None}
 
 
+def meta_init(topo, groups: Groups, role: str) -> bool:
+    """Load real weights on rank 0 only when the role spans the whole world under FSDP2 (hybrid engine)."""
+    import torch.distributed as dist
+
+    return topo.backend == "fsdp2" and groups.group(role) is dist.group.WORLD and groups.plan.world_size > 1
+
+
 def build_roles(cfg, groups: Groups, device, total_steps: int, need_ref: bool, need_critic: bool) -> Roles:
     m, o, t = cfg.model, cfg.optim, cfg.topology
     path = resolve_pretrain(m.pretrain)
@@ -52,15 +59,18 @@ def build_roles(cfg, groups: Groups, device, total_steps: int, need_ref: bool, n
                        weight_decay=o.weight_decay, betas=o.adam_betas, warmup_ratio=o.lr_warmup_ratio,
                        scheduler=o.lr_scheduler, offload=t.deepspeed_enable_sleep)
     if groups.has("actor"):
+        meta = meta_init(t, groups, "actor")
         model = load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
-                               m.target_modules)
+                               m.target_modules, on_meta=meta and groups.rank != 0)
         roles.actor = make_engine(t.backend, model, EngineSpec(lr=o.actor_learning_rate, **spec_common),
-                                  group=groups.group("actor"), device=device)
+                                  group=groups.group("actor"), device=device, broadcast_from_rank0=meta)
     if need_ref and groups.has("ref"):
-        ref = load_causal_lm(m.ref_pretrain or path, m.bf16, m.flash_attn)
+        meta = meta_init(t, groups, "ref")
+        ref = load_causal_lm(m.ref_pretrain or path, m.bf16, m.flash_attn, on_meta=meta and groups.rank != 0)
         spec = EngineSpec(lr=0.0, trainable=False, **spec_common)
         spec.train_batch_size = spec.micro_batch_size * groups.role_size("ref")
-        roles.ref = make_engine(t.backend, ref, spec, group=groups.group("ref"), device=device)
+        roles.ref = make_engine(t.backend, ref, spec, group=groups.group("ref"), device=device,
+                                broadcast_from_rank0=meta)
     if need_critic and groups.has("critic"):
         from rlhf.models.critic import CriticModel
 

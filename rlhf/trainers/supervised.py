@@ -28,7 +28,7 @@ class Task:
     def __init__(self, cfg, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
 
-    def build_model(self, path: str): ...
+    def build_model(self, path: str, on_meta: bool = False): ...
 
     def make_sample(self, row: dict): ...
 
@@ -83,7 +83,10 @@ class SupervisedTrainer:
                           micro_batch_size=o.micro_train_batch_size, total_steps=self.total_steps, bf16=m.bf16,
                           zero_stage=t.zero_stage, max_norm=o.max_norm, weight_decay=o.weight_decay, betas=o.adam_betas,
                           warmup_ratio=o.lr_warmup_ratio, scheduler=o.lr_scheduler)
-        self.engine = make_engine(t.backend, self.task.build_model(self.path), spec, device=self.device)
+        # FSDP2 on several ranks: real weights on rank 0 only, shards broadcast (one host copy per node, not per rank)
+        self.meta = t.backend == "fsdp2" and self.world > 1
+        self.engine = make_engine(t.backend, self.task.build_model(self.path, on_meta=self.meta and self.rank != 0),
+                                  spec, device=self.device, broadcast_from_rank0=self.meta)
         self.task.setup(self, spec)
         self.step = 0
         lg = cfg.logging

@@ -45,10 +45,10 @@ class SFTTask(Task):
     name = "sft"
     required_keys = {"input_key": None, "output_key": None}
 
-    def build_model(self, path):
+    def build_model(self, path, on_meta=False):
         m = self.cfg.model
         return load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
-                              m.target_modules)
+                              m.target_modules, on_meta=on_meta)
 
     def make_sample(self, row):
         return tokenize_pair(self.tokenizer, _prompt(self.cfg, self.tokenizer, row), str(row[self.cfg.data.output_key]),
@@ -65,10 +65,15 @@ class RMTask(Task):
     name = "rm"
     required_keys = {"input_key": None, "chosen_key": None, "rejected_key": None}
 
-    def build_model(self, path):
-        from transformers import AutoModelForSequenceClassification
+    def build_model(self, path, on_meta=False):
+        from transformers import AutoConfig, AutoModelForSequenceClassification
 
-        m = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, attn_implementation="sdpa")
+        if on_meta:
+            with torch.device("meta"):
+                m = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(path, num_labels=1),
+                                                                   attn_implementation="sdpa")
+        else:
+            m = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, attn_implementation="sdpa")
         m.config.pad_token_id = self.tokenizer.pad_token_id
         if self.cfg.model.gradient_checkpointing:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -149,10 +154,10 @@ class DPOTask(Task):
     name = "dpo"
     required_keys = {"input_key": None, "chosen_key": None, "rejected_key": None}
 
-    def build_model(self, path):
+    def build_model(self, path, on_meta=False):
         m = self.cfg.model
         return load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
-                              m.target_modules)
+                              m.target_modules, on_meta=on_meta)
 
     REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -164,9 +169,11 @@ class DPOTask(Task):
         self.ref = None
         if all(s[2] is not None for s in trainer.train_samples + trainer.eval_samples):
             return  # every row carries precomputed reference log-probs: no reference model needed
-        ref = load_causal_lm(self.cfg.model.ref_pretrain or trainer.path, self.cfg.model.bf16, self.cfg.model.flash_attn)
+        ref = load_causal_lm(self.cfg.model.ref_pretrain or trainer.path, self.cfg.model.bf16, self.cfg.model.flash_attn,
+                             on_meta=trainer.meta and trainer.rank != 0)
         rspec = replace(spec, trainable=False)
-        self.ref = make_engine(self.cfg.topology.backend, ref, rspec, device=trainer.device)
+        self.ref = make_engine(self.cfg.topology.backend, ref, rspec, device=trainer.device,
+                               broadcast_from_rank0=trainer.meta)
 
     def make_sample(self, row):
         d, tok = self.cfg.data, self.tokenizer
