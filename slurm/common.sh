@@ -21,8 +21,10 @@ echo "[slurm] job $SLURM_JOB_ID: $SLURM_NNODES node(s) x $GPUS_PER_NODE ranks, r
      "(restart ${SLURM_RESTART_COUNT:-0})"
 
 SRUN_PID=""
-on_preempt() {
-  echo "[slurm] preemption/time-limit signal: asking the trainers to checkpoint"
+# USR1 comes from --signal=B:USR1@300 before the time limit (or from `scancel --signal=USR1 --batch`):
+# checkpoint, then requeue ourselves; the restart resumes with --load_checkpoint.
+on_usr1() {
+  echo "[slurm] USR1 (time limit or preemption notice): asking the trainers to checkpoint"
   touch "$RLHF_STOP_FILE"
   [ -n "$SRUN_PID" ] && wait "$SRUN_PID" || true
   rm -f "$RLHF_STOP_FILE"
@@ -30,7 +32,15 @@ on_preempt() {
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
 }
-trap on_preempt USR1 TERM
+# TERM is scancel, or a preemption that SLURM requeues itself: checkpoint within KillWait, never requeue here.
+on_term() {
+  echo "[slurm] TERM: asking the trainers to checkpoint before the job ends"
+  touch "$RLHF_STOP_FILE"
+  [ -n "$SRUN_PID" ] && wait "$SRUN_PID" || true
+  exit 143
+}
+trap on_usr1 USR1
+trap on_term TERM
 
 # rlhf_run MODULE [FLAGS...]: one srun task per node, each running torchrun over the node's ranks.
 rlhf_run() {

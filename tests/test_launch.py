@@ -50,7 +50,7 @@ def test_render_and_shipped_scripts_in_sync():
             assert os.path.isfile(os.path.join(ROOT, job.args[1]))
     common = open(os.path.join(ROOT, "slurm", "common.sh")).read()
     for needle in ("scontrol show hostnames", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "scontrol requeue",
-                   "--rdzv_backend c10d", "trap on_preempt USR1 TERM", "RLHF_STOP_FILE"):
+                   "--rdzv_backend c10d", "trap on_usr1 USR1", "trap on_term TERM", "RLHF_STOP_FILE"):
         assert needle in common
     subprocess.run(["bash", "-n", os.path.join(ROOT, "slurm", "common.sh")], check=True)
 
@@ -74,6 +74,12 @@ def _slurm_ok() -> bool:
         return False
     r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
     return r.returncode == 0 and re.search(r"idle|mixed|alloc", r.stdout) is not None
+
+
+def _state(job: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    m = re.search(r"JobState=(\w+)", out)
+    return m.group(1) if m else "GONE"
 
 
 def _wait_for(pred, timeout, step=1.0):
@@ -110,10 +116,14 @@ def test_sbatch_tiny_job_then_preempt_requeue_resume(tmp_path):
         assert _wait_for(lambda: "[train 50]" in read(), 180), read()
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
         assert _wait_for(lambda: "requeueing" in read(), 120), read()
+        # SLURM holds a requeued job for a while; release it once the old instance has fully ended
+        assert _wait_for(lambda: _state(job) == "PENDING", 120), _state(job)
+        time.sleep(5)
         subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], capture_output=True)
-        assert _wait_for(lambda: "[resume] from" in read(), 180), read()
+        assert _wait_for(lambda: "[resume] from" in read(), 180), (read(), _state(job))
     finally:
-        subprocess.run(["scancel", job], capture_output=True)
+        subprocess.run(["scancel", job], capture_output=True)  # TERM: checkpoint and end, no requeue
+        _wait_for(lambda: _state(job) not in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED"), 120)
     text = read()
     step = int(re.search(r"checkpointing step (\d+)", text).group(1))
     assert f"[resume] from ./output/tiny_sft_ckpt/global_step_{step} at step {step}" in text
