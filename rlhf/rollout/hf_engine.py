@@ -8,7 +8,7 @@ import torch
 from rlhf.algorithms.logprob import logprobs_from_logits
 from rlhf.data.formatting import pad_batch
 
-from .base import RolloutBatch, RolloutEngine, SamplingParams, response_mask
+from .base import RolloutBatch, RolloutEngine, SamplingParams, merge_batches, response_mask
 
 
 class HFEngine(RolloutEngine):
@@ -33,8 +33,6 @@ class HFEngine(RolloutEngine):
             gen.manual_seed(params.seed)
         for s in range(0, len(prompt_ids), per):
             outs.append(self._generate_chunk(prompt_ids[s:s + per], params, stop, gen))
-        from .base import merge_batches
-
         return merge_batches(outs, self.tokenizer.pad_token_id)
 
     def _generate_chunk(self, prompts, params: SamplingParams, stop, gen) -> RolloutBatch:

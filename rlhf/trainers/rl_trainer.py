@@ -20,7 +20,7 @@ from rlhf.utils import checkpoint as ckpt
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import install_signal_handler, stop_requested
 
-from .experience import gather_rollout, generate_shard, make_experience
+from .experience import gather_rollout, gather_rows, generate_shard, make_experience, reward_shard
 from .ppo_update import train_actor, train_critic
 from .roles import build_roles
 
@@ -183,8 +183,6 @@ class RLTrainer:
         n = len(self.eval_prompts) * self.cfg.rollout.eval_n_samples_per_prompt
         batch = gather_rollout(local, n, self.tokenizer.pad_token_id, self.agent_mode)
         labels = [p.label for p in self.eval_prompts for _ in range(self.cfg.rollout.eval_n_samples_per_prompt)]
-        from .experience import reward_shard, gather_rows
-
         res = reward_shard(self.roles, self.groups, self.reward_source, self.tokenizer, batch, labels,
                            self.cfg.rollout.micro_rollout_batch_size)
         r = gather_rows(None if res is None else res["rewards"].float().unsqueeze(1), n).squeeze(1)
