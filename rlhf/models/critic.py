@@ -18,9 +18,16 @@ class CriticModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str, gradient_checkpointing: bool = False):
-        from transformers import AutoModel
+    def from_pretrained(cls, path: str, gradient_checkpointing: bool = False, on_meta: bool = False):
+        from transformers import AutoConfig, AutoModel
 
+        if on_meta:  # shards arrive from rank 0 (FSDP2Engine broadcast_from_rank0)
+            with torch.device("meta"):
+                backbone = AutoModel.from_config(AutoConfig.from_pretrained(path), attn_implementation="sdpa")
+                model = cls(backbone, backbone.config.hidden_size)
+            if gradient_checkpointing:
+                backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return model
         backbone = AutoModel.from_pretrained(path, attn_implementation="sdpa")
         if gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -72,13 +72,18 @@ def apply_lora(model, rank: int, alpha: int, target_modules: str):
 RM_NORM_FILE = "reward_norm.json"
 
 
-def load_reward_model(path: str, bf16: bool = False, flash_attn: bool = False):
+def load_reward_model(path: str, bf16: bool = False, flash_attn: bool = False, on_meta: bool = False):
     """Sequence-classification RM; returns (model, (mean, std)) with normalisation stats saved by train_rm."""
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=torch.bfloat16 if bf16 and flash_attn else torch.float32,
-        attn_implementation=_attn(flash_attn))
+    dtype = torch.bfloat16 if bf16 and flash_attn else torch.float32
+    if on_meta:
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(
+                AutoConfig.from_pretrained(path, num_labels=1), dtype=dtype, attn_implementation=_attn(flash_attn))
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
+                                                                   attn_implementation=_attn(flash_attn))
     stats = (0.0, 1.0)
     f = os.path.join(path, RM_NORM_FILE)
     if os.path.isfile(f):

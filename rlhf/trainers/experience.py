@@ -6,6 +6,7 @@ ids and per-token floats only, never weights).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -112,32 +113,51 @@ def gather_rollout(local: Optional[RolloutBatch], n_rows: int, pad_id: int, with
     return RolloutBatch(seq, att, am, lp, P, tr, rewards, scores)
 
 
+def micro_slices(sl: slice, n_rows: int, group_size: int, micro: int) -> List[Optional[slice]]:
+    """This rank's rows cut into as many micro-batches as the largest shard of the group needs.
+
+    Sharded (FSDP2) forwards are collectives: every rank of the role group must run the
+    same number of them.  A rank with fewer rows gets ``None`` entries (a dummy forward).
+    """
+    k = max(1, math.ceil(math.ceil(n_rows / group_size) / micro))
+    local = sl.stop - sl.start
+    bounds = torch.linspace(0, local, k + 1).round().long().tolist()
+    return [slice(sl.start + a, sl.start + b) if b > a else None for a, b in zip(bounds, bounds[1:])]
+
+
+def _run_micro(fn, batch: RolloutBatch, sl: slice, groups, role: str, micro: int, width: int):
+    outs = []
+    for part in micro_slices(sl, batch.sequences.size(0), groups.role_size(role), micro):
+        y = fn(part if part is not None else slice(0, 1))
+        if part is not None:
+            outs.append(y.cpu())
+    return torch.cat(outs) if outs else torch.zeros((0, width))
+
+
 @torch.no_grad()
 def forward_logprobs_shard(engine, batch: RolloutBatch, sl: Optional[slice], temperature: float, micro: int,
-                           chunk: int, packing: bool) -> Optional[torch.Tensor]:
+                           chunk: int, packing: bool, groups, role: str) -> Optional[torch.Tensor]:
     if engine is None or sl is None:
         return None
     model = engine.model
-    seqs, att, am = batch.sequences[sl], batch.attention_mask[sl], batch.action_mask[sl]
     dev = next(model.parameters()).device
-    out = []
-    for s in range(0, seqs.size(0), micro):
-        args = (seqs[s:s + micro].to(dev), att[s:s + micro].to(dev))
+
+    def fn(p):
+        ids, att = batch.sequences[p].to(dev), batch.attention_mask[p].to(dev)
         if packing:
-            out.append(packed_action_logprobs(model, *args, am[s:s + micro].to(dev), temperature, chunk).cpu())
-        else:
-            out.append(action_logprobs(model, *args, batch.num_actions, temperature, chunk)[0].cpu())
-    return torch.cat(out) if out else torch.zeros((0, batch.num_actions))
+            return packed_action_logprobs(model, ids, att, batch.action_mask[p].to(dev), temperature, chunk)
+        return action_logprobs(model, ids, att, batch.num_actions, temperature, chunk)[0]
+
+    return _run_micro(fn, batch, sl, groups, role, micro, batch.num_actions)
 
 
 @torch.no_grad()
-def values_shard(engine, batch: RolloutBatch, sl: Optional[slice], micro: int) -> Optional[torch.Tensor]:
+def values_shard(engine, batch: RolloutBatch, sl: Optional[slice], micro: int, groups) -> Optional[torch.Tensor]:
     if engine is None or sl is None:
         return None
     dev = next(engine.model.parameters()).device
-    out = [engine.model(batch.sequences[sl][s:s + micro].to(dev), batch.attention_mask[sl][s:s + micro].to(dev),
-                        batch.num_actions).cpu() for s in range(0, batch.sequences[sl].size(0), micro)]
-    return torch.cat(out) if out else torch.zeros((0, batch.num_actions))
+    fn = lambda p: engine.model(batch.sequences[p].to(dev), batch.attention_mask[p].to(dev), batch.num_actions)  # noqa: E731
+    return _run_micro(fn, batch, sl, groups, "critic", micro, batch.num_actions)
 
 
 def decode_queries(tokenizer, batch: RolloutBatch, sl: slice):
@@ -169,8 +189,9 @@ def reward_shard(roles, groups, reward_source, tokenizer, batch: RolloutBatch, l
         sl = role_shard(groups, "reward", n)
         if sl is None:
             return None
-        r = score_sequences(roles.reward.model, batch.sequences[sl], batch.attention_mask[sl], roles.reward_stats,
-                            micro)
+        r = _run_micro(lambda p: score_sequences(roles.reward.model, batch.sequences[p], batch.attention_mask[p],
+                                                 roles.reward_stats, micro).unsqueeze(1),
+                       batch, sl, groups, "reward", micro, 1).squeeze(1)
         return {"rewards": r, "scores": r, "valid": torch.ones_like(r, dtype=torch.bool), "extra_logs": {}}
     world = dist.get_world_size() if dist.is_initialized() else 1
     sl = shard_rows(n, dist.get_rank() if dist.is_initialized() else 0, world)
@@ -230,17 +251,17 @@ def make_experience(cfg, roles, groups, batch: RolloutBatch, labels: List, rewar
     ref_lp = None
     if roles.ref is not None or groups.plan.roles.get("ref"):
         loc = run("ref", lambda: forward_logprobs_shard(roles.ref, batch, role_shard(groups, "ref", n), temp, micro,
-                                                        chunk, m.packing_samples))
+                                                        chunk, m.packing_samples, groups, "ref"))
         ref_lp = gather_rows(loc, n) * batch.action_mask
     if on_policy_single_update(cfg):
         old_lp = None  # the one update sees ratio 1: the trainer uses its own log-probs, detached (no extra forward)
     else:
         loc = run("actor", lambda: forward_logprobs_shard(roles.actor, batch, role_shard(groups, "actor", n), temp,
-                                                          micro, chunk, m.packing_samples))
+                                                          micro, chunk, m.packing_samples, groups, "actor"))
         old_lp = gather_rows(loc, n) * batch.action_mask
     values = None
     if spec.needs_critic:
-        loc = run("critic", lambda: values_shard(roles.critic, batch, role_shard(groups, "critic", n), micro))
+        loc = run("critic", lambda: values_shard(roles.critic, batch, role_shard(groups, "critic", n), micro, groups))
         values = gather_rows(loc, n) * batch.action_mask
     # reward shaping
     mask = batch.action_mask.float()

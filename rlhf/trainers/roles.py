@@ -12,28 +12,12 @@ from rlhf.models.load import load_causal_lm, load_reward_model, load_tokenizer, 
 from rlhf.rollout.hf_engine import HFEngine
 
 
-class FrozenModel:
-    """A replicated, frozen module (reward model) that can sleep (offload) like any other role."""
-
-    def __init__(self, model, device):
-        self.model, self.device = model.to(device), device
-
-    def sleep(self):
-        if self.device.type != "cpu":
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
-
-    def wake(self, tags=None):
-        if self.device.type != "cpu":
-            self.model.to(self.device)
-
-
 @dataclass
 class Roles:
     actor: Optional[object] = None       # TrainEngine
     ref: Optional[object] = None         # TrainEngine (frozen)
     critic: Optional[object] = None      # TrainEngine
-    reward: Optional[FrozenModel] = None
+    reward: Optional[object] = None      # TrainEngine (frozen) holding the sequence-classification RM
     reward_stats: tuple = (0.0, 1.0)
     rollout: Optional[object] = None     # RolloutEngine
     agent: Optional[object] = None       # AgentExecutor driving the rollout engine (--agent_func_path)
@@ -74,11 +58,19 @@ def build_roles(cfg, groups: Groups, device, total_steps: int, need_ref: bool, n
     if need_critic and groups.has("critic"):
         from rlhf.models.critic import CriticModel
 
-        critic = CriticModel.from_pretrained(m.critic_pretrain or path, m.gradient_checkpointing)
-        roles.critic = make_engine(t.backend, critic, EngineSpec(lr=o.critic_learning_rate, **spec_common), group=groups.group("critic"), device=device)
+        meta = meta_init(t, groups, "critic")
+        critic = CriticModel.from_pretrained(m.critic_pretrain or path, m.gradient_checkpointing,
+                                             on_meta=meta and groups.rank != 0)
+        roles.critic = make_engine(t.backend, critic, EngineSpec(lr=o.critic_learning_rate, **spec_common),
+                                   broadcast_from_rank0=meta, group=groups.group("critic"), device=device)
     if m.reward_pretrain and groups.has("reward"):
-        rm, stats = load_reward_model(m.reward_pretrain, m.bf16, m.flash_attn)
-        roles.reward, roles.reward_stats = FrozenModel(rm, device), stats
+        meta = meta_init(t, groups, "reward")
+        rm, stats = load_reward_model(m.reward_pretrain, m.bf16, m.flash_attn, on_meta=meta and groups.rank != 0)
+        spec = EngineSpec(lr=0.0, trainable=False, **spec_common)
+        spec.train_batch_size = spec.micro_batch_size * groups.role_size("reward")
+        roles.reward = make_engine(t.backend, rm, spec, group=groups.group("reward"), device=device,
+                                   broadcast_from_rank0=meta)
+        roles.reward_stats = stats
     if groups.has("rollout"):
         roles.rollout = build_rollout_engine(cfg, path, groups, device)
         if cfg.rollout.agent_func_path:

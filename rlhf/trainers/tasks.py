@@ -98,18 +98,13 @@ class RMTask(Task):
 
     @staticmethod
     def _packed_scores(model, seqs):
-        """One packed row; the score head's per-token output (caught by a hook, through the root forward so
-        FSDP's hooks run) is read at each sequence's last token."""
-        head = getattr(model, "score", None) or model.get_submodule("base_model.model.score")
-        caught = {}
-        h = head.register_forward_hook(lambda mod, inp, out: caught.__setitem__("z", out))
-        try:
-            b = collate_packed([(s, [1] * len(s)) for s in seqs])
-            model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False)
-        finally:
-            h.remove()
+        """One packed row; the score head's per-token output is read at each sequence's last token."""
+        from rlhf.rewards.reward_model import per_token_scores
+
+        b = collate_packed([(s, [1] * len(s)) for s in seqs])
+        z = per_token_scores(model, input_ids=b["input_ids"], position_ids=b["position_ids"])
         ends = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
-        return caught["z"][0, ends, 0].float()
+        return z[0, ends].float()
 
     def loss(self, model, samples):
         a = self.cfg.algorithm
