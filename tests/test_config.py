@@ -116,3 +116,11 @@ def test_flag_reference_in_sync():
 
     with open(PATH) as fh:
         assert fh.read() == render(), "docs/FLAGS.md is stale: python -m rlhf.tools.flags_md"
+
+
+def test_deepspeed_launcher_local_rank_accepted(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    cfg = parse("dpo", ["--local_rank=1", "--beta", "0.2"])
+    import os
+
+    assert cfg.algorithm.beta == 0.2 and os.environ["LOCAL_RANK"] == "1"

@@ -147,7 +147,9 @@ def make_command(kind: str, run: Callable[[TrainConfig], None], trainer_defaults
     """A click command with one option per config field, grouped in --help."""
     trainer_defaults = trainer_defaults or {}
     params = [click.Option(["--config"], type=click.Path(), default=None,
-                           help="YAML recipe; flags given on the command line override it")]
+                           help="YAML recipe; flags given on the command line override it"),
+              # the `deepspeed` launcher appends --local_rank=N; torchrun sets LOCAL_RANK instead
+              click.Option(["--local_rank", "--local-rank"], type=int, default=None, hidden=True)]
     for name, (g, f) in flag_index().items():
         default = trainer_defaults.get(name, f.default)
         if _is_bool(f):
@@ -160,6 +162,9 @@ def make_command(kind: str, run: Callable[[TrainConfig], None], trainer_defaults
 
     def callback(**kwargs):
         ctx = click.get_current_context()
+        local_rank = kwargs.pop("local_rank", None)
+        if local_rank is not None:
+            os.environ.setdefault("LOCAL_RANK", str(local_rank))
         explicit = {k: v for k, v in kwargs.items()
                     if k != "config" and ctx.get_parameter_source(k) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
         try:
