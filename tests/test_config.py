@@ -61,7 +61,6 @@ def test_trainer_defaults_below_yaml_and_flags(tmp_path):
     (["--reward_clip_range", "2", "1"], "lo < hi"),
     (["--prompt_data", "x.jsonl"], "no reward source"),
     (["--dynamic_filtering"], "n_samples_per_prompt > 1"),
-    (["--lora_rank", "8"], "do not yet merge LoRA"),
 ])
 def test_rejections_name_the_flag(argv, needle):
     with pytest.raises(click.UsageError) as e:

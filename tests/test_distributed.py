@@ -236,3 +236,28 @@ def test_half_written_checkpoint_ignored(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("global_step") and
                    (p / "trainer_state.json").exists())
     assert names == ["global_step_7", "global_step_9"]
+
+
+def test_weight_sync_merges_lora_under_engine_names(tiny_kit):
+    import copy
+
+    from rlhf.distributed.weight_sync import WeightSync, param_meta
+    from rlhf.models.load import load_causal_lm
+
+    peft_model = load_causal_lm(tiny_kit, lora_rank=4, lora_alpha=8)
+    torch.manual_seed(3)
+    for n, p in peft_model.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_()  # peft starts B at 0; make the merge matter
+    merged = copy.deepcopy(peft_model).merge_and_unload()
+    engine = RecordingEngine(load_causal_lm(tiny_kit))
+
+    class Plain:
+        class plan:
+            separate_rollout = False
+
+    meta = param_meta(peft_model)
+    assert [m[0] for m in meta] == [n for n, _ in engine.model.named_parameters()]
+    WeightSync(Plain, engine, bucket_mb=0.01).sync(peft_model)
+    for (n, p), (n2, q) in zip(engine.model.named_parameters(), merged.named_parameters()):
+        assert n == n2 and torch.allclose(p, q, atol=1e-6), n

@@ -28,6 +28,9 @@ def test_every_estimator_runs_one_step(tiny_kit, tmp_path, estimator):
     extra = ("--overlong_buffer_len", "2", "--normalize_reward", "--reward_clip_range", "-1", "1")
     if estimator == "dr_grpo":
         extra += ("--loss_agg_mode", "seq-mean-token-sum-norm", "--policy_loss_type", "gspo")
+    if estimator == "reinforce":  # LoRA actor, 2 steps, 2 epochs: the engine must hold the merged weights
+        extra += ("--lora_rank", "4", "--lora_alpha", "8", "--max_global_steps", "2", "--max_epochs", "2",
+                  "--actor_learning_rate", "1e-2")
     if estimator == "group_norm":
         extra += ("--packing_samples", "--dynamic_filtering")
     if estimator == "rloo":
@@ -37,6 +40,9 @@ def test_every_estimator_runs_one_step(tiny_kit, tmp_path, estimator):
     m = rows[0]
     assert m["step"] == 1 and all(v == v for v in m.values() if isinstance(v, float))
     assert ("value_loss" in m) == (estimator == "gae")
+    if estimator == "reinforce":
+        assert rows[1]["approx_kl"] > 1e-4                 # the update moved the policy ...
+        assert rows[1]["rollout_logprob_gap"] < 1e-4       # ... and the engine generated with exactly those weights
 
 
 def test_packed_and_padded_losses_agree(tiny_kit):

@@ -41,9 +41,6 @@ def _validate_rl(cfg) -> None:
     from rlhf.algorithms import ADVANTAGE_ESTIMATORS
 
     o, r, a, d, t, m = cfg.optim, cfg.rollout, cfg.algorithm, cfg.data, cfg.topology, cfg.model
-    _check(m.lora_rank == 0, "lora_rank",
-           "--lora_rank is supported by train_sft / train_rm / train_dpo; the RL trainers do not yet merge LoRA "
-           "adapters for the weight sync to the rollout engine: drop --lora_rank")
     est = a.advantage_estimator
     _check(est in ADVANTAGE_ESTIMATORS, "advantage_estimator",
            f"--advantage_estimator {est!r} is unknown; choose one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")

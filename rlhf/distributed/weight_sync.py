@@ -28,8 +28,52 @@ def full_tensor(p: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+PEFT_PREFIX = "base_model.model."
+
+
+def _engine_name(name: str) -> str:
+    """peft's parameter name -> the plain HF model's (what the rollout engine holds)."""
+    if name.startswith(PEFT_PREFIX):
+        name = name[len(PEFT_PREFIX):]
+    return name.replace(".base_layer.", ".")
+
+
+def _lora_scalings(model) -> dict:
+    return {name: mod.scaling["default"] for name, mod in model.named_modules()
+            if hasattr(mod, "lora_A") and hasattr(mod, "scaling") and "default" in getattr(mod, "scaling", {})}
+
+
+def _export(model, materialize: bool):
+    """(engine name, shape, dtype, tensor or None) for every weight the engine receives, in one fixed order.
+
+    LoRA layers are merged: W = W_base + scaling * B @ A, emitted where lora_B appears,
+    so the metadata pass (materialize=False, no collectives) and the tensor pass agree.
+    """
+    scal = _lora_scalings(model)
+    pending = {}
+    for name, p in model.named_parameters():
+        mod = None
+        for key in (".base_layer.weight", ".lora_A.default.weight", ".lora_B.default.weight"):
+            if name.endswith(key) and name[: -len(key)] in scal:
+                mod, part = name[: -len(key)], key
+        t = full_tensor(p) if materialize else None
+        if mod is None:
+            yield _engine_name(name), tuple(p.shape), p.dtype, t
+            continue
+        slot = pending.setdefault(mod, {})
+        slot[part] = t if materialize else p
+        if part == ".lora_B.default.weight":
+            base = slot[".base_layer.weight"]
+            merged = None
+            if materialize:
+                merged = base + scal[mod] * (slot[".lora_B.default.weight"].float() @
+                                             slot[".lora_A.default.weight"].float()).to(base.dtype)
+            yield _engine_name(mod + ".weight"), tuple(base.shape), base.dtype, merged
+            del pending[mod]
+
+
 def param_meta(model: torch.nn.Module) -> List[Meta]:
-    return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+    return [(n, shape, dt) for n, shape, dt, _ in _export(model, materialize=False)]
 
 
 def bucket_plan(meta: List[Meta], bucket_bytes: int, dtype: Optional[torch.dtype] = None) -> List[List[int]]:
@@ -71,8 +115,8 @@ class WeightSync:
 
     # ---- colocated -------------------------------------------------------------------------------------------
     def _named_full(self, model) -> Iterator[Tuple[str, torch.Tensor]]:
-        for name, p in model.named_parameters():
-            t = full_tensor(p)
+        """Full (unsharded, LoRA-merged) weights under the engine's names; collective over the actor group."""
+        for name, _, _, t in _export(model, materialize=True):
             yield name, (t.to(self.dtype) if self.dtype is not None else t)
 
     def sync_colocated(self, model) -> int:

@@ -69,7 +69,7 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
                     loss = loss + kl_coef * kl_loss
                     logs["kl_loss"].append(float(kl_loss.detach()))
                 engine.backward(loss, i)
-                logs["policy_loss"].append(float(pl))
+                logs["policy_loss"].append(float(pl.detach()))
                 logs["entropy"].append(float(ent_mean))
                 for k, v in met.items():
                     logs[k].append(v)
