@@ -136,3 +136,31 @@ def test_rm_server_over_http(tiny_kit):
             http_reward_func(url)([], [], [])
     finally:
         server.shutdown()
+
+
+def test_serve_rm_cli_end_to_end(tiny_kit):
+    """python -m rlhf.serve_rm as users start it; then train-time client calls against it."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf.serve_rm", "--reward_pretrain", os.path.join(tiny_kit, "reward"),
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    try:
+        url = None
+        for line in proc.stdout:
+            m = re.search(r"(http://127\.0\.0\.1:\d+/get_reward)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url, "server did not report its address"
+        src = make_reward_source(url)
+        out = src(["1+2=3", "1+2=4"], ["1+2=", "1+2="], ["3", "3"])
+        assert out["rewards"].shape == (2,) and torch.isfinite(out["rewards"]).all()
+        with urllib.request.urlopen(url.replace("/get_reward", "/health"), timeout=10) as r:
+            assert json.loads(r.read()) == {"status": "ok"}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
