@@ -184,6 +184,19 @@ def _fsdp_worker(rank, world, kit, out_dir):
         pos = torch.arange(12).expand(2, 12)
         assert torch.equal(meta.model(input_ids=ids[:2], position_ids=pos).logits,
                            fresh.model(input_ids=ids[:2], position_ids=pos).logits)
+    # the critic (backbone + value head) takes the same path
+    import copy
+
+    from rlhf.models.critic import CriticModel
+
+    critic = CriticModel.from_pretrained(kit, on_meta=rank != 0)
+    plain = copy.deepcopy(critic) if rank == 0 else None
+    ceng = FSDP2Engine(critic, spec, broadcast_from_rank0=True)
+    att = torch.ones(2, 12, dtype=torch.long)
+    with torch.no_grad():
+        values = ceng.model(ids[:2], att, 5)
+        if rank == 0:
+            assert torch.allclose(values, plain(ids[:2], att, 5), atol=1e-6)
     # offload / reload keeps parameters bit-identical
     local = [p.to_local().clone() for p in eng.model.parameters()]
     eng.sleep()

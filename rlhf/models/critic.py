@@ -19,18 +19,16 @@ class CriticModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, gradient_checkpointing: bool = False, on_meta: bool = False):
-        from transformers import AutoConfig, AutoModel
+        from transformers import AutoModel
 
-        if on_meta:  # shards arrive from rank 0 (FSDP2Engine broadcast_from_rank0)
-            with torch.device("meta"):
-                backbone = AutoModel.from_config(AutoConfig.from_pretrained(path), attn_implementation="sdpa")
-                model = cls(backbone, backbone.config.hidden_size)
-            if gradient_checkpointing:
-                backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            return model
-        backbone = AutoModel.from_pretrained(path, attn_implementation="sdpa")
+        from .load import from_pretrained_or_meta
+
+        backbone = from_pretrained_or_meta(AutoModel, path, on_meta, attn_implementation="sdpa")
         if gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if on_meta:  # value head and backbone shards arrive from rank 0 (FSDP2Engine broadcast_from_rank0)
+            with torch.device("meta"):
+                return cls(backbone, backbone.config.hidden_size)
         model = cls(backbone, backbone.config.hidden_size)
         head = os.path.join(path, "value_head.pt")
         if os.path.isfile(head):

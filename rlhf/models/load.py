@@ -38,19 +38,25 @@ def load_tokenizer(path: str, padding_side: str = "left"):
     return tok
 
 
-def load_causal_lm(path: str, bf16: bool = False, flash_attn: bool = False, gradient_checkpointing: bool = False,
-                   lora_rank: int = 0, lora_alpha: int = 16, target_modules: str = "all-linear", on_meta: bool = False):
-    """on_meta: build the architecture without weights (no host memory); the FSDP2 engine fills the shards by
-    broadcast from rank 0, so a node holds one full copy instead of one per rank."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def from_pretrained_or_meta(auto_cls, path: str, on_meta: bool = False, config_kwargs=None, **kwargs):
+    """``auto_cls.from_pretrained(path)``, or with on_meta the same architecture without weights (no host memory):
+    the FSDP2 engine then fills the shards by broadcast from rank 0, so a node holds one copy, not one per rank."""
+    from transformers import AutoConfig
 
-    dtype = torch.bfloat16 if bf16 and flash_attn else torch.float32
     if on_meta:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype,
-                                                     attn_implementation=_attn(flash_attn))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=_attn(flash_attn))
+            return auto_cls.from_config(AutoConfig.from_pretrained(path, **(config_kwargs or {})), **kwargs)
+    return auto_cls.from_pretrained(path, **(config_kwargs or {}), **kwargs)
+
+
+def load_causal_lm(path: str, bf16: bool = False, flash_attn: bool = False, gradient_checkpointing: bool = False,
+                   lora_rank: int = 0, lora_alpha: int = 16, target_modules: str = "all-linear", on_meta: bool = False):
+    """on_meta: see from_pretrained_or_meta."""
+    from transformers import AutoModelForCausalLM
+
+    model = from_pretrained_or_meta(AutoModelForCausalLM, path, on_meta,
+                                    dtype=torch.bfloat16 if bf16 and flash_attn else torch.float32,
+                                    attn_implementation=_attn(flash_attn))
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -74,16 +80,11 @@ RM_NORM_FILE = "reward_norm.json"
 
 def load_reward_model(path: str, bf16: bool = False, flash_attn: bool = False, on_meta: bool = False):
     """Sequence-classification RM; returns (model, (mean, std)) with normalisation stats saved by train_rm."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
-    dtype = torch.bfloat16 if bf16 and flash_attn else torch.float32
-    if on_meta:
-        with torch.device("meta"):
-            model = AutoModelForSequenceClassification.from_config(
-                AutoConfig.from_pretrained(path, num_labels=1), dtype=dtype, attn_implementation=_attn(flash_attn))
-    else:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
-                                                                   attn_implementation=_attn(flash_attn))
+    model = from_pretrained_or_meta(AutoModelForSequenceClassification, path, on_meta, {"num_labels": 1},
+                                    dtype=torch.bfloat16 if bf16 and flash_attn else torch.float32,
+                                    attn_implementation=_attn(flash_attn))
     stats = (0.0, 1.0)
     f = os.path.join(path, RM_NORM_FILE)
     if os.path.isfile(f):

@@ -52,6 +52,13 @@ def gather_rows(x: Optional[torch.Tensor], n_rows: int, pad=0, dtype=torch.float
     return out
 
 
+def world_shard(n: int) -> slice:
+    """This rank's rows when every rank takes a share (reward functions, agent scores)."""
+    if not dist.is_initialized():
+        return slice(0, n)
+    return shard_rows(n, dist.get_rank(), dist.get_world_size())
+
+
 def role_shard(groups, role: str, n: int) -> Optional[slice]:
     if not groups.has(role):
         return None
@@ -108,8 +115,8 @@ def gather_rollout(local: Optional[RolloutBatch], n_rows: int, pad_id: int, with
         att = torch.nn.functional.pad(att, (0, extra))
     rewards = scores = None
     if with_rewards:
-        rewards = gather_rows(None if local is None else local.rewards.float().unsqueeze(1), n_rows).squeeze(1)
-        scores = gather_rows(None if local is None else local.scores.float().unsqueeze(1), n_rows).squeeze(1)
+        rewards = gather_rows(None if local is None else local.rewards.unsqueeze(1), n_rows).squeeze(1)
+        scores = gather_rows(None if local is None else local.scores.unsqueeze(1), n_rows).squeeze(1)
     return RolloutBatch(seq, att, am, lp, P, tr, rewards, scores)
 
 
@@ -179,8 +186,7 @@ def reward_shard(roles, groups, reward_source, tokenizer, batch: RolloutBatch, l
     """
     n = batch.sequences.size(0)
     if batch.rewards is not None:  # agent rollouts: the environment already scored every row
-        sl = shard_rows(n, dist.get_rank() if dist.is_initialized() else 0,
-                        dist.get_world_size() if dist.is_initialized() else 1)
+        sl = world_shard(n)
         if sl.stop <= sl.start:
             return None
         r = batch.rewards[sl]
@@ -193,12 +199,16 @@ def reward_shard(roles, groups, reward_source, tokenizer, batch: RolloutBatch, l
                                                  roles.reward_stats, micro).unsqueeze(1),
                        batch, sl, groups, "reward", micro, 1).squeeze(1)
         return {"rewards": r, "scores": r, "valid": torch.ones_like(r, dtype=torch.bool), "extra_logs": {}}
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    sl = shard_rows(n, dist.get_rank() if dist.is_initialized() else 0, world)
+    sl = world_shard(n)
     if sl.stop <= sl.start:
         return None
     queries, prompts = decode_queries(tokenizer, batch, sl)
     return reward_source(queries, prompts, labels[sl])
+
+
+def inference_rows(cfg) -> int:
+    """Rows per inference forward (ref, old log-probs, values, reward model): a micro-batch of prompts' samples."""
+    return cfg.rollout.micro_rollout_batch_size * cfg.rollout.n_samples_per_prompt
 
 
 def on_policy_single_update(cfg) -> bool:
@@ -224,7 +234,7 @@ def make_experience(cfg, roles, groups, batch: RolloutBatch, labels: List, rewar
     """Everything the update needs, identical on every rank."""
     a, r, m = cfg.algorithm, cfg.rollout, cfg.model
     n = batch.sequences.size(0)
-    micro = r.micro_rollout_batch_size * r.n_samples_per_prompt  # rows per inference forward
+    micro = inference_rows(cfg)
     spec = ADVANTAGE_ESTIMATORS[a.advantage_estimator]
     phase = scheduler.phase if scheduler is not None else None
 

@@ -20,7 +20,8 @@ from rlhf.utils import checkpoint as ckpt
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import install_signal_handler, stop_requested
 
-from .experience import gather_rollout, gather_rows, generate_shard, make_experience, reward_shard
+from .experience import (gather_rollout, gather_rows, generate_shard, inference_rows, make_experience,
+                         reward_shard)
 from .ppo_update import train_actor, train_critic
 from .roles import build_roles
 
@@ -184,15 +185,14 @@ class RLTrainer:
         batch = gather_rollout(local, n, self.tokenizer.pad_token_id, self.agent_mode)
         labels = [p.label for p in self.eval_prompts for _ in range(self.cfg.rollout.eval_n_samples_per_prompt)]
         res = reward_shard(self.roles, self.groups, self.reward_source, self.tokenizer, batch, labels,
-                           self.cfg.rollout.micro_rollout_batch_size)
-        r = gather_rows(None if res is None else res["rewards"].float().unsqueeze(1), n).squeeze(1)
+                           inference_rows(self.cfg))
+        r = gather_rows(None if res is None else res["rewards"].unsqueeze(1), n).squeeze(1)
         return {"reward": float(r.mean()), "response_len": float(batch.action_mask.sum(1).float().mean())}
 
     # ---- loop ------------------------------------------------------------------------------------------------------
     def fit(self):
         cfg = self.cfg
         install_signal_handler()
-        self.preempted = False
         if cfg.checkpoint.load_checkpoint and self.resume():
             self.sync_weights()
             self.logger.advance(self.step)
@@ -245,7 +245,6 @@ class RLTrainer:
             if self.step < self.total_steps and stop_requested():
                 _log0(f"[preempt] stop requested: checkpointing step {self.step} and exiting")
                 self.save()
-                self.preempted = True
                 self.logger.close()
                 return self
         es = cfg.logging.eval_steps

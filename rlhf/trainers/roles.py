@@ -42,35 +42,37 @@ def build_roles(cfg, groups: Groups, device, total_steps: int, need_ref: bool, n
                        total_steps=max(1, total_steps), bf16=m.bf16, zero_stage=t.zero_stage, max_norm=o.max_norm,
                        weight_decay=o.weight_decay, betas=o.adam_betas, warmup_ratio=o.lr_warmup_ratio,
                        scheduler=o.lr_scheduler, offload=t.deepspeed_enable_sleep)
-    if groups.has("actor"):
-        meta = meta_init(t, groups, "actor")
-        model = load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
-                               m.target_modules, on_meta=meta and groups.rank != 0)
-        roles.actor = make_engine(t.backend, model, EngineSpec(lr=o.actor_learning_rate, **spec_common),
-                                  group=groups.group("actor"), device=device, broadcast_from_rank0=meta)
-    if need_ref and groups.has("ref"):
-        meta = meta_init(t, groups, "ref")
-        ref = load_causal_lm(m.ref_pretrain or path, m.bf16, m.flash_attn, on_meta=meta and groups.rank != 0)
+
+    def engine(role, spec, load):
+        """The role's engine over its ranks; ``load(on_meta)`` builds the model (weights on rank 0 only if meta)."""
+        meta = meta_init(t, groups, role)
+        return make_engine(t.backend, load(meta and groups.rank != 0), spec, group=groups.group(role), device=device,
+                           broadcast_from_rank0=meta)
+
+    def frozen(role):
         spec = EngineSpec(lr=0.0, trainable=False, **spec_common)
-        spec.train_batch_size = spec.micro_batch_size * groups.role_size("ref")
-        roles.ref = make_engine(t.backend, ref, spec, group=groups.group("ref"), device=device,
-                                broadcast_from_rank0=meta)
+        spec.train_batch_size = spec.micro_batch_size * groups.role_size(role)
+        return spec
+
+    if groups.has("actor"):
+        roles.actor = engine("actor", EngineSpec(lr=o.actor_learning_rate, **spec_common), lambda on_meta: load_causal_lm(
+            path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha, m.target_modules,
+            on_meta=on_meta))
+    if need_ref and groups.has("ref"):
+        roles.ref = engine("ref", frozen("ref"), lambda on_meta: load_causal_lm(
+            m.ref_pretrain or path, m.bf16, m.flash_attn, on_meta=on_meta))
     if need_critic and groups.has("critic"):
         from rlhf.models.critic import CriticModel
 
-        meta = meta_init(t, groups, "critic")
-        critic = CriticModel.from_pretrained(m.critic_pretrain or path, m.gradient_checkpointing,
-                                             on_meta=meta and groups.rank != 0)
-        roles.critic = make_engine(t.backend, critic, EngineSpec(lr=o.critic_learning_rate, **spec_common),
-                                   broadcast_from_rank0=meta, group=groups.group("critic"), device=device)
+        roles.critic = engine("critic", EngineSpec(lr=o.critic_learning_rate, **spec_common), lambda on_meta:
+                              CriticModel.from_pretrained(m.critic_pretrain or path, m.gradient_checkpointing,
+                                                          on_meta=on_meta))
     if m.reward_pretrain and groups.has("reward"):
-        meta = meta_init(t, groups, "reward")
-        rm, stats = load_reward_model(m.reward_pretrain, m.bf16, m.flash_attn, on_meta=meta and groups.rank != 0)
-        spec = EngineSpec(lr=0.0, trainable=False, **spec_common)
-        spec.train_batch_size = spec.micro_batch_size * groups.role_size("reward")
-        roles.reward = make_engine(t.backend, rm, spec, group=groups.group("reward"), device=device,
-                                   broadcast_from_rank0=meta)
-        roles.reward_stats = stats
+        def load_rm(on_meta):
+            rm, roles.reward_stats = load_reward_model(m.reward_pretrain, m.bf16, m.flash_attn, on_meta=on_meta)
+            return rm
+
+        roles.reward = engine("reward", frozen("reward"), load_rm)
     if groups.has("rollout"):
         roles.rollout = build_rollout_engine(cfg, path, groups, device)
         if cfg.rollout.agent_func_path:

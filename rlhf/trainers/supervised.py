@@ -155,7 +155,6 @@ class SupervisedTrainer:
     def fit(self):
         cfg = self.cfg
         install_signal_handler()
-        self.preempted = False
         if cfg.checkpoint.load_checkpoint:
             self.resume()
         self.engine.model.train()
@@ -180,7 +179,6 @@ class SupervisedTrainer:
                 if self.rank == 0:
                     print(f"[preempt] stop requested: checkpointing step {self.step} and exiting", flush=True)
                 self.save()
-                self.preempted = True
                 self.logger.close()
                 return self
         self.final_eval = self.evaluate()
