@@ -31,6 +31,24 @@ def run_side(script: str, which: str, args: List[str]) -> Dict:
     return json.loads(line[len("RESULT "):])
 
 
+def run_rounds(script: str, args: List[str], rounds: int) -> Dict[str, Dict]:
+    """Run both sides ``rounds`` times, alternating which goes first, so that a slow spell of a shared
+    machine hits both; each side's figures are the medians over rounds, and ``ratios`` holds the
+    per-round (paired) speed-ups."""
+    per: Dict[str, List[Dict]] = {"trl": [], "rlhf": []}
+    for r in range(rounds):
+        for side in (("trl", "rlhf") if r % 2 == 0 else ("rlhf", "trl")):
+            per[side].append(run_side(script, side, args))
+    out = {}
+    for side, res in per.items():
+        out[side] = {"s_per_step": statistics.median(x["s_per_step"] for x in res),
+                     "tokens_per_s": statistics.median(x["tokens_per_s"] for x in res),
+                     "steps_timed": sum(x["steps_timed"] for x in res),
+                     "rounds_s_per_step": [x["s_per_step"] for x in res]}
+    out["ratios"] = [t["s_per_step"] / o["s_per_step"] for t, o in zip(per["trl"], per["rlhf"])]
+    return out
+
+
 def summarize(step_times: List[float], tokens: List[float], warmup: int) -> Dict:
     st, tk = step_times[warmup:], tokens[warmup:]
     return {"s_per_step": statistics.median(st), "tokens_per_s": sum(tk) / sum(st), "steps_timed": len(st)}
@@ -44,6 +62,10 @@ def table(name: str, rows: Dict[str, Dict], settings: Dict) -> str:
              f"{'rlhf':8} {ours['s_per_step']:>10.4f} {ours['tokens_per_s']:>12.1f}",
              f"{'ratio':8} {peer['s_per_step'] / ours['s_per_step']:>9.2f}x {ours['tokens_per_s'] / peer['tokens_per_s']:>11.2f}x"
              "   (rlhf speed-up over trl)"]
+    if rows.get("ratios"):
+        r = rows["ratios"]
+        lines.append(f"{'rounds':8} {len(r):>10d}   paired speed-up per round: "
+                     + " ".join(f"{x:.2f}x" for x in r))
     return "\n".join(lines)
 
 
@@ -51,6 +73,8 @@ def save(name: str, rows: Dict, settings: Dict) -> str:
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"{name}.json")
     ratio = rows["trl"]["s_per_step"] / rows["rlhf"]["s_per_step"]
+    res = {k: v for k, v in rows.items() if k != "ratios"}
     with open(path, "w") as fh:
-        json.dump({"settings": settings, "results": rows, "speedup_s_per_step": ratio}, fh, indent=2)
+        json.dump({"settings": settings, "results": res, "speedup_s_per_step": ratio,
+                   "speedup_per_round": rows.get("ratios", [])}, fh, indent=2)
     return path

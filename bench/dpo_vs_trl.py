@@ -1,6 +1,6 @@
 """DPO step throughput: rlhf.train_dpo vs TRL's DPOTrainer, same tiny model, pairs, batch, lengths.
 
-    pip install -e ".[bench]" && python bench/dpo_vs_trl.py [--steps 20 --batch 32]
+    pip install -e ".[bench]" && python bench/dpo_vs_trl.py [--steps 40 --batch 32 --rounds 3]
 
 Single process on the CPU, sigmoid loss, beta 0.1, frozen reference model
 computed on the fly on both sides.  Writes bench/results/dpo_vs_trl.json.
@@ -16,7 +16,9 @@ import time
 import click
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import kit, run_side, save, summarize, table  # noqa: E402
+from common import kit, run_rounds, save, summarize, table  # noqa: E402
+
+WARMUP = 5  # steps left out of the timing on both sides (a CPU here needs ~1 s of load to reach full speed)
 
 
 def side_trl(path, steps, batch, lr):
@@ -46,7 +48,7 @@ def side_trl(path, steps, batch, lr):
                     args=cfg, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
     tr.train()
     tokens = [batch * 2 * 7.0] * len(times)  # prompt (4) + answer (1-2) + eos per sequence, same data both sides
-    return summarize(times, tokens, warmup=2)
+    return summarize(times, tokens, warmup=WARMUP)
 
 
 def side_rlhf(path, steps, batch, lr):
@@ -65,16 +67,18 @@ def side_rlhf(path, steps, batch, lr):
     run_supervised(cfg, DPOTask, "pref")
     rows = [r for r in read_metrics(os.path.join(log, "metrics.jsonl")) if r["split"] == "train"]
     times = [b["time_s"] - a["time_s"] for a, b in zip(rows, rows[1:])]
-    return summarize(times, [batch * 2 * 7.0] * len(times), warmup=1)
+    # times are differences of log stamps, so the first is step 2's: one fewer to leave out
+    return summarize(times, [batch * 2 * 7.0] * len(times), warmup=WARMUP - 1)
 
 
 @click.command()
 @click.option("--side", type=click.Choice(["both", "trl", "rlhf"]), default="both")
-@click.option("--steps", default=20)
+@click.option("--steps", default=40)
 @click.option("--batch", default=32)
 @click.option("--lr", default=5e-5)
+@click.option("--rounds", default=3, help="runs of each side, alternating order; medians are reported")
 @click.option("--kit_dir", default=os.path.join(tempfile.gettempdir(), "rlhf-bench-kit"))
-def main(side, steps, batch, lr, kit_dir):
+def main(side, steps, batch, lr, rounds, kit_dir):
     path = kit(kit_dir)
     args = ["--steps", str(steps), "--batch", str(batch), "--lr", str(lr), "--kit_dir", kit_dir]
     if side != "both":
@@ -84,9 +88,9 @@ def main(side, steps, batch, lr, kit_dir):
         fn = side_trl if side == "trl" else side_rlhf
         print("RESULT " + json.dumps(fn(path, steps, batch, lr)))
         return
-    rows = {s: run_side(__file__, s, args) for s in ("trl", "rlhf")}
+    rows = run_rounds(__file__, args, rounds)
     settings = {"model": "qwen2 2L h64", "pairs_per_step": batch, "steps": steps,
-                "threads": os.environ.get("OMP_NUM_THREADS", "2")}
+                "threads": os.environ.get("OMP_NUM_THREADS", "2"), "rounds": rounds}
     print(table("DPO step", rows, settings))
     print("wrote", save("dpo_vs_trl", rows, settings))
 

@@ -1,6 +1,6 @@
 """GRPO step throughput: rlhf.train_grpo vs TRL's GRPOTrainer, same tiny model, data, reward, batch, lengths.
 
-    pip install -e ".[bench]" && python bench/grpo_vs_trl.py [--steps 10 --prompts 8 --n 8 --max_new 16]
+    pip install -e ".[bench]" && python bench/grpo_vs_trl.py [--steps 30 --prompts 8 --n 8 --max_new 16 --rounds 3]
 
 Both sides run single-process on the CPU with HF generate (no vLLM), KL as a k3
 loss (beta 0.001) against a frozen reference, token-mean loss, group-normalised
@@ -18,7 +18,9 @@ import time
 import click
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import kit, run_side, save, summarize, table  # noqa: E402
+from common import kit, run_rounds, save, summarize, table  # noqa: E402
+
+WARMUP = 5  # steps left out of the timing on both sides (a CPU here needs ~1 s of load to reach full speed)
 
 
 def reward_trl(prompts, completions, label, **kwargs):
@@ -58,7 +60,7 @@ def side_trl(path, steps, prompts, n, max_new, lr):
         if "completions/mean_length" in h:
             prompt_tok = 4.0  # "a+b=" prompts are 4 tokens in this tokenizer
             tokens.append(prompts * n * (h["completions/mean_length"] + prompt_tok))
-    return summarize(times, tokens[:len(times)], warmup=2)
+    return summarize(times, tokens[:len(times)], warmup=WARMUP)
 
 
 def side_rlhf(path, steps, prompts, n, max_new, lr):
@@ -79,18 +81,20 @@ def side_rlhf(path, steps, prompts, n, max_new, lr):
     cfg.logging.eval_steps = 0
     run_rl(cfg, "grpo")
     rows = [r for r in read_metrics(os.path.join(log, "metrics.jsonl")) if r["split"] == "train"]
-    return summarize([r["time_step"] for r in rows], [r["tokens_per_s"] * r["time_step"] for r in rows], warmup=2)
+    return summarize([r["time_step"] for r in rows], [r["tokens_per_s"] * r["time_step"] for r in rows],
+                     warmup=WARMUP)
 
 
 @click.command()
 @click.option("--side", type=click.Choice(["both", "trl", "rlhf"]), default="both")
-@click.option("--steps", default=10)
+@click.option("--steps", default=30)
 @click.option("--prompts", default=8)
 @click.option("--n", default=8)
 @click.option("--max_new", default=16)
 @click.option("--lr", default=1e-5)
+@click.option("--rounds", default=3, help="runs of each side, alternating order; medians are reported")
 @click.option("--kit_dir", default=os.path.join(tempfile.gettempdir(), "rlhf-bench-kit"))
-def main(side, steps, prompts, n, max_new, lr, kit_dir):
+def main(side, steps, prompts, n, max_new, lr, rounds, kit_dir):
     path = kit(kit_dir)
     args = ["--steps", str(steps), "--prompts", str(prompts), "--n", str(n), "--max_new", str(max_new), "--lr",
             str(lr), "--kit_dir", kit_dir]
@@ -101,9 +105,9 @@ def main(side, steps, prompts, n, max_new, lr, kit_dir):
         fn = side_trl if side == "trl" else side_rlhf
         print("RESULT " + json.dumps(fn(path, steps, prompts, n, max_new, lr)))
         return
-    rows = {s: run_side(__file__, s, args) for s in ("trl", "rlhf")}
+    rows = run_rounds(__file__, args, rounds)
     settings = {"model": "qwen2 2L h64", "prompts": prompts, "n": n, "max_new_tokens": max_new, "steps": steps,
-                "threads": os.environ.get("OMP_NUM_THREADS", "2")}
+                "threads": os.environ.get("OMP_NUM_THREADS", "2"), "rounds": rounds}
     print(table("GRPO step", rows, settings))
     print("wrote", save("grpo_vs_trl", rows, settings))
 

@@ -110,3 +110,84 @@ def test_agent_episode_token_and_action_masks(tiny_kit):
     assert torch.allclose(batch.rollout_logprobs[1, :n1], -0.5 * batch.action_mask[1, :n1].float())
     assert batch.rewards.tolist() == [1.0, 0.5] and batch.scores.tolist() == [1.0, 1.0]
     assert engine.calls == 2  # the finished episode does not generate again
+
+
+def test_top_k_top_p_filter_matches_hf_warpers():
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    from rlhf.rollout.sampling import top_k_top_p_filter
+
+    torch.manual_seed(0)
+    z = torch.randn(16, 50) * 3
+    for k, p in [(5, 1.0), (0, 0.9), (10, 0.5), (0, 0.01), (50, 1.0)]:
+        ref = z.clone()
+        if k > 0:
+            ref = TopKLogitsWarper(k)(None, ref)
+        if p < 1.0:
+            ref = TopPLogitsWarper(p)(None, ref)
+        assert torch.equal(torch.isinf(top_k_top_p_filter(z, k, p)), torch.isinf(ref)), (k, p)
+    # hand case: probs .5 .3 .15 .05 with top_p .7 keeps the first two; top_k 1 keeps the argmax
+    z = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    assert torch.isfinite(top_k_top_p_filter(z, 0, 0.7)).tolist() == [[True, True, False, False]]
+    assert torch.isfinite(top_k_top_p_filter(z, 1, 1.0)).tolist() == [[True, False, False, False]]
+
+
+def test_inverse_cdf_sampler_frequencies_and_zero_mass():
+    from rlhf.rollout.sampling import sample_inverse_cdf
+
+    p = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    g = torch.Generator().manual_seed(0)
+    draws = sample_inverse_cdf(p.expand(100000, 4).contiguous(), g).squeeze(1)
+    freq = torch.bincount(draws, minlength=4).float() / draws.numel()
+    assert freq[1] == 0  # a token with zero probability is never drawn
+    assert torch.allclose(freq, p, atol=0.005)
+    # unnormalised weights give the same distribution; the same generator seed gives the same draws
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert torch.equal(sample_inverse_cdf(p.expand(50, 4) * 7, g1), sample_inverse_cdf(p.expand(50, 4), g2))
+
+
+def test_decode_loop_greedy_equals_hf_generate_and_stops_rows_early(sft_model):
+    """Mixed prompt lengths (left padding), n > 1, rows stopping at different steps and leaving the batch."""
+    from rlhf.data.formatting import pad_batch
+    from rlhf.rollout.sampling import decode
+
+    eng = _engine(sft_model)
+    tok, m = eng.tokenizer, eng.model
+    prompts = [tok(t)["input_ids"] for t in ("3+4=", "12+17=", "1+1=", "100+23=", "45+56=")]
+    ids, att = pad_batch(prompts, tok.pad_token_id, side="left")
+    assert not att.all()
+    ref = m.generate(input_ids=ids, attention_mask=att, max_new_tokens=12, do_sample=False,
+                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, ids.size(1):]
+    resp, lp, steps = decode(m, ids, att, 2, 12, (tok.eos_token_id,), tok.pad_token_id, temperature=0.0)
+    assert steps == ref.size(1)
+    assert torch.equal(resp[::2], ref) and torch.equal(resp[1::2], ref)
+    am = response_mask(resp, (tok.eos_token_id,))
+    lens = am.sum(1)
+    assert len(set(lens.tolist())) > 1 and steps < 12  # rows left the batch at different steps; the loop ended early
+    assert (lp[am == 0] == 0).all() and (resp[am == 0] == tok.pad_token_id).all()
+    full, _ = action_logprobs(m, torch.cat([ids.repeat_interleave(2, 0), resp], 1),
+                              torch.cat([att.repeat_interleave(2, 0), am], 1), steps)
+    assert torch.allclose(full * am, lp, atol=1e-4)
+    # sampling with top-k 1 is greedy whatever the seed
+    r1, _, _ = decode(m, ids, att, 2, 12, (tok.eos_token_id,), tok.pad_token_id, temperature=1.0, top_k=1,
+                      generator=torch.Generator().manual_seed(5))
+    assert torch.equal(r1, resp)
+
+
+def test_decode_loop_sliding_window_model_equals_hf_generate():
+    """A sliding-window model (window 4 < sequence length): the cache is laid out like generate's."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from rlhf.rollout.sampling import decode
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=4, pad_token_id=0, eos_token_id=1)
+    m = MistralForCausalLM(cfg).eval()
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    att = (ids != 0).long()
+    ref = m.generate(input_ids=ids, attention_mask=att, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                     eos_token_id=1)[:, 5:]
+    out, _, steps = decode(m, ids, att, 1, 10, (1,), 0, temperature=0.0)
+    assert steps == ref.size(1) and torch.equal(out, ref)
+    assert (ref == 1).any(1).tolist() == [True, False]  # row 0 stopped early and left the batch

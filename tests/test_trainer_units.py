@@ -59,7 +59,7 @@ def test_packed_and_padded_losses_agree(tiny_kit):
         sft = SFTTask(cfg, tok)
         loss, _ = sft.loss(model, [sft.make_sample(r) for r in rows])
         dpo = DPOTask(cfg, tok)
-        pc, pr, _ = dpo._seq_logps(model, [dpo.make_sample(r) for r in rows])
+        pc, pr, _ = dpo.seq_logps(model, [dpo.make_sample(r) for r in rows])
         if not packing:
             ref = (loss.item(), pc, pr)
     assert abs(loss.item() - ref[0]) < 1e-5
@@ -110,8 +110,33 @@ def test_rm_packed_scores_equal_padded_and_dpo_precomputed_reference(tiny_kit):
     task = DPOTask(parse("dpo", []), tok)
     task.ref = None
     plain = [task.make_sample(r) for r in rows]
-    pc, pr, _ = task._seq_logps(model, plain)
+    pc, pr, _ = task.seq_logps(model, plain)
     pre = [task.make_sample(dict(r, ref_chosen_logps=float(c), ref_rejected_logps=float(j)))
            for r, c, j in zip(rows, pc.detach(), pr.detach())]
     loss, met = task.loss(model, pre)
     assert abs(loss.item() - 0.6931) < 1e-3 and met["reward_margin"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_decode_queries_strips_prompt_padding_and_masked_response_tokens(tiny_kit):
+    from rlhf.models.load import load_tokenizer
+    from rlhf.rollout import RolloutBatch
+    from rlhf.trainers.experience import decode_queries
+
+    tok = load_tokenizer(tiny_kit)
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    p1, p2 = tok("3+4=")["input_ids"], tok("12+7=")["input_ids"]
+    r1, r2 = tok("7", add_special_tokens=False)["input_ids"], tok("19", add_special_tokens=False)["input_ids"]
+    P, R = max(len(p1), len(p2)), max(len(r1), len(r2)) + 1
+    rows = []
+    for p, r in ((p1, r1), (p2, r2)):
+        rows.append(([pad] * (P - len(p)) + p + r + [eos] + [pad] * (R - len(r) - 1),
+                     [0] * (P - len(p)) + [1] * len(p), [1] * (len(r) + 1) + [0] * (R - len(r) - 1)))
+    seq = torch.tensor([r[0] for r in rows])
+    pm = torch.tensor([r[1] for r in rows])
+    am = torch.tensor([r[2] for r in rows])
+    batch = RolloutBatch(seq, torch.cat([pm, am], 1), am, torch.zeros(am.shape), P)
+    queries, prompts = decode_queries(tok, batch, slice(0, 2))
+    assert prompts == [tok.decode(p1), tok.decode(p2)]
+    assert queries == [tok.decode(p1) + tok.decode(r1, skip_special_tokens=True),
+                       tok.decode(p2) + tok.decode(r2, skip_special_tokens=True)]
+    assert decode_queries(tok, batch, slice(1, 2))[1] == [tok.decode(p2)]

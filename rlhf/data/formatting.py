@@ -43,17 +43,15 @@ def tokenize_pair(tokenizer, prompt: str, response: str, max_len: int):
 
 
 def pad_batch(seqs: List[List[int]], pad_id: int, side: str = "right"):
+    """(ids, attention_mask) (B, max len), padded on the given side; one tensor build, no per-row copies."""
     n = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
-    att = torch.zeros((len(seqs), n), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if side == "right":
-            ids[i, :len(s)] = torch.tensor(s)
-            att[i, :len(s)] = 1
-        else:
-            ids[i, n - len(s):] = torch.tensor(s)
-            att[i, n - len(s):] = 1
-    return ids, att
+    if side == "right":
+        ids = [list(s) + [pad_id] * (n - len(s)) for s in seqs]
+        att = [[1] * len(s) + [0] * (n - len(s)) for s in seqs]
+    else:
+        ids = [[pad_id] * (n - len(s)) + list(s) for s in seqs]
+        att = [[0] * (n - len(s)) + [1] * len(s) for s in seqs]
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(att, dtype=torch.long)
 
 
 def collate_supervised(samples, pad_id: int) -> Dict[str, torch.Tensor]:

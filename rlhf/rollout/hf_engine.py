@@ -1,14 +1,14 @@
-"""transformers ``generate`` rollout engine: the CPU / test / debug engine, same contract as vLLM's."""
+"""HF rollout engine (KV-cached decode loop over a transformers model): the CPU / test / debug engine, same contract as vLLM's."""
 from __future__ import annotations
 
 from typing import List, Sequence
 
 import torch
 
-from rlhf.algorithms.logprob import logprobs_from_logits
 from rlhf.data.formatting import pad_batch
 
 from .base import RolloutBatch, RolloutEngine, SamplingParams, merge_batches, response_mask
+from .sampling import decode
 
 
 class HFEngine(RolloutEngine):
@@ -28,9 +28,9 @@ class HFEngine(RolloutEngine):
         stop = tuple(params.stop_token_ids) or (self.tokenizer.eos_token_id,)
         per = max(1, self.micro_batch_size // max(params.n, 1))
         outs = []
-        gen = torch.Generator(device="cpu")
+        gen = None
         if params.seed is not None:
-            gen.manual_seed(params.seed)
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
         for s in range(0, len(prompt_ids), per):
             outs.append(self._generate_chunk(prompt_ids[s:s + per], params, stop, gen))
         return merge_batches(outs, self.tokenizer.pad_token_id)
@@ -38,29 +38,15 @@ class HFEngine(RolloutEngine):
     def _generate_chunk(self, prompts, params: SamplingParams, stop, gen) -> RolloutBatch:
         pad = self.tokenizer.pad_token_id
         ids, att = pad_batch([list(p) for p in prompts], pad, side="left")
-        ids = ids.repeat_interleave(params.n, 0).to(self.device)
-        att = att.repeat_interleave(params.n, 0).to(self.device)
-        greedy = params.temperature == 0
-        kwargs = dict(max_new_tokens=params.max_new_tokens, do_sample=not greedy, eos_token_id=list(stop),
-                      pad_token_id=pad, return_dict_in_generate=True, output_logits=True, use_cache=True)
-        if not greedy:
-            kwargs.update(temperature=params.temperature, top_p=params.top_p,
-                          top_k=params.top_k if params.top_k > 0 else 0)
-        if params.seed is not None:
-            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-        out = self.model.generate(input_ids=ids, attention_mask=att, **kwargs)
-        P = ids.size(1)
-        resp = out.sequences[:, P:]
-        logits = torch.stack(out.logits, 1).float()
-        if not greedy and params.temperature != 1.0:
-            logits = logits / params.temperature
-        lp = logprobs_from_logits(logits, resp)
+        ids, att = ids.to(self.device), att.to(self.device)
+        resp, lp, _ = decode(self.model, ids, att, params.n, params.max_new_tokens, stop, pad,
+                             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=gen)
+        ids, att = ids.repeat_interleave(params.n, 0), att.repeat_interleave(params.n, 0)
         am = response_mask(resp, stop)
-        resp = torch.where(am.bool(), resp, torch.full_like(resp, pad))
         truncated = ~(torch.isin(resp, torch.tensor(stop, device=resp.device)).any(1))
         seqs = torch.cat([ids, resp], 1)
         full_att = torch.cat([att, am], 1)
-        return RolloutBatch(seqs.cpu(), full_att.cpu(), am.cpu(), (lp * am).cpu(), P, truncated.cpu())
+        return RolloutBatch(seqs.cpu(), full_att.cpu(), am.cpu(), (lp * am).cpu(), ids.size(1), truncated.cpu())
 
     def load_weights(self, named_tensors) -> None:
         params = dict(self.model.named_parameters())

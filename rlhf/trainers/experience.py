@@ -170,9 +170,9 @@ def values_shard(engine, batch: RolloutBatch, sl: Optional[slice], micro: int, g
 def decode_queries(tokenizer, batch: RolloutBatch, sl: slice):
     """(query = prompt + response text, prompt text) for rows sl, decoded in one batch call each."""
     P = batch.prompt_len
-    rows = range(sl.start, sl.stop)
-    p_ids = [batch.sequences[i, :P][batch.attention_mask[i, :P].bool()].tolist() for i in rows]
-    r_ids = [batch.sequences[i, P:][batch.action_mask[i].bool()].tolist() for i in rows]
+    seq, att, am = batch.sequences[sl].tolist(), batch.attention_mask[sl, :P].tolist(), batch.action_mask[sl].tolist()
+    p_ids = [[t for t, k in zip(s[:P], m) if k] for s, m in zip(seq, att)]
+    r_ids = [[t for t, k in zip(s[P:], m) if k] for s, m in zip(seq, am)]
     prompts = tokenizer.batch_decode(p_ids, skip_special_tokens=False)
     responses = tokenizer.batch_decode(r_ids, skip_special_tokens=True)
     return [p + r for p, r in zip(prompts, responses)], prompts

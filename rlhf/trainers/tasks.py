@@ -174,29 +174,36 @@ class DPOTask(Task):
         return (tokenize_pair(tok, p, str(row[d.chosen_key]), d.max_len),
                 tokenize_pair(tok, p, str(row[d.rejected_key]), d.max_len), ref)
 
-    def _seq_logps(self, model, samples):
-        pairs = [s[0] for s in samples] + [s[1] for s in samples]
-        b = _collate(self.cfg, self.tokenizer, pairs)
+    def collate(self, samples):
+        """One batch of [chosen..., rejected...] for the policy and the reference alike."""
+        return _collate(self.cfg, self.tokenizer, [s[0] for s in samples] + [s[1] for s in samples])
+
+    def seq_logps(self, model, samples):
+        """Summed response log-probs: (chosen (n,), rejected (n,), chosen token counts (n,))."""
+        return self._batch_logps(model, self.collate(samples), len(samples))
+
+    def _batch_logps(self, model, b, n: int):
         lp = token_logprobs(model, b, self.cfg.model.logprob_chunk_size)
         mask = b["loss_mask"][:, 1:].float()
         if "segment_ids" in b:
             seg = b["segment_ids"][0, 1:]
-            sums = torch.zeros(len(pairs), dtype=lp.dtype).index_add(0, seg, (lp * mask)[0])
-            cnt = torch.zeros(len(pairs)).index_add(0, seg, mask[0])
+            sums = torch.zeros(2 * n, dtype=lp.dtype).index_add(0, seg, (lp * mask)[0])
+            cnt = torch.zeros(2 * n).index_add(0, seg, mask[0])
         else:
             sums, cnt = (lp * mask).sum(1), mask.sum(1)
-        n = len(samples)
         return sums[:n], sums[n:], cnt[:n]
 
     def loss(self, model, samples):
         a = self.cfg.algorithm
-        pc, pr, nc = self._seq_logps(model, samples)
+        n = len(samples)
+        b = self.collate(samples)
+        pc, pr, nc = self._batch_logps(model, b, n)
         if self.ref is None:  # precomputed (rows' ref_chosen_logps / ref_rejected_logps)
             rc = torch.tensor([s[2][0] for s in samples])
             rr = torch.tensor([s[2][1] for s in samples])
         else:
             with torch.no_grad():
-                rc, rr, _ = self._seq_logps(self.ref.model, samples)
+                rc, rr, _ = self._batch_logps(self.ref.model, b, n)
         losses, cr, rj = dpo_loss(a.loss_type, pc, pr, rc, rr, a.beta, a.label_smoothing)
         loss = losses.mean()
         if a.nll_loss_coef > 0:
