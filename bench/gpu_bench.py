@@ -3,6 +3,7 @@ memory before/after sleep, train MFU.  Each section reports on its own; a missin
 (vLLM is not on the device image: carry it as wheels) is reported, not fatal.
 
     bash bench/gpu.sh        # under 8 minutes; writes $OUT/gpu_bench.json (or bench/results/)
+    python bench/gpu_bench.py --smoke   # the same sections on the CPU with the tiny kit (tests run this)
 """
 from __future__ import annotations
 
@@ -18,6 +19,17 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 RES = {}
+SMOKE = "--smoke" in sys.argv  # CPU, tiny model, small sizes: catches a broken script before a GPU is lent
+DEV = torch.device("cpu" if SMOKE else "cuda")
+
+
+def sync():
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def allocated() -> int:
+    return torch.cuda.memory_allocated() if DEV.type == "cuda" else 0
 
 
 def section(name):
@@ -35,11 +47,14 @@ def section(name):
 
 
 def qwen05_dir() -> str:
-    """A Qwen2-0.5B-shaped model (random init, bf16) with the tiny tokenizer, built locally."""
+    """A Qwen2-0.5B-shaped model (random init, bf16) with the tiny tokenizer, built locally (--smoke: the tiny kit)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from rlhf.tools.make_tiny import build_tokenizer
+    from rlhf.tools.make_tiny import build_tokenizer, make_tiny
 
+    if SMOKE:
+        path = os.path.join(tempfile.gettempdir(), "rlhf-gpu-bench-smoke-kit")
+        return path if os.path.isfile(os.path.join(path, "config.json")) else make_tiny(path, arch="qwen2")
     path = os.path.join(tempfile.gettempdir(), "qwen05-shaped")
     if not os.path.isfile(os.path.join(path, "config.json")):
         tok = build_tokenizer()
@@ -52,7 +67,7 @@ def qwen05_dir() -> str:
     return path
 
 
-PROMPTS, NEW = 256, 256
+PROMPTS, NEW = (8, 8) if SMOKE else (256, 256)
 
 
 @section("rollout")
@@ -65,7 +80,7 @@ def rollout(path):
         import vllm  # noqa: F401
     except ImportError:
         vllm = None
-    if vllm is not None:
+    if vllm is not None and not SMOKE:
         from rlhf.rollout.vllm_engine import VLLMEngine
 
         eng = VLLMEngine(path, 1, 0.5, True, 4096, 0, 0, 2)
@@ -92,22 +107,24 @@ def rollout(path):
     from rlhf.rollout.hf_engine import HFEngine
     from rlhf.models.load import load_tokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV)
     tok = load_tokenizer(path)
+    prompts = [[t % len(tok) for t in p] for p in prompts]
     ids, att = pad_batch(prompts, tok.pad_token_id, side="left")
-    ids, att = ids.cuda(), att.cuda()
-    model.generate(input_ids=ids[:8], attention_mask=att[:8], max_new_tokens=8, do_sample=True)
-    torch.cuda.synchronize()
+    ids, att = ids.to(DEV), att.to(DEV)
+    model.generate(input_ids=ids[:8], attention_mask=att[:8], max_new_tokens=8, do_sample=True,
+                   pad_token_id=tok.pad_token_id)
+    sync()
     t0 = time.perf_counter()
     out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=NEW, do_sample=True, min_new_tokens=NEW,
                          pad_token_id=tok.pad_token_id)
-    torch.cuda.synchronize()
+    sync()
     bare = (out.shape[1] - ids.shape[1]) * PROMPTS / (time.perf_counter() - t0)
-    eng = HFEngine(model, tok, torch.device("cuda"), micro_batch_size=PROMPTS)
-    torch.cuda.synchronize()
+    eng = HFEngine(model, tok, DEV, micro_batch_size=PROMPTS)
+    sync()
     t0 = time.perf_counter()
     b = eng.generate(prompts, params)
-    torch.cuda.synchronize()
+    sync()
     ours = int(b.action_mask.sum()) / (time.perf_counter() - t0)
     return {"engine": "hf (vllm not installed on this machine)", "bare_tokens_per_s": bare,
             "ours_tokens_per_s": ours}
@@ -124,23 +141,26 @@ def sync_and_sleep(path):
     from rlhf.distributed.weight_sync import WeightSync
     from rlhf.config.schema import TopologyConfig
 
-    dev = torch.device("cuda")
+    dev = DEV
     actor = FSDP2Engine(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-                        EngineSpec(lr=1e-5, train_batch_size=1, micro_batch_size=1, total_steps=10, bf16=True),
-                        device=dev)
-    x = torch.randint(0, 1000, (1, 64), device=dev)
+                        EngineSpec(lr=1e-5, train_batch_size=1, micro_batch_size=1, total_steps=10,
+                                   bf16=not SMOKE), device=dev)
+    x = torch.randint(0, 200, (1, 64), device=dev)
     actor.backward(actor.model(input_ids=x, labels=x).loss, 0)
     actor.step()  # optimizer state exists now
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    sync()
+    before = allocated()
     actor.sleep()
-    after = torch.cuda.memory_allocated()
+    after = allocated()
     actor.wake()
-    woke = torch.cuda.memory_allocated()
+    woke = allocated()
 
     class Sink:
+        last = None
+
         def __init__(self):
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+            Sink.last = self
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV)
             self.params = dict(self.model.named_parameters())
 
         def load_weights(self, named):
@@ -153,12 +173,16 @@ def sync_and_sleep(path):
     plan = make_plan(TopologyConfig(colocate_all_models=True), 1)
     ws = WeightSync(build_groups(plan, 0), Sink(), bucket_mb=512, dtype=torch.bfloat16, device=dev)
     ws.sync(actor.model)
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     nbytes = ws.sync(actor.model)
-    torch.cuda.synchronize()
+    sync()
     dt = time.perf_counter() - t0
-    return {"train_state_gb_before_sleep": before / 2**30, "after_sleep_gb": after / 2**30,
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731  (FSDP2 DTensor shards)
+    ref = {n: full(p.detach()) for n, p in actor.model.named_parameters()}
+    worst = max(float((p.float() - ref[n].to(p.device, torch.bfloat16).float()).abs().max())
+                for n, p in Sink.last.model.state_dict().items() if n in ref)
+    return {"engine_max_abs_diff_vs_actor_bf16": worst, "train_state_gb_before_sleep": before / 2**30, "after_sleep_gb": after / 2**30,
             "after_wake_gb": woke / 2**30, "sync_gb": nbytes / 2**30, "sync_gb_per_s": nbytes / dt / 2**30}
 
 
@@ -166,10 +190,13 @@ def sync_and_sleep(path):
 def mfu(_):
     import subprocess
 
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "mfu.py"), "--device", "cuda", "--layers", "24",
-                          "--hidden", "896", "--batch", "8", "--seq", "1024", "--steps", "8"],
+    sizes = ["--layers", "2", "--hidden", "64", "--batch", "2", "--seq", "32", "--steps", "3"] if SMOKE else \
+        ["--layers", "24", "--hidden", "896", "--batch", "8", "--seq", "1024", "--steps", "8"]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "mfu.py"), "--device", DEV.type, *sizes],
                          capture_output=True, text=True, timeout=240, env=dict(os.environ, MASTER_PORT="29655"))
-    with open(os.path.join(ROOT, "bench", "results", "mfu_cuda.json")) as fh:
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-1500:])
+    with open(os.path.join(ROOT, "bench", "results", f"mfu_{DEV.type}.json")) as fh:
         return {**json.load(fh), "log": out.stdout[-300:]}
 
 
@@ -177,8 +204,9 @@ def main():
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29641", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl")
+    if DEV.type == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if DEV.type == "cuda" else "gloo")
     path = qwen05_dir()
     rollout(path)
     sync_and_sleep(path)
@@ -186,8 +214,11 @@ def main():
     mfu(path)
     out = os.environ.get("OUT") or os.path.join(ROOT, "bench", "results")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "gpu_bench.json"), "w") as fh:
+    with open(os.path.join(out, "gpu_bench_smoke.json" if SMOKE else "gpu_bench.json"), "w") as fh:
         json.dump(RES, fh, indent=2)
+    failed = [k for k, v in RES.items() if "error" in v]
+    if SMOKE and failed:
+        sys.exit(f"smoke run: sections failed: {failed}")
 
 
 if __name__ == "__main__":
