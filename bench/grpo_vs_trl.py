@@ -2,7 +2,8 @@
 
     pip install -e ".[bench]" && python bench/grpo_vs_trl.py [--steps 30 --prompts 8 --n 8 --max_new 16 --rounds 3]
 
-Both sides run single-process on the CPU with HF generate (no vLLM), KL as a k3
+Both sides run single-process on the CPU over the same HF model, no vLLM (TRL: ``model.generate``;
+rlhf: its HF engine's KV-cached decode loop, rlhf/rollout/sampling.py), KL as a k3
 loss (beta 0.001) against a frozen reference, token-mean loss, group-normalised
 advantages, one optimizer step per generation batch.  Prints a table; writes
 bench/results/grpo_vs_trl.json.

@@ -56,7 +56,7 @@ class HFEngine(RolloutEngine):
             params[name].data.copy_(t.to(params[name].dtype))
 
     def reset_prefix_cache(self) -> None:
-        return None  # HF generate keeps no cache across calls
+        return None  # the decode loop keeps no cache across calls
 
     def sleep(self) -> None:
         if self.device.type != "cpu":
