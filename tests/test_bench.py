@@ -5,12 +5,15 @@ import os
 import subprocess
 import sys
 
+from conftest import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(args, tmp_path):
+    # a port of its own: in-process tests earlier in the session leave MASTER_PORT set to one they used
     env = dict(os.environ, OUT=str(tmp_path), HF_HUB_OFFLINE="1", WANDB_MODE="disabled", PYTHONPATH=ROOT,
-               OMP_NUM_THREADS="2")
+               OMP_NUM_THREADS="2", MASTER_PORT=str(free_port()))
     out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out.stdout
