@@ -6,7 +6,7 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -31,10 +31,9 @@ def run_side(script: str, which: str, args: List[str]) -> Dict:
     return json.loads(line[len("RESULT "):])
 
 
-def run_rounds(script: str, args: List[str], rounds: int) -> Dict[str, Dict]:
+def run_rounds(script: str, args: List[str], rounds: int) -> Tuple[Dict[str, Dict], List[float]]:
     """Run both sides ``rounds`` times, alternating which goes first, so that a slow spell of a shared
-    machine hits both; each side's figures are the medians over rounds, and ``ratios`` holds the
-    per-round (paired) speed-ups."""
+    machine hits both.  Returns each side's medians over rounds and the per-round (paired) speed-ups."""
     per: Dict[str, List[Dict]] = {"trl": [], "rlhf": []}
     for r in range(rounds):
         for side in (("trl", "rlhf") if r % 2 == 0 else ("rlhf", "trl")):
@@ -45,8 +44,7 @@ def run_rounds(script: str, args: List[str], rounds: int) -> Dict[str, Dict]:
                      "tokens_per_s": statistics.median(x["tokens_per_s"] for x in res),
                      "steps_timed": sum(x["steps_timed"] for x in res),
                      "rounds_s_per_step": [x["s_per_step"] for x in res]}
-    out["ratios"] = [t["s_per_step"] / o["s_per_step"] for t, o in zip(per["trl"], per["rlhf"])]
-    return out
+    return out, [t["s_per_step"] / o["s_per_step"] for t, o in zip(per["trl"], per["rlhf"])]
 
 
 def summarize(step_times: List[float], tokens: List[float], warmup: int) -> Dict:
@@ -54,7 +52,7 @@ def summarize(step_times: List[float], tokens: List[float], warmup: int) -> Dict
     return {"s_per_step": statistics.median(st), "tokens_per_s": sum(tk) / sum(st), "steps_timed": len(st)}
 
 
-def table(name: str, rows: Dict[str, Dict], settings: Dict) -> str:
+def table(name: str, rows: Dict[str, Dict], settings: Dict, ratios: List[float]) -> str:
     ours, peer = rows["rlhf"], rows["trl"]
     lines = [f"{name}  ({', '.join(f'{k}={v}' for k, v in settings.items())})",
              f"{'':8} {'s/step':>10} {'tokens/s':>12}",
@@ -62,19 +60,16 @@ def table(name: str, rows: Dict[str, Dict], settings: Dict) -> str:
              f"{'rlhf':8} {ours['s_per_step']:>10.4f} {ours['tokens_per_s']:>12.1f}",
              f"{'ratio':8} {peer['s_per_step'] / ours['s_per_step']:>9.2f}x {ours['tokens_per_s'] / peer['tokens_per_s']:>11.2f}x"
              "   (rlhf speed-up over trl)"]
-    if rows.get("ratios"):
-        r = rows["ratios"]
-        lines.append(f"{'rounds':8} {len(r):>10d}   paired speed-up per round: "
-                     + " ".join(f"{x:.2f}x" for x in r))
+    lines.append(f"{'rounds':8} {len(ratios):>10d}   paired speed-up per round: "
+                 + " ".join(f"{x:.2f}x" for x in ratios))
     return "\n".join(lines)
 
 
-def save(name: str, rows: Dict, settings: Dict) -> str:
+def save(name: str, rows: Dict, settings: Dict, ratios: List[float]) -> str:
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"{name}.json")
     ratio = rows["trl"]["s_per_step"] / rows["rlhf"]["s_per_step"]
-    res = {k: v for k, v in rows.items() if k != "ratios"}
     with open(path, "w") as fh:
-        json.dump({"settings": settings, "results": res, "speedup_s_per_step": ratio,
-                   "speedup_per_round": rows.get("ratios", [])}, fh, indent=2)
+        json.dump({"settings": settings, "results": rows, "speedup_s_per_step": ratio, "speedup_per_round": ratios},
+                  fh, indent=2)
     return path

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import kit, run_rounds, save, summarize, table  # noqa: E402
 
 WARMUP = 5  # steps left out of the timing on both sides (a CPU here needs ~1 s of load to reach full speed)
+TOKENS_PER_PAIR = 2 * 7.0  # chosen + rejected, each prompt (4) + answer (1-2) + eos; same data both sides
 
 
 def side_trl(path, steps, batch, lr):
@@ -47,8 +48,7 @@ def side_trl(path, steps, batch, lr):
     tr = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), ref_model=AutoModelForCausalLM.from_pretrained(path),
                     args=cfg, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
     tr.train()
-    tokens = [batch * 2 * 7.0] * len(times)  # prompt (4) + answer (1-2) + eos per sequence, same data both sides
-    return summarize(times, tokens, warmup=WARMUP)
+    return summarize(times, [batch * TOKENS_PER_PAIR] * len(times), warmup=WARMUP)
 
 
 def side_rlhf(path, steps, batch, lr):
@@ -68,7 +68,7 @@ def side_rlhf(path, steps, batch, lr):
     rows = [r for r in read_metrics(os.path.join(log, "metrics.jsonl")) if r["split"] == "train"]
     times = [b["time_s"] - a["time_s"] for a, b in zip(rows, rows[1:])]
     # times are differences of log stamps, so the first is step 2's: one fewer to leave out
-    return summarize(times, [batch * 2 * 7.0] * len(times), warmup=WARMUP - 1)
+    return summarize(times, [batch * TOKENS_PER_PAIR] * len(times), warmup=WARMUP - 1)
 
 
 @click.command()
@@ -88,11 +88,11 @@ def main(side, steps, batch, lr, rounds, kit_dir):
         fn = side_trl if side == "trl" else side_rlhf
         print("RESULT " + json.dumps(fn(path, steps, batch, lr)))
         return
-    rows = run_rounds(__file__, args, rounds)
+    rows, ratios = run_rounds(__file__, args, rounds)
     settings = {"model": "qwen2 2L h64", "pairs_per_step": batch, "steps": steps,
                 "threads": os.environ.get("OMP_NUM_THREADS", "2"), "rounds": rounds}
-    print(table("DPO step", rows, settings))
-    print("wrote", save("dpo_vs_trl", rows, settings))
+    print(table("DPO step", rows, settings, ratios))
+    print("wrote", save("dpo_vs_trl", rows, settings, ratios))
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def sync_and_sleep(path):
     from rlhf.backends.base import EngineSpec
     from rlhf.backends.fsdp2 import FSDP2Engine
     from rlhf.distributed import build_groups, make_plan
-    from rlhf.distributed.weight_sync import WeightSync
+    from rlhf.distributed.weight_sync import WeightSync, full_tensor
     from rlhf.config.schema import TopologyConfig
 
     dev = DEV
@@ -156,10 +156,7 @@ def sync_and_sleep(path):
     woke = allocated()
 
     class Sink:
-        last = None
-
         def __init__(self):
-            Sink.last = self
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV)
             self.params = dict(self.model.named_parameters())
 
@@ -171,19 +168,19 @@ def sync_and_sleep(path):
             pass
 
     plan = make_plan(TopologyConfig(colocate_all_models=True), 1)
-    ws = WeightSync(build_groups(plan, 0), Sink(), bucket_mb=512, dtype=torch.bfloat16, device=dev)
+    sink = Sink()
+    ws = WeightSync(build_groups(plan, 0), sink, bucket_mb=512, dtype=torch.bfloat16, device=dev)
     ws.sync(actor.model)
     sync()
     t0 = time.perf_counter()
     nbytes = ws.sync(actor.model)
     sync()
     dt = time.perf_counter() - t0
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731  (FSDP2 DTensor shards)
-    ref = {n: full(p.detach()) for n, p in actor.model.named_parameters()}
+    ref = {n: full_tensor(p) for n, p in actor.model.named_parameters()}
     worst = max(float((p.float() - ref[n].to(p.device, torch.bfloat16).float()).abs().max())
-                for n, p in Sink.last.model.state_dict().items() if n in ref)
-    return {"engine_max_abs_diff_vs_actor_bf16": worst, "train_state_gb_before_sleep": before / 2**30, "after_sleep_gb": after / 2**30,
-            "after_wake_gb": woke / 2**30, "sync_gb": nbytes / 2**30, "sync_gb_per_s": nbytes / dt / 2**30}
+                for n, p in sink.model.state_dict().items() if n in ref)
+    return {"engine_max_abs_diff_vs_actor_bf16": worst, "train_state_gb_before_sleep": before / 2**30,
+            "after_sleep_gb": after / 2**30, "after_wake_gb": woke / 2**30, "sync_gb": nbytes / 2**30, "sync_gb_per_s": nbytes / dt / 2**30}
 
 
 @section("mfu")

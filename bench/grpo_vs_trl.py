@@ -106,11 +106,11 @@ def main(side, steps, prompts, n, max_new, lr, rounds, kit_dir):
         fn = side_trl if side == "trl" else side_rlhf
         print("RESULT " + json.dumps(fn(path, steps, prompts, n, max_new, lr)))
         return
-    rows = run_rounds(__file__, args, rounds)
+    rows, ratios = run_rounds(__file__, args, rounds)
     settings = {"model": "qwen2 2L h64", "prompts": prompts, "n": n, "max_new_tokens": max_new, "steps": steps,
                 "threads": os.environ.get("OMP_NUM_THREADS", "2"), "rounds": rounds}
-    print(table("GRPO step", rows, settings))
-    print("wrote", save("grpo_vs_trl", rows, settings))
+    print(table("GRPO step", rows, settings, ratios))
+    print("wrote", save("grpo_vs_trl", rows, settings, ratios))
 
 
 if __name__ == "__main__":

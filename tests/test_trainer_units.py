@@ -59,7 +59,8 @@ def test_packed_and_padded_losses_agree(tiny_kit):
         sft = SFTTask(cfg, tok)
         loss, _ = sft.loss(model, [sft.make_sample(r) for r in rows])
         dpo = DPOTask(cfg, tok)
-        pc, pr, _ = dpo.seq_logps(model, [dpo.make_sample(r) for r in rows])
+        pairs = [dpo.make_sample(r) for r in rows]
+        pc, pr, _ = dpo.batch_logps(model, dpo.collate(pairs), len(pairs))
         if not packing:
             ref = (loss.item(), pc, pr)
     assert abs(loss.item() - ref[0]) < 1e-5
@@ -110,7 +111,7 @@ def test_rm_packed_scores_equal_padded_and_dpo_precomputed_reference(tiny_kit):
     task = DPOTask(parse("dpo", []), tok)
     task.ref = None
     plain = [task.make_sample(r) for r in rows]
-    pc, pr, _ = task.seq_logps(model, plain)
+    pc, pr, _ = task.batch_logps(model, task.collate(plain), len(plain))
     pre = [task.make_sample(dict(r, ref_chosen_logps=float(c), ref_rejected_logps=float(j)))
            for r, c, j in zip(rows, pc.detach(), pr.detach())]
     loss, met = task.loss(model, pre)

@@ -41,6 +41,14 @@ def lr_lambda(kind: str, total: int, warmup: int, min_ratio: float = 0.1):
     return f
 
 
+def make_optimizer(model: torch.nn.Module, spec: EngineSpec, fused: bool = False):
+    """AdamW over the trainable parameters and its warmup + decay schedule (LambdaLR over ``lr_lambda``)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr, betas=tuple(spec.betas),
+                            weight_decay=spec.weight_decay, fused=fused or None)
+    warm = int(spec.warmup_ratio * spec.total_steps)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec.scheduler, spec.total_steps, warm))
+
+
 class TrainEngine:
     """model, micro-batch backward with accumulation, step, checkpoint, full weights, sleep/wake."""
 

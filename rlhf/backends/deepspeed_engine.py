@@ -11,7 +11,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from .base import EngineSpec, TrainEngine, lr_lambda
+from .base import EngineSpec, TrainEngine, make_optimizer
 
 
 def deepspeed_config(spec: EngineSpec, dp: int, offload_optimizer: bool = False) -> dict:
@@ -50,10 +50,7 @@ class DeepSpeedEngine(TrainEngine):
         self.accum_steps = spec.train_batch_size // (spec.micro_batch_size * dp)
         cfg = deepspeed_config(spec, dp)
         if spec.trainable:
-            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr,
-                                    betas=tuple(spec.betas), weight_decay=spec.weight_decay)
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec.scheduler, spec.total_steps,
-                                                                     int(spec.warmup_ratio * spec.total_steps)))
+            opt, sched = make_optimizer(model, spec)
             self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
         else:

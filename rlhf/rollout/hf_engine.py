@@ -1,4 +1,4 @@
-"""HF rollout engine (KV-cached decode loop over a transformers model): the CPU / test / debug engine, same contract as vLLM's."""
+"""HF rollout engine (a KV-cached decode loop over a transformers model): CPU / test / debug, vLLM's contract."""
 from __future__ import annotations
 
 from typing import List, Sequence
@@ -37,10 +37,10 @@ class HFEngine(RolloutEngine):
 
     def _generate_chunk(self, prompts, params: SamplingParams, stop, gen) -> RolloutBatch:
         pad = self.tokenizer.pad_token_id
-        ids, att = pad_batch([list(p) for p in prompts], pad, side="left")
+        ids, att = pad_batch(prompts, pad, side="left")
         ids, att = ids.to(self.device), att.to(self.device)
-        resp, lp, _ = decode(self.model, ids, att, params.n, params.max_new_tokens, stop, pad,
-                             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=gen)
+        resp, lp = decode(self.model, ids, att, params.n, params.max_new_tokens, stop, pad,
+                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=gen)
         ids, att = ids.repeat_interleave(params.n, 0), att.repeat_interleave(params.n, 0)
         am = response_mask(resp, stop)
         truncated = ~(torch.isin(resp, torch.tensor(stop, device=resp.device)).any(1))

@@ -87,12 +87,12 @@ def _new_cache(model):
 @torch.no_grad()
 def decode(model, prompt_ids: Tensor, prompt_mask: Tensor, n: int, max_new_tokens: int, stop_ids: Sequence[int],
            pad_id: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           generator: Optional[torch.Generator] = None) -> Tuple[Tensor, Tensor, int]:
+           generator: Optional[torch.Generator] = None) -> Tuple[Tensor, Tensor]:
     """Generate n continuations per left-padded prompt row.
 
     prompt_ids / prompt_mask (Bp, P) -> responses (Bp*n, R) padded with pad_id after
-    each row's stop token, their log-probs (Bp*n, R) (0 after the stop), and R,
-    the number of decode steps taken (<= max_new_tokens; stops early once every row stopped).
+    each row's stop token and their log-probs (Bp*n, R) (0 after the stop); R is the
+    number of decode steps taken (<= max_new_tokens: the loop ends once every row stopped).
     Rows are prompt-major: row i*n + j is sample j of prompt i.
     """
     dev = prompt_ids.device
@@ -133,4 +133,4 @@ def decode(model, prompt_ids: Tensor, prompt_mask: Tensor, n: int, max_new_token
         out = model(input_ids=tok, attention_mask=mask_buf[:, :P + t + 1] if padded else None, position_ids=last,
                     use_cache=True, **{kw: cache})
         logits = out.logits[:, -1]
-    return tokens[:, :steps], logps[:, :steps], steps
+    return tokens[:, :steps], logps[:, :steps]

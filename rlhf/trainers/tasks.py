@@ -178,11 +178,8 @@ class DPOTask(Task):
         """One batch of [chosen..., rejected...] for the policy and the reference alike."""
         return _collate(self.cfg, self.tokenizer, [s[0] for s in samples] + [s[1] for s in samples])
 
-    def seq_logps(self, model, samples):
-        """Summed response log-probs: (chosen (n,), rejected (n,), chosen token counts (n,))."""
-        return self._batch_logps(model, self.collate(samples), len(samples))
-
-    def _batch_logps(self, model, b, n: int):
+    def batch_logps(self, model, b, n: int):
+        """Summed response log-probs of a collated batch of n pairs: (chosen, rejected, chosen token counts)."""
         lp = token_logprobs(model, b, self.cfg.model.logprob_chunk_size)
         mask = b["loss_mask"][:, 1:].float()
         if "segment_ids" in b:
@@ -197,13 +194,13 @@ class DPOTask(Task):
         a = self.cfg.algorithm
         n = len(samples)
         b = self.collate(samples)
-        pc, pr, nc = self._batch_logps(model, b, n)
+        pc, pr, nc = self.batch_logps(model, b, n)
         if self.ref is None:  # precomputed (rows' ref_chosen_logps / ref_rejected_logps)
             rc = torch.tensor([s[2][0] for s in samples])
             rr = torch.tensor([s[2][1] for s in samples])
         else:
             with torch.no_grad():
-                rc, rr, _ = self._batch_logps(self.ref.model, b, n)
+                rc, rr, _ = self.batch_logps(self.ref.model, b, n)
         losses, cr, rj = dpo_loss(a.loss_type, pc, pr, rc, rr, a.beta, a.label_smoothing)
         loss = losses.mean()
         if a.nll_loss_coef > 0:
