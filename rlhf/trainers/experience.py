@@ -13,12 +13,13 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from rlhf.algorithms import (ADVANTAGE_ESTIMATORS, clip_rewards, compute_advantages, compute_kl, dynamic_filter_mask,
-                             masked_mean, overlong_penalty)
+from rlhf.algorithms import ADVANTAGE_ESTIMATORS
 from rlhf.distributed import all_gather_padded, shard_rows
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
 from rlhf.rewards.reward_model import score_sequences
 from rlhf.rollout.base import RolloutBatch, SamplingParams
+
+from .advantage_stage import StageInputs, advantage_stage
 
 
 @dataclass
@@ -253,7 +254,7 @@ def make_experience(cfg, roles, groups, batch: RolloutBatch, labels: List, rewar
     valid = gather_col(res, "valid", torch.long).bool()
     keys = sorted(res["extra_logs"]) if res is not None else []
     keys = sorted(set(k for ks in _all_gather_obj(keys) for k in ks))
-    extra = {k: float(gather_rows(None if res is None else res["extra_logs"][k].float().unsqueeze(1), n).mean())
+    extra = {k: gather_rows(None if res is None else res["extra_logs"][k].float().unsqueeze(1), n).squeeze(1)
              for k in keys}
     # reference and old log-probs, values
     temp = r.temperature if r.temperature > 0 else 1.0
@@ -273,43 +274,7 @@ def make_experience(cfg, roles, groups, batch: RolloutBatch, labels: List, rewar
     if spec.needs_critic:
         loc = run("critic", lambda: values_shard(roles.critic, batch, role_shard(groups, "critic", n), micro, groups))
         values = gather_rows(loc, n) * batch.action_mask
-    # reward shaping
-    mask = batch.action_mask.float()
-    resp_len = batch.action_mask.sum(1)
-    shaped = clip_rewards(rewards, a.reward_clip_range)
-    shaped = shaped + overlong_penalty(resp_len, cfg.data.generate_max_len, a.overlong_buffer_len,
-                                       a.overlong_penalty_factor)
-    if reward_norm is not None:
-        reward_norm.update(shaped[valid])
-        shaped = reward_norm.normalize(shaped)
-    keep = valid.clone()
-    filtered = 0.0
-    if a.dynamic_filtering:
-        dyn = dynamic_filter_mask(scores, r.n_samples_per_prompt, a.dynamic_filtering_reward_range)
-        filtered = 1.0 - dyn.float().mean().item()
-        keep &= dyn
-    kl = None
-    kl_mean = 0.0
-    if ref_lp is not None:
-        kl_tok = compute_kl(a.kl_estimator, batch.rollout_logprobs if old_lp is None else old_lp, ref_lp, mask)
-        kl_mean = float(masked_mean(kl_tok, mask))
-        if not a.use_kl_loss:
-            kl = kl_tok
-    adv, ret = compute_advantages(a.advantage_estimator, shaped, mask, values=values, kl=kl, kl_coef=kl_coef,
-                                  gamma=a.gamma, lambd=a.lambd, group_size=r.n_samples_per_prompt,
-                                  std_norm=not a.no_advantage_std_norm)
-    train_mask = batch.action_mask * keep.long().unsqueeze(1)
-    metrics = {
-        "reward": float(rewards.mean()), "reward_std": float(rewards.std()) if n > 1 else 0.0,
-        "score": float(scores.mean()),
-        "shaped_reward": float(shaped.mean()), "response_len": float(resp_len.float().mean()),
-        "truncated_frac": float(batch.truncated.float().mean()), "kl": kl_mean, "kl_coef": kl_coef,
-        "reward_invalid": float((~valid).sum()), "filtered_frac": filtered,
-        "adv_mean": float(masked_mean(adv, mask)), "adv_abs": float(masked_mean(adv.abs(), mask)),
-        # rollout engine vs trainer log-probs of the same tokens: ~0 on-policy, > 0 one step off-policy (async)
-        "rollout_logprob_gap": 0.0 if old_lp is None else float(masked_mean((old_lp - batch.rollout_logprobs).abs(),
-                                                                            mask)),
-        **{f"reward_{k}": v for k, v in extra.items()},
-    }
-    return Experience(batch.sequences, batch.attention_mask, train_mask, batch.rollout_logprobs, old_lp, ref_lp, values,
-                      adv, ret, scores, metrics)
+    out = advantage_stage(cfg, StageInputs(rewards, scores, valid, batch.action_mask, batch.truncated,
+                                           batch.rollout_logprobs, old_lp, ref_lp, values, extra), kl_coef, reward_norm)
+    return Experience(batch.sequences, batch.attention_mask, out.train_mask, batch.rollout_logprobs, old_lp, ref_lp,
+                      values, out.advantages, out.returns, scores, out.metrics)
