@@ -41,7 +41,8 @@ def _topology_worker(rank, world, out_dir):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.device_mesh import DeviceMesh
 
-    from rlhf.distributed import (Ledger, PhaseScheduler, WeightSync, all_gather_padded, build_groups, make_plan)
+    from rlhf.distributed import (Ledger, PhaseScheduler, WeightSync, build_groups, gather_max, gather_rows, make_plan,
+                                  shard_rows)
 
     # --- separate roles: actor 0-1, ref 2, rollout 3 ---
     plan = make_plan(_topo(actor_num_gpus_per_node=2, ref_num_gpus_per_node=1, vllm_num_engines=1), world)
@@ -75,11 +76,13 @@ def _topology_worker(rank, world, out_dir):
     if rank == 2:  # the ref rank received nothing
         for p, q in zip(engine.model.parameters(), before):
             assert torch.equal(p, q)
-    # --- variable-length exchange ---
-    x = torch.full((rank, 2 + rank), float(rank))
-    y = all_gather_padded(x, None, pad_value=-1)
-    assert y.shape == (0 + 1 + 2 + 3, 5)
-    assert y[0].tolist() == [1, 1, 1, -1, -1] and y[-1].tolist() == [3.0] * 5
+    # --- shard -> gather with fewer rows than ranks (rank 3 holds none) and widths known only after computing ---
+    n = 3
+    sl = shard_rows(n, rank, world)
+    local = torch.full((sl.stop - sl.start, 1 + rank), float(rank + 1)) if sl.stop > sl.start else None
+    (w,) = gather_max([0 if local is None else local.size(1)])
+    y = gather_rows(local, sl, n, w)
+    assert w == 3 and y.tolist() == [[1, 0, 0], [2, 2, 0], [3, 3, 3]], y
     # --- colocated: phase protocol keeps one heavy role awake per rank ---
     plan = make_plan(_topo(colocate_all_models=True), world)
     g = build_groups(plan, rank)

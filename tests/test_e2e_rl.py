@@ -39,7 +39,7 @@ def test_grpo_colocated_hybrid_reward_rises(tiny_kit, sft_model, tmp_path):
     assert late > early + 0.05, (early, late)
     for r in train:
         assert 0 <= r["kl"] < 1 and r["tokens_per_s"] > 0 and r["response_len"] > 0
-        for k in ("time_generate", "time_train", "time_sync", "entropy", "clip_frac", "policy_loss", "grad_norm"):
+        for k in ("time_rollout", "time_actor_update", "time_weight_sync", "entropy", "clip_frac", "policy_loss", "grad_norm"):
             assert k in r
     assert len(ev) == 2
     assert os.path.isfile(tmp_path / "grpo" / "model.safetensors")
@@ -56,7 +56,7 @@ def test_separate_roles_broadcast_sync_async(tiny_kit, sft_model, tmp_path):
     train, _, _ = torchrun("rlhf.train_grpo", 4, _rl_args(tiny_kit, sft_model, **common), tmp_path,
                            str(tmp_path / "logs"))
     assert [r["step"] for r in train] == [1, 2, 3]
-    assert all(r["time_sync"] > 0 and r["kl"] >= 0 for r in train)
+    assert all(r["time_weight_sync"] > 0 and r["kl"] >= 0 for r in train)
     # step 1 was generated with the weights it trains; steps 2-3 with the weights of one update earlier
     assert train[0]["rollout_logprob_gap"] < 1e-4
     for r in train[1:]:

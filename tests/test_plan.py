@@ -62,12 +62,11 @@ def test_plan_cli_prints_table(capsys):
     assert "colocated" in out and "engines: 4 x TP 1" in out
 
 
-def test_micro_slices_same_count_on_every_rank():
-    from rlhf.distributed import shard_rows
-    from rlhf.trainers.experience import micro_slices
+def test_micro_plan_same_count_on_every_rank():
+    from rlhf.distributed import micro_plan
 
-    for n, size, micro in ((33, 2, 16), (64, 3, 16), (5, 4, 2), (3, 4, 8), (100, 8, 7)):
-        parts = [micro_slices(shard_rows(n, r, size), n, size, micro) for r in range(size)]
+    for n, size, micro in ((33, 2, 16), (64, 3, 16), (5, 4, 2), (3, 4, 8), (100, 8, 7), (1, 3, 4)):
+        parts = [micro_plan(n, r, size, micro) for r in range(size)]
         assert len({len(p) for p in parts}) == 1, (n, size, micro)
         rows = [i for p in parts for s in p if s is not None for i in range(s.start, s.stop)]
         assert rows == list(range(n))

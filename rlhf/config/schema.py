@@ -79,6 +79,10 @@ class TopologyConfig:
     backend: str = opt("fsdp2", "training backend", choices=("fsdp2", "deepspeed"))
     zero_stage: int = opt(3, "ZeRO stage (fsdp2: 3 reshards after forward, 2/1 keep params gathered)", choices=(0, 1, 2, 3), flag_type=int)
     dist_timeout_s: int = opt(1800, "timeout for collectives and weight sync, seconds")
+    watchdog_timeout_s: float = opt(600.0, "end the job when a rank stays longer than this in one phase (reward, ref, "
+                                    "update, sync, ...), printing every rank's phase; seconds")
+    watchdog_slow_timeout_s: float = opt(1200.0, "the same deadline for generation, eval, loading, saving and the "
+                                         "first run of every phase (compilation, warm-up); seconds")
     nnodes_hint: int = opt(0, "nodes in the job (0 = from torchrun/SLURM env); used to check node boundaries")
 
 

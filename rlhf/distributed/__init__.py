@@ -1,5 +1,5 @@
 from .plan import Plan, TopologyError, make_plan, ROLES
 from .groups import Groups, build_groups, init_distributed, default_backend, nnodes_from_env
 from .phases import Ledger, PhaseScheduler
-from .exchange import all_gather_padded, shard_rows, broadcast_object
+from .sharding import all_gather_objects, gather_max, gather_rows, micro_count, micro_plan, run_micro, shard_rows
 from .weight_sync import WeightSync, WeightSyncTimeout, bucket_plan

@@ -18,16 +18,11 @@ def default_backend() -> str:
 
 
 def init_distributed(timeout_s: int = 1800) -> tuple:
-    """Init the default group from torchrun's env (a 1-rank group when run as plain python).
+    """Init the default group from torchrun's env, or a 1-rank group (in-memory store) when run as plain python.
 
-    Returns (rank, world_size, local_rank, device).
+    Returns (rank, world_size, local_rank, device).  Writes no environment variables.
     """
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    local_rank = int(os.environ["LOCAL_RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     backend = default_backend()
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
@@ -35,7 +30,11 @@ def init_distributed(timeout_s: int = 1800) -> tuple:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), local_rank, device
 
 

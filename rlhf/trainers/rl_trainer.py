@@ -1,4 +1,10 @@
-"""The PPO / GRPO loop: a loop that calls parts (experience.py, ppo_update.py, the phase scheduler)."""
+"""The PPO / GRPO trainer: checks, placement and roles, then a short loop over the step's stages.
+
+Order of work: everything that can fail on bad input (config, placement, data,
+reward function, agent file) is checked before any process group exists; then the
+process groups, the role objects and the watchdog; then ``fit`` runs the stages of
+``experience.rl_stages`` for each step and the cadence (log, eval, save, preempt).
+"""
 from __future__ import annotations
 
 import os
@@ -11,24 +17,23 @@ import torch.distributed as dist
 from rlhf.algorithms import ADVANTAGE_ESTIMATORS, RunningMeanStd, make_kl_controller
 from rlhf.data.formatting import build_prompts
 from rlhf.data.loading import load_rows, split_eval
-from rlhf.distributed import (PhaseScheduler, WeightSync, build_groups, init_distributed, make_plan,
-                              nnodes_from_env)
+from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, init_distributed, make_plan, nnodes_from_env
+from rlhf.distributed.failfast import Watchdog, guarded
+from rlhf.distributed.sharding import all_gather_objects
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.rewards.reward_func import builtin_reward_source, make_reward_source
 from rlhf.rollout.base import SamplingParams
 from rlhf.utils import checkpoint as ckpt
 from rlhf.utils.logging import MetricsLogger
-from rlhf.utils.preempt import install_signal_handler, stop_requested
+from rlhf.utils.preempt import StopSignal
 
-from .experience import (gather_rollout, gather_rows, generate_shard, inference_rows, make_experience,
-                         reward_shard)
-from .ppo_update import train_actor, train_critic
+from .cadence import Cadence, log0
+from .experience import Stage, StepState, rl_stages, score_batch
 from .roles import build_roles
 
 
-def _log0(msg: str):
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(msg, flush=True)
+class InputError(ValueError):
+    """Bad input found before any process group exists: the message names the flag and the fix."""
 
 
 def load_prompt_sets(cfg, tokenizer, kit_dir: Optional[str]):
@@ -42,7 +47,7 @@ def load_prompt_sets(cfg, tokenizer, kit_dir: Optional[str]):
             rows, ev = split_eval(rows, d.eval_split, cfg.optim.seed)
     else:  # built-in arithmetic task of the tiny kit
         if kit_dir is None:
-            raise ValueError("--prompt_data is required with --pretrain (the built-in task comes with the built-in "
+            raise InputError("--prompt_data is required with --pretrain (the built-in task comes with the built-in "
                              "kit); e.g. --prompt_data prompts.jsonl --input_key input --label_key label")
         data = os.path.join(kit_dir, "data")
         rows = load_rows(os.path.join(data, "prompts_train.jsonl"), keys, None, d.max_samples)
@@ -50,57 +55,91 @@ def load_prompt_sets(cfg, tokenizer, kit_dir: Optional[str]):
     return build_prompts(rows, tokenizer, d), build_prompts(ev, tokenizer, d)
 
 
+def check_batch_sizes(cfg, plan) -> None:
+    """Batch shapes the roles' engines need, checked against the placement before any process group."""
+    o = cfg.optim
+    for role, lr_flag in (("actor", "actor"), ("critic", "critic")):
+        n = len(plan.roles.get(role) or [])
+        if n and o.train_batch_size % (o.micro_train_batch_size * n):
+            per = o.micro_train_batch_size * n
+            raise InputError(f"--train_batch_size {o.train_batch_size} must be a multiple of --micro_train_batch_size "
+                             f"{o.micro_train_batch_size} x {n} {role} ranks = {per} (every {role} rank takes the same "
+                             f"number of micro-batches per optimizer step); e.g. --train_batch_size "
+                             f"{max(per, o.train_batch_size // per * per)}, or --micro_train_batch_size that divides "
+                             f"{o.train_batch_size // n if o.train_batch_size % n == 0 else 'it'}")
+
+
 class RLTrainer:
-    def __init__(self, cfg, kind: str = "ppo"):
-        self.cfg, self.kind = cfg, kind
-        a, t = cfg.algorithm, cfg.topology
-        self.spec = ADVANTAGE_ESTIMATORS[a.advantage_estimator]
-        self.need_ref = a.init_kl_coef > 0 or a.use_kl_loss
+    def __init__(self, cfg, run_name: str = "ppo"):
+        self.cfg = cfg
+        a, t, r = cfg.algorithm, cfg.topology, cfg.rollout
+        spec = ADVANTAGE_ESTIMATORS[a.advantage_estimator]
         # --- everything that can fail on bad input, before any process group exists ---
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.plan = make_plan(t, world, t.nnodes_hint or nnodes_from_env(), self.need_ref, self.spec.needs_critic,
-                              cfg.model.reward_pretrain is not None)
-        if cfg.rollout.async_train and not self.plan.separate_rollout:
-            raise ValueError("--async_train needs rollout ranks of their own: set --vllm_num_engines > 0 and give "
+        self.plan = make_plan(t, world, t.nnodes_hint or nnodes_from_env(), a.init_kl_coef > 0 or a.use_kl_loss,
+                              spec.needs_critic, cfg.model.reward_pretrain is not None)
+        if r.async_train and not self.plan.separate_rollout:
+            raise InputError("--async_train needs rollout ranks of their own: set --vllm_num_engines > 0 and give "
                              "the job those extra ranks")
-        self.agent_mode = bool(cfg.rollout.agent_func_path)
+        check_batch_sizes(cfg, self.plan)
+        self.agent_mode = bool(r.agent_func_path)
         if self.agent_mode:
             from rlhf.agents.base import load_agent
 
-            load_agent(cfg.rollout.agent_func_path)  # fail on a bad file before any process group
-        self.reward_source = make_reward_source(cfg.rollout.remote_rm_url, cfg.rollout.reward_timeout_s, _log0)
+            load_agent(r.agent_func_path)  # fail on a bad file before any process group
+        self.reward_source = make_reward_source(r.remote_rm_url, r.reward_timeout_s, log0)
         if self.reward_source is None and not cfg.model.reward_pretrain:
-            self.reward_source = builtin_reward_source(_log0)
+            self.reward_source = builtin_reward_source(log0)
         self.path = resolve_pretrain(cfg.model.pretrain)
         self.tokenizer = load_tokenizer(self.path)
-        self.prompts, self.eval_prompts = load_prompt_sets(cfg, self.tokenizer, None if cfg.model.pretrain else self.path)
-        rb = cfg.rollout.rollout_batch_size
+        self.prompts, self.eval_prompts = load_prompt_sets(cfg, self.tokenizer,
+                                                           None if cfg.model.pretrain else self.path)
+        rb = r.rollout_batch_size
         if len(self.prompts) < rb:
-            raise ValueError(f"{len(self.prompts)} prompts is fewer than --rollout_batch_size {rb}")
+            raise InputError(f"{len(self.prompts)} training prompts is fewer than --rollout_batch_size {rb} (one "
+                             f"step's prompts): use --rollout_batch_size {len(self.prompts)} or fewer, or more data"
+                             + (f" (--eval_split {cfg.data.eval_split} held out {len(self.eval_prompts)} for eval)"
+                                if cfg.data.prompt_data and not cfg.data.eval_dataset else ""))
         self.steps_per_episode = len(self.prompts) // rb
         total = self.steps_per_episode * cfg.optim.num_episodes
         if cfg.optim.max_global_steps > 0:
             total = min(total, cfg.optim.max_global_steps)
         self.total_steps = total
-        # --- process groups and roles ---
+        left = len(self.prompts) - self.steps_per_episode * rb
+        notes = [f"[data] {len(self.prompts)} training prompts -> {self.steps_per_episode} steps per episode of "
+                 f"--rollout_batch_size {rb}" + (f" ({left} prompts of each shuffled episode are left out)" if left
+                                                  else "") + f"; {len(self.eval_prompts)} eval prompts"
+                 + ("" if self.eval_prompts else " (eval off)")]
+        # --- process groups, roles, watchdog ---
         self.rank, self.world, _, self.device = init_distributed(t.dist_timeout_s)
+        self.comm_device = self.device if dist.get_backend() == "nccl" else None
+        self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
+                                 deadlines={"rollout": t.watchdog_slow_timeout_s, "eval": t.watchdog_slow_timeout_s,
+                                            "load": t.watchdog_slow_timeout_s, "save": t.watchdog_slow_timeout_s})
+        for n in notes:
+            log0(n)
         torch.manual_seed(cfg.optim.seed)
         self.groups = build_groups(self.plan, self.rank)
-        samples = rb * cfg.rollout.n_samples_per_prompt
+        samples = rb * r.n_samples_per_prompt
         opt_steps = total * cfg.optim.max_epochs * max(1, samples // cfg.optim.train_batch_size)
-        self.roles = build_roles(cfg, self.groups, self.device, opt_steps, self.need_ref, self.spec.needs_critic)
+        with self.watchdog.phase("load"):
+            self.roles = build_roles(cfg, self.groups, self.device, opt_steps)
         self.scheduler = PhaseScheduler(self.rank, self.roles.sleepables(), group=None, barrier=self.plan.colocated,
                                         enabled=self.plan.colocated and (t.vllm_enable_sleep or t.deepspeed_enable_sleep))
         self.scheduler.put_all_to_sleep()
-        self.weight_sync = WeightSync(self.groups, self.roles.rollout, timeout_s=t.dist_timeout_s, device=self.device,
+        rollout_engine = self.roles.rollout.engine
+        self.weight_sync = WeightSync(self.groups, rollout_engine, timeout_s=t.dist_timeout_s, device=self.device,
                                       dtype=torch.bfloat16 if cfg.model.bf16 else None)
         self.kl_ctl = make_kl_controller(a.init_kl_coef, a.kl_target, a.kl_horizon)
         self.reward_norm = RunningMeanStd() if a.normalize_reward else None
+        self.stages: List[Stage] = [s for s in rl_stages(cfg, self.roles) if s.applies(self)]
         self.step = 0
-        self.logger = MetricsLogger(self.rank, cfg.logging.log_dir, total, run_name=cfg.logging.wandb_run_name or kind,
-                                    use_wandb=cfg.logging.use_wandb, wandb_project=cfg.logging.wandb_project,
-                                    wandb_org=cfg.logging.wandb_org, use_tensorboard=cfg.logging.use_tensorboard,
-                                    progress_bar=cfg.logging.progress_bar, config=cfg.to_dict())
+        lg = cfg.logging
+        self.logger = MetricsLogger(self.rank, lg.log_dir, total, run_name=lg.wandb_run_name or run_name,
+                                    use_wandb=lg.use_wandb, wandb_project=lg.wandb_project, wandb_org=lg.wandb_org,
+                                    use_tensorboard=lg.use_tensorboard, progress_bar=lg.progress_bar,
+                                    config=cfg.to_dict())
+        self.cadence = Cadence(cfg, self.logger, StopSignal(comm_device=self.comm_device))
 
     # ---- data ------------------------------------------------------------------------------------------------------
     def prompts_for(self, step: int):
@@ -117,162 +156,150 @@ class RLTrainer:
                               top_p=r.top_p, top_k=r.top_k, max_new_tokens=self.cfg.data.generate_max_len,
                               stop_token_ids=(self.tokenizer.eos_token_id,),
                               # per engine, not per rank: the TP ranks of one vLLM engine must sample identically
-                              seed=self.cfg.optim.seed * 100003 + step * 97 + (self.plan.engine_of(self.rank) or 0))
+                              seed=self.cfg.optim.seed * 100003 + step * 97 + (self.roles.rollout.engine_index or 0))
 
-    def generate(self, step: int, prompts, eval_mode: bool = False):
-        with self.scheduler.phase("rollout", tags=None):
-            return generate_shard(self.roles, self.groups, prompts, self.sampling(step, eval_mode))
+    # ---- phases ----------------------------------------------------------------------------------------------------
+    def phase(self, stage: Stage):
+        """The watchdog's deadline and, for colocated roles, the scheduler's sleep/wake around one stage."""
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.watchdog.phase(stage.name))
+        if stage.role is not None:
+            stack.enter_context(self.scheduler.phase(stage.name, role=stage.role, share=stage.share, tags=stage.tags))
+        return stack
+
+    def run_stages(self, st: StepState) -> StepState:
+        for stage in self.stages:
+            t0 = time.perf_counter()
+            with self.phase(stage):
+                stage.run(self, st)
+            st.metrics[f"time_{stage.name}"] = time.perf_counter() - t0
+        return st
 
     # ---- weights ---------------------------------------------------------------------------------------------------
-    def sync_weights(self) -> float:
-        t0 = time.perf_counter()
-        if self.plan.separate_rollout:
-            if self.groups.has("actor") or self.groups.has("rollout"):
-                self.weight_sync.sync(self.roles.actor.model if self.roles.actor is not None else None)
-        else:
-            with self.scheduler.phase("sync", role="rollout", share="actor", tags=["weights"]):
-                self.weight_sync.sync(self.roles.actor.model)
-        return time.perf_counter() - t0
+    def sync_weights(self) -> None:
+        """Actor -> rollout engines.  Colocated: every rank; separate: the actor and rollout ranks."""
+        actor, rollout = self.roles.actor, self.roles.rollout
+        if actor.is_member or rollout.is_member:
+            self.weight_sync.sync(actor.engine.model if actor.is_member else None)
 
     # ---- checkpoint ------------------------------------------------------------------------------------------------
     def save(self):
         c = self.cfg.checkpoint
 
         def write(tmp):
-            if self.roles.actor is not None:
-                self.roles.actor.save_checkpoint(os.path.join(tmp, "actor"))
-            if self.roles.critic is not None:
-                self.roles.critic.save_checkpoint(os.path.join(tmp, "critic"))
+            for name in ("actor", "critic"):
+                role = getattr(self.roles, name)
+                if role is not None and role.is_member:
+                    role.engine.save_checkpoint(os.path.join(tmp, name))
 
         state = {"step": self.step, "kl_coef": self.kl_ctl.value,
                  "reward_norm": self.reward_norm.state_dict() if self.reward_norm else None}
-        path = ckpt.save_checkpoint(c.ckpt_path, self.step, write, state, c.max_ckpt_num)
-        if c.save_hf_ckpt:
-            self.save_hf(os.path.join(path, "hf"))
+        with self.watchdog.phase("save"):
+            path = ckpt.save_checkpoint(c.ckpt_path, self.step, write, state, c.max_ckpt_num)
+            if c.save_hf_ckpt:
+                self.save_hf(os.path.join(path, "hf"))
 
     def resume(self) -> bool:
         path = ckpt.latest_checkpoint(self.cfg.checkpoint.ckpt_path)
         if path is None:
-            _log0(f"[resume] no complete checkpoint in {self.cfg.checkpoint.ckpt_path}; starting fresh")
+            log0(f"[resume] no complete checkpoint in {self.cfg.checkpoint.ckpt_path}; starting fresh")
             return False
-        if self.roles.actor is not None:
-            self.roles.actor.load_checkpoint(os.path.join(path, "actor"))
-        if self.roles.critic is not None:
-            self.roles.critic.load_checkpoint(os.path.join(path, "critic"))
-        st = ckpt.load_trainer_state(path)
-        self.step = st["step"]
-        self.kl_ctl.value = st["kl_coef"]
-        if self.reward_norm is not None and st.get("reward_norm"):
-            self.reward_norm.load_state_dict(st["reward_norm"])
-        ckpt.load_rank_state(path)
-        _log0(f"[resume] from {path} at step {self.step}")
+        with self.watchdog.phase("load"):
+            for name in ("actor", "critic"):
+                role = getattr(self.roles, name)
+                if role is not None and role.is_member:
+                    role.engine.load_checkpoint(os.path.join(path, name))
+            st = ckpt.load_trainer_state(path)
+            self.step = st["step"]
+            self.kl_ctl.value = st["kl_coef"]
+            if self.reward_norm is not None and st.get("reward_norm"):
+                self.reward_norm.load_state_dict(st["reward_norm"])
+            ckpt.load_rank_state(path)
+        with self.phase(self.stage_named("weight_sync")):
+            self.sync_weights()
+        log0(f"[resume] from {path} at step {self.step}")
         return True
+
+    def stage_named(self, name: str) -> Stage:
+        return next(s for s in self.stages if s.name == name)
 
     def save_hf(self, path: str):
         """Collective: the actor ranks gather the full weights, the first actor rank writes them."""
-        if self.groups.has("actor"):
-            sd = self.roles.actor.full_state_dict()
-            if self.rank == self.plan.roles["actor"][0]:
-                ckpt.save_hf(sd, self.roles.actor.model, self.tokenizer, path)
+        actor = self.roles.actor
+        if actor.is_member:
+            sd = actor.engine.full_state_dict()
+            if self.rank == actor.members[0]:
+                ckpt.save_hf(sd, actor.engine.model, self.tokenizer, path)
         dist.barrier()
+
+    def finish(self):
+        with self.watchdog.phase("save"):
+            self.save_hf(self.cfg.checkpoint.save_path)
 
     # ---- eval ------------------------------------------------------------------------------------------------------
     def evaluate(self) -> dict:
-        if not self.eval_prompts:
+        if not self.eval_prompts:  # the same list on every rank
             return {}
-        local = self.generate(self.step, self.eval_prompts, eval_mode=True)
-        n = len(self.eval_prompts) * self.cfg.rollout.eval_n_samples_per_prompt
-        batch = gather_rollout(local, n, self.tokenizer.pad_token_id, self.agent_mode)
-        labels = [p.label for p in self.eval_prompts for _ in range(self.cfg.rollout.eval_n_samples_per_prompt)]
-        res = reward_shard(self.roles, self.groups, self.reward_source, self.tokenizer, batch, labels,
-                           inference_rows(self.cfg))
-        r = gather_rows(None if res is None else res["rewards"].unsqueeze(1), n).squeeze(1)
-        return {"reward": float(r.mean()), "response_len": float(batch.action_mask.sum(1).float().mean())}
+        n = self.cfg.rollout.eval_n_samples_per_prompt
+        st = StepState(self.step, self.eval_prompts, n)
+        with self.watchdog.phase("eval"):
+            with self.scheduler.phase("eval_rollout", role="rollout"):
+                local = self.roles.rollout.generate(self.eval_prompts, self.sampling(self.step, eval_mode=True))
+                batch = self.roles.rollout.gather(local, len(self.eval_prompts), n, self.tokenizer.pad_token_id,
+                                                  with_rewards=self.agent_mode)
+            with self.scheduler.phase("eval_reward", role="reward"):
+                res = score_batch(self, batch, st.labels)
+        r, valid = res["rewards"], res["valid"]
+        out = {"reward": float(r[valid].mean()) if valid.any() else float("nan"),
+               "response_len": float(batch.action_mask.sum(1).float().mean()), "samples": float(r.numel())}
+        out.update({f"reward_{k}": float(v.mean()) for k, v in res["extra_logs"].items()})
+        return out
 
     # ---- loop ------------------------------------------------------------------------------------------------------
     def fit(self):
         cfg = self.cfg
-        install_signal_handler()
-        if cfg.checkpoint.load_checkpoint and self.resume():
-            self.sync_weights()
-            self.logger.advance(self.step)
+        self.cadence.start(self)
         n_rows = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
         pending = None
         if cfg.rollout.async_train and self.step < self.total_steps:
-            pending = self.generate(self.step, self.prompts_for(self.step))
+            with self.watchdog.phase("rollout"):
+                pending = self.roles.rollout.generate(self.prompts_for(self.step), self.sampling(self.step))
         while self.step < self.total_steps:
             t_step = time.perf_counter()
-            prompts = self.prompts_for(self.step)
-            t0 = time.perf_counter()
-            local = pending if cfg.rollout.async_train else self.generate(self.step, prompts)
-            batch = gather_rollout(local, n_rows, self.tokenizer.pad_token_id, self.agent_mode)
-            t_gen = time.perf_counter() - t0
-            labels = [p.label for p in prompts for _ in range(cfg.rollout.n_samples_per_prompt)]
-            t0 = time.perf_counter()
-            exp = make_experience(cfg, self.roles, self.groups, batch, labels, self.reward_source, self.tokenizer,
-                                  self.kl_ctl.value, self.reward_norm, scheduler=self.scheduler)
-            t_exp = time.perf_counter() - t0
-            if cfg.rollout.async_train and self.step + 1 < self.total_steps:
-                # rollout ranks start the next batch now, while the actor ranks train on this one
-                pending = self.generate(self.step + 1, self.prompts_for(self.step + 1))
-            t0 = time.perf_counter()
-            metrics = dict(exp.metrics)
-            if self.roles.critic is not None:
-                with self.scheduler.phase("critic_train", role="critic"):
-                    metrics.update(train_critic(cfg, self.roles.critic, exp, self.groups.role_rank("critic"),
-                                                self.groups.role_size("critic"), self.step))
-            if self.roles.actor is not None:
-                with self.scheduler.phase("actor_train", role="actor"):
-                    metrics.update(train_actor(cfg, self.roles.actor, exp, self.groups.role_rank("actor"),
-                                               self.groups.role_size("actor"), self.kl_ctl.value, self.step))
-            t_train = time.perf_counter() - t0
-            t_sync = self.sync_weights()
-            self.kl_ctl.update(metrics["kl"], n_rows)
+            st = StepState(self.step, self.prompts_for(self.step), cfg.rollout.n_samples_per_prompt,
+                           kl_coef=self.kl_ctl.value, pending=pending)
+            self.run_stages(st)
+            pending = st.next_pending
+            self.kl_ctl.update(st.metrics["kl"], n_rows)
             self.step += 1
             dt = time.perf_counter() - t_step
-            tokens = int(batch.attention_mask.sum())
-            metrics.update({"time_generate": t_gen, "time_experience": t_exp, "time_train": t_train,
-                            "time_sync": t_sync, "time_step": dt, "tokens_per_s": tokens / dt})
-            metrics = self._reduce_metrics(metrics)
-            if self.step % cfg.logging.logging_steps == 0 or self.step == self.total_steps:
-                self.logger.log(self.step, metrics)
-            self.logger.advance()
-            es = cfg.logging.eval_steps
-            if es > 0 and self.step % es == 0:
-                self.logger.log(self.step, self.evaluate(), prefix="eval")
-            if cfg.checkpoint.save_steps > 0 and self.step % cfg.checkpoint.save_steps == 0:
-                self.save()
-            if self.step < self.total_steps and stop_requested():
-                _log0(f"[preempt] stop requested: checkpointing step {self.step} and exiting")
-                self.save()
-                self.logger.close()
-                return self
-        es = cfg.logging.eval_steps
-        if not (es > 0 and self.step % es == 0):  # final eval unless one just ran
-            self.logger.log(self.step, self.evaluate(), prefix="eval")
-        self.save_hf(cfg.checkpoint.save_path)
-        self.logger.close()
+            st.metrics.update({"time_step": dt, "tokens_per_s": int(st.batch.attention_mask.sum()) / dt})
+            if not self.cadence.after_step(self, self.reduce_metrics(st.metrics)):
+                break
+        self.cadence.finish(self)
         return self
 
-    def _reduce_metrics(self, metrics: dict) -> dict:
+    def reduce_metrics(self, metrics: dict) -> dict:
         """Mean over the ranks that computed each metric (critic metrics live on critic ranks only)."""
-        if self.world == 1:
-            return {k: float(v) for k, v in metrics.items()}
-        every = [None] * self.world
-        dist.all_gather_object(every, {k: float(v) for k, v in metrics.items()})
+        every = all_gather_objects({k: float(v) for k, v in metrics.items()})
         keys = list(dict.fromkeys(k for d in every for k in d))
         return {k: sum(d[k] for d in every if k in d) / sum(1 for d in every if k in d) for k in keys}
 
     def close(self):
+        """After a successful run only (a failure never gets here: see failfast.guarded)."""
+        self.watchdog.stop()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
 
 
-def run_rl(cfg, kind: str):
-    trainer = RLTrainer(cfg, kind)
-    try:
+def run_rl(cfg, run_name: str):
+    def main():
+        trainer = RLTrainer(cfg, run_name)
         trainer.fit()
-    finally:
         trainer.close()
-    return trainer
+        return trainer
+
+    return guarded(main)

@@ -1,87 +1,274 @@
-"""Build the role objects this rank holds (actor, ref, critic, reward, rollout) from the plan."""
+"""Roles as objects: each owns its member ranks, its process group and (on its members) its engine.
+
+The placement (``rlhf.distributed.plan.Plan``) is the one place that decides which
+roles exist and where.  ``build_roles`` turns it into objects on *every* rank: a role
+that exists has an object everywhere (``is_member`` says whether this rank holds
+it), a role that does not exist is ``None`` everywhere.  So "does this role exist"
+is answered from shared state, identically on every rank.
+
+Every operation that produces rows for the whole batch (log-probs, values, scores,
+generation) is called by every rank; members compute their shard, and
+``rlhf.distributed.sharding`` brings the rows to everybody with the same collective
+sequence whatever the shard sizes.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
-from rlhf.backends.base import EngineSpec, make_engine
+from rlhf.backends.base import EngineSpec, TrainEngine, make_engine
 from rlhf.distributed import Groups
+from rlhf.distributed.sharding import gather_max, gather_rows, micro_plan, run_micro, shard_rows
+from rlhf.models.forward import action_logprobs, packed_action_logprobs
 from rlhf.models.load import load_causal_lm, load_reward_model, load_tokenizer, resolve_pretrain
+from rlhf.rewards.reward_model import score_sequences
+from rlhf.rollout.base import RolloutBatch, SamplingParams
 from rlhf.rollout.hf_engine import HFEngine
+
+
+class Role:
+    """A role of the placement: ``members`` (global ranks), ``group`` (their process group, on members)."""
+
+    def __init__(self, name: str, members: List[int], group, rank: int, comm_device=None):
+        self.name, self.members, self.group, self.rank = name, list(members), group, rank
+        self.comm_device = comm_device
+        self.engine = None
+
+    @property
+    def is_member(self) -> bool:
+        return self.rank in self.members
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def index(self) -> Optional[int]:
+        return self.members.index(self.rank) if self.is_member else None
+
+    def rows(self, n_rows: int) -> Optional[slice]:
+        """This member's rows of an n-row batch (None on non-members)."""
+        return shard_rows(n_rows, self.index, self.size) if self.is_member else None
+
+    def sleep(self) -> None:
+        if self.engine is not None:
+            self.engine.sleep()
+
+    def wake(self, tags=None) -> None:
+        if self.engine is not None:
+            self.engine.wake(tags)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.name}, members={self.members})"
+
+
+class ModelRole(Role):
+    """A role holding a train engine (actor, ref, critic, reward model)."""
+
+    engine: Optional[TrainEngine]
+
+    def rows_forward(self, n_rows: int, micro: int, fn: Callable[[slice], torch.Tensor], width: int) -> torch.Tensor:
+        """(n_rows, width) on every rank: members run ``fn`` on their micro-batches (the same count on every
+        member: sharded forwards are collectives), then one gather over the world."""
+        local = None
+        if self.is_member and n_rows > 0:
+            local = run_micro(fn, micro_plan(n_rows, self.index, self.size, micro), dummy=slice(0, 1))
+        return gather_rows(local, self.rows(n_rows), n_rows, width, comm_device=self.comm_device)
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch, temperature: float, micro: int, chunk: int, packing: bool) -> torch.Tensor:
+        """log pi(a_t | s_<t) of the response tokens, (B, R), masked."""
+        def fn(p: slice):
+            model = self.engine.model
+            dev = next(model.parameters()).device
+            ids, att = batch.sequences[p].to(dev), batch.attention_mask[p].to(dev)
+            if packing:
+                return packed_action_logprobs(model, ids, att, batch.action_mask[p].to(dev), temperature, chunk)
+            return action_logprobs(model, ids, att, batch.num_actions, temperature, chunk)[0]
+
+        return self.rows_forward(batch.sequences.size(0), micro, fn, batch.num_actions) * batch.action_mask
+
+    @torch.no_grad()
+    def values(self, batch: RolloutBatch, micro: int) -> torch.Tensor:
+        """Critic values of the response positions, (B, R), masked."""
+        def fn(p: slice):
+            model = self.engine.model
+            dev = next(model.parameters()).device
+            return model(batch.sequences[p].to(dev), batch.attention_mask[p].to(dev), batch.num_actions)
+
+        return self.rows_forward(batch.sequences.size(0), micro, fn, batch.num_actions) * batch.action_mask
+
+    @torch.no_grad()
+    def scores(self, batch: RolloutBatch, micro: int, stats) -> torch.Tensor:
+        """Reward-model scores, (B,)."""
+        fn = lambda p: score_sequences(self.engine.model, batch.sequences[p], batch.attention_mask[p], stats,  # noqa: E731
+                                       micro).unsqueeze(1)
+        return self.rows_forward(batch.sequences.size(0), micro, fn, 1).squeeze(1)
+
+
+class RolloutRole(Role):
+    """The rollout engines: ``engines`` lists each engine's TP ranks; prompts are split over engines, every
+    TP rank of an engine gets the same prompts, and the engine's first rank reports its rows."""
+
+    def __init__(self, name, members, group, rank, engines: List[List[int]], comm_device=None):
+        super().__init__(name, members, group, rank, comm_device)
+        self.engines = engines
+        self.agent = None  # AgentExecutor driving the engine (--agent_func_path)
+
+    @property
+    def engine_index(self) -> Optional[int]:
+        for i, e in enumerate(self.engines):
+            if self.rank in e:
+                return i
+        return None
+
+    def prompt_rows(self, n_prompts: int, engine: int) -> slice:
+        return shard_rows(n_prompts, engine, len(self.engines))
+
+    def generate(self, prompts, params: SamplingParams) -> Optional[RolloutBatch]:
+        """This rank's engine generates for its engine's prompts (no world collective: the rollout ranks may
+        run this while other roles train).  Returns the rows on the engine's first rank, else None."""
+        e = self.engine_index
+        if e is None:
+            return None
+        mine = prompts[self.prompt_rows(len(prompts), e)]
+        if not mine:  # fewer prompts than engines: this engine idles (all its TP ranks alike)
+            return None
+        if self.agent is not None:
+            batch = self.agent.run([p.ids for p in mine], [p.prompt for p in mine], [p.label for p in mine], params)
+        else:
+            batch = self.engine.generate([p.ids for p in mine], params)
+        return batch if self.engines[e][0] == self.rank else None
+
+    def gather(self, local: Optional[RolloutBatch], n_prompts: int, n_samples: int, pad_id: int,
+               with_rewards: bool = False) -> RolloutBatch:
+        """The full batch on every rank, re-padded to a common prompt and response width.
+
+        Collectives (every rank, whatever it holds): one max of the widths, one gather of the
+        integer columns, one of the float columns."""
+        n = n_prompts * n_samples
+        owned: Optional[slice] = None
+        e = self.engine_index
+        if local is not None:
+            pr = self.prompt_rows(n_prompts, e)
+            owned = slice(pr.start * n_samples, pr.stop * n_samples)
+            assert local.sequences.size(0) == owned.stop - owned.start, \
+                f"engine {e} returned {local.sequences.size(0)} rows for {owned.stop - owned.start}"
+        P_loc = local.prompt_len if local is not None else 0
+        R_loc = local.num_actions if local is not None else 0
+        P, R = gather_max([P_loc, R_loc], self.comm_device)
+        ints = floats = None
+        if local is not None:
+            lp, rp = P - local.prompt_len, R - local.num_actions
+            pad = torch.nn.functional.pad
+            seq = pad(local.sequences, (lp, rp), value=pad_id)
+            att = pad(local.attention_mask, (lp, rp))
+            am = pad(local.action_mask, (0, rp))
+            ints = torch.cat([seq, att, am, local.truncated.long().unsqueeze(1)], 1)
+            cols = [pad(local.rollout_logprobs.float(), (0, rp))]
+            if with_rewards:
+                cols += [local.rewards.float().unsqueeze(1), local.scores.float().unsqueeze(1)]
+            floats = torch.cat(cols, 1)
+        ints = gather_rows(ints, owned, n, 2 * (P + R) + R + 1, torch.long, self.comm_device)
+        floats = gather_rows(floats, owned, n, R + (2 if with_rewards else 0), torch.float32, self.comm_device)
+        # rows nobody owned would be all-zero; every row has an owner by construction
+        seq, att = ints[:, :P + R], ints[:, P + R:2 * (P + R)]
+        seq = torch.where(att.bool(), seq, torch.full_like(seq, pad_id))
+        am, tr = ints[:, 2 * (P + R):2 * (P + R) + R], ints[:, -1].bool()
+        rewards = scores = None
+        if with_rewards:
+            rewards, scores = floats[:, R], floats[:, R + 1]
+        return RolloutBatch(seq, att, am, floats[:, :R], P, tr, rewards, scores)
 
 
 @dataclass
 class Roles:
-    actor: Optional[object] = None       # TrainEngine
-    ref: Optional[object] = None         # TrainEngine (frozen)
-    critic: Optional[object] = None      # TrainEngine
-    reward: Optional[object] = None      # TrainEngine (frozen) holding the sequence-classification RM
+    """The roles of this job, as objects on every rank (None: the placement has no such role)."""
+    actor: ModelRole
+    rollout: RolloutRole
+    ref: Optional[ModelRole] = None
+    critic: Optional[ModelRole] = None
+    reward: Optional[ModelRole] = None          # sequence-classification reward model
     reward_stats: tuple = (0.0, 1.0)
-    rollout: Optional[object] = None     # RolloutEngine
-    agent: Optional[object] = None       # AgentExecutor driving the rollout engine (--agent_func_path)
+    extra: Dict[str, Role] = field(default_factory=dict)
 
-    def sleepables(self) -> Dict[str, object]:
+    def all(self) -> Dict[str, Role]:
         return {k: v for k, v in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic),
                                   ("reward", self.reward), ("rollout", self.rollout)) if v is not None}
+
+    def sleepables(self) -> Dict[str, Role]:
+        """The roles this rank holds an engine of (what the phase scheduler puts to sleep and wakes)."""
+        return {k: v for k, v in self.all().items() if v.engine is not None}
 
 
 def meta_init(topo, groups: Groups, role: str) -> bool:
     """Load real weights on rank 0 only when the role spans the whole world under FSDP2 (hybrid engine)."""
-    import torch.distributed as dist
-
     return topo.backend == "fsdp2" and groups.group(role) is dist.group.WORLD and groups.plan.world_size > 1
 
 
-def build_roles(cfg, groups: Groups, device, total_steps: int, need_ref: bool, need_critic: bool) -> Roles:
+def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
+    """Role objects on every rank from the plan; engines built on the members only."""
     m, o, t = cfg.model, cfg.optim, cfg.topology
+    plan, rank = groups.plan, groups.rank
+    comm = device if dist.is_initialized() and dist.get_backend() == "nccl" else None
     path = resolve_pretrain(m.pretrain)
-    roles = Roles()
     spec_common = dict(train_batch_size=o.train_batch_size, micro_batch_size=o.micro_train_batch_size,
                        total_steps=max(1, total_steps), bf16=m.bf16, zero_stage=t.zero_stage, max_norm=o.max_norm,
                        weight_decay=o.weight_decay, betas=o.adam_betas, warmup_ratio=o.lr_warmup_ratio,
                        scheduler=o.lr_scheduler, offload=t.deepspeed_enable_sleep)
 
-    def engine(role, spec, load):
-        """The role's engine over its ranks; ``load(on_meta)`` builds the model (weights on rank 0 only if meta)."""
-        meta = meta_init(t, groups, role)
-        return make_engine(t.backend, load(meta and groups.rank != 0), spec, group=groups.group(role), device=device,
-                           broadcast_from_rank0=meta)
+    def model_role(name, spec_fn, load) -> Optional[ModelRole]:
+        members = plan.roles.get(name) or []
+        if not members:
+            return None
+        role = ModelRole(name, members, groups.group(name), rank, comm)
+        if role.is_member:
+            meta = meta_init(t, groups, name)
+            role.engine = make_engine(t.backend, load(meta and rank != 0), spec_fn(role), group=role.group,
+                                      device=device, broadcast_from_rank0=meta)
+        return role
+
+    def trainable(lr):
+        return lambda role: EngineSpec(lr=lr, **spec_common)
 
     def frozen(role):
         spec = EngineSpec(lr=0.0, trainable=False, **spec_common)
-        spec.train_batch_size = spec.micro_batch_size * groups.role_size(role)
+        spec.train_batch_size = spec.micro_batch_size * role.size
         return spec
 
-    if groups.has("actor"):
-        roles.actor = engine("actor", EngineSpec(lr=o.actor_learning_rate, **spec_common), lambda on_meta: load_causal_lm(
-            path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha, m.target_modules,
-            on_meta=on_meta))
-    if need_ref and groups.has("ref"):
-        roles.ref = engine("ref", frozen("ref"), lambda on_meta: load_causal_lm(
-            m.ref_pretrain or path, m.bf16, m.flash_attn, on_meta=on_meta))
-    if need_critic and groups.has("critic"):
+    actor = model_role("actor", trainable(o.actor_learning_rate), lambda on_meta: load_causal_lm(
+        path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha, m.target_modules,
+        on_meta=on_meta))
+    ref = model_role("ref", frozen, lambda on_meta: load_causal_lm(m.ref_pretrain or path, m.bf16, m.flash_attn,
+                                                                   on_meta=on_meta))
+
+    def load_critic(on_meta):
         from rlhf.models.critic import CriticModel
 
-        roles.critic = engine("critic", EngineSpec(lr=o.critic_learning_rate, **spec_common), lambda on_meta:
-                              CriticModel.from_pretrained(m.critic_pretrain or path, m.gradient_checkpointing,
-                                                          on_meta=on_meta))
-    if m.reward_pretrain and groups.has("reward"):
-        def load_rm(on_meta):
-            rm, roles.reward_stats = load_reward_model(m.reward_pretrain, m.bf16, m.flash_attn, on_meta=on_meta)
-            return rm
+        return CriticModel.from_pretrained(m.critic_pretrain or path, m.gradient_checkpointing, on_meta=on_meta)
 
-        roles.reward = engine("reward", frozen("reward"), load_rm)
-    if groups.has("rollout"):
-        roles.rollout = build_rollout_engine(cfg, path, groups, device)
+    critic = model_role("critic", trainable(o.critic_learning_rate), load_critic)
+    stats = {}
+
+    def load_rm(on_meta):
+        rm, stats["v"] = load_reward_model(m.reward_pretrain, m.bf16, m.flash_attn, on_meta=on_meta)
+        return rm
+
+    reward = model_role("reward", frozen, load_rm)
+    rollout = RolloutRole("rollout", plan.roles["rollout"], groups.group("rollout"), rank, plan.engines, comm)
+    if rollout.is_member:
+        rollout.engine = build_rollout_engine(cfg, path, groups, device)
         if cfg.rollout.agent_func_path:
             from rlhf.agents.base import load_agent
 
             inst, exe = load_agent(cfg.rollout.agent_func_path)
-            roles.agent = exe(inst, cfg.rollout.max_steps, cfg.data.generate_max_len * cfg.rollout.max_steps,
-                              roles.rollout, load_tokenizer(path))
-    return roles
+            rollout.agent = exe(inst, cfg.rollout.max_steps, cfg.data.generate_max_len * cfg.rollout.max_steps,
+                                rollout.engine, load_tokenizer(path))
+    return Roles(actor=actor, rollout=rollout, ref=ref, critic=critic, reward=reward,
+                 reward_stats=stats.get("v", (0.0, 1.0)))
 
 
 def build_rollout_engine(cfg, path: str, groups: Groups, device):

@@ -14,11 +14,14 @@ import torch.distributed as dist
 
 from rlhf.backends.base import EngineSpec, make_engine
 from rlhf.data.loading import load_rows, split_eval
-from rlhf.distributed import init_distributed, shard_rows
+from rlhf.distributed import init_distributed, micro_plan, shard_rows
+from rlhf.distributed.failfast import Watchdog, guarded
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.utils import checkpoint as ckpt
 from rlhf.utils.logging import MetricsLogger
-from rlhf.utils.preempt import install_signal_handler, stop_requested
+from rlhf.utils.preempt import StopSignal
+
+from .cadence import Cadence, log0
 
 
 class Task:
@@ -77,6 +80,8 @@ class SupervisedTrainer:
         total = self.steps_per_epoch * o.max_epochs
         self.total_steps = min(total, o.max_global_steps) if o.max_global_steps > 0 else total
         self.rank, self.world, _, self.device = init_distributed(t.dist_timeout_s)
+        self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
+                                 deadlines={"load": t.watchdog_slow_timeout_s, "save": t.watchdog_slow_timeout_s})
         torch.manual_seed(o.seed)
         m = cfg.model
         spec = EngineSpec(lr=o.learning_rate, train_batch_size=o.train_batch_size,
@@ -94,6 +99,8 @@ class SupervisedTrainer:
                                     use_wandb=lg.use_wandb, wandb_project=lg.wandb_project, wandb_org=lg.wandb_org,
                                     use_tensorboard=lg.use_tensorboard, progress_bar=lg.progress_bar,
                                     config=cfg.to_dict())
+        comm = self.device if dist.get_backend() == "nccl" else None
+        self.cadence = Cadence(cfg, self.logger, StopSignal(comm_device=comm))
 
     def batches_for(self, step: int):
         o = self.cfg.optim
@@ -105,99 +112,93 @@ class SupervisedTrainer:
         return [[self.train_samples[i] for i in mine[s:s + mb]] for s in range(0, len(mine), mb)]
 
     def _reduce(self, logs: Dict[str, List[float]]) -> Dict[str, float]:
+        """Mean over every rank's micro-batch values (every rank passes the same keys: the task's loss keys)."""
         keys = sorted(logs)
-        t = torch.tensor([sum(logs[k]) / len(logs[k]) for k in keys], dtype=torch.float64)
+        t = torch.tensor([[sum(logs[k]), len(logs[k])] for k in keys], dtype=torch.float64)
         if self.world > 1:
             dist.all_reduce(t)
-            t /= self.world
-        return dict(zip(keys, t.tolist()))
+        return {k: float(s / n) if n else float("nan") for k, (s, n) in zip(keys, t.tolist())}
 
     @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:
-        if not self.eval_samples:
+        """Every rank runs the same number of forwards (FSDP collectives); an empty micro-batch runs a dummy
+        forward on sample 0 and is not counted.  Metrics are weighted by samples, not by micro-batches."""
+        n = len(self.eval_samples)  # the same on every rank
+        if n == 0:
             return {}
         self.engine.model.eval()
-        mine = self.eval_samples[shard_rows(len(self.eval_samples), self.rank, self.world)]
-        logs = defaultdict(list)
         mb = self.cfg.optim.micro_train_batch_size
-        for s in range(0, max(len(mine), 1), mb):  # every rank runs the same number of forwards (FSDP collectives)
-            chunk = mine[s:s + mb] or self.eval_samples[:1]
+        logs = defaultdict(list)
+        for part in micro_plan(n, self.rank, self.world, mb):
+            chunk = self.eval_samples[part] if part is not None else self.eval_samples[:1]
             _, met = self.task.loss(self.engine.model, chunk)
-            for k, v in met.items():
-                logs[k].append(v)
-        n_local = (len(mine) + mb - 1) // mb
-        n_max = torch.tensor([n_local])
-        if self.world > 1:
-            dist.all_reduce(n_max, op=dist.ReduceOp.MAX)
-        for _ in range(int(n_max) - max(n_local, 1)):
-            self.task.loss(self.engine.model, self.eval_samples[:1])
+            if part is not None:
+                for k, v in met.items():
+                    logs[k] += [v] * len(chunk)
         self.engine.model.train()
+        for k in self._metric_keys():
+            logs.setdefault(k, [])
         return self._reduce(logs)
+
+    def _metric_keys(self) -> List[str]:
+        if not hasattr(self, "_keys"):
+            _, met = self.task.loss(self.engine.model, self.eval_samples[:1] or self.train_samples[:1])
+            self._keys = sorted(met)
+        return self._keys
 
     def save(self):
         c = self.cfg.checkpoint
-        ckpt.save_checkpoint(c.ckpt_path, self.step, lambda tmp: self.engine.save_checkpoint(os.path.join(tmp, "model")),
-                             {"step": self.step}, c.max_ckpt_num)
+        with self.watchdog.phase("save"):
+            ckpt.save_checkpoint(c.ckpt_path, self.step,
+                                 lambda tmp: self.engine.save_checkpoint(os.path.join(tmp, "model")),
+                                 {"step": self.step}, c.max_ckpt_num)
 
-    def resume(self):
+    def resume(self) -> bool:
         path = ckpt.latest_checkpoint(self.cfg.checkpoint.ckpt_path)
         if path is None:
-            if self.rank == 0:
-                print(f"[resume] no complete checkpoint in {self.cfg.checkpoint.ckpt_path}; starting fresh", flush=True)
-            return
+            log0(f"[resume] no complete checkpoint in {self.cfg.checkpoint.ckpt_path}; starting fresh")
+            return False
         self.engine.load_checkpoint(os.path.join(path, "model"))
         self.step = ckpt.load_trainer_state(path)["step"]
         ckpt.load_rank_state(path)
-        self.logger.advance(self.step)
-        if self.rank == 0:
-            print(f"[resume] from {path} at step {self.step}", flush=True)
+        log0(f"[resume] from {path} at step {self.step}")
+        return True
 
     def fit(self):
-        cfg = self.cfg
-        install_signal_handler()
-        if cfg.checkpoint.load_checkpoint:
-            self.resume()
+        self.cadence.start(self)
         self.engine.model.train()
         while self.step < self.total_steps:
             logs = defaultdict(list)
-            for i, mb in enumerate(self.batches_for(self.step)):
-                loss, met = self.task.loss(self.engine.model, mb)
-                self.engine.backward(loss, i)
-                for k, v in met.items():
+            with self.watchdog.phase("train"):
+                for i, mb in enumerate(self.batches_for(self.step)):
+                    loss, met = self.task.loss(self.engine.model, mb)
+                    self.engine.backward(loss, i)
+                    for k, v in met.items():
+                        logs[k].append(v)
+                for k, v in self.engine.step().items():
                     logs[k].append(v)
-            for k, v in self.engine.step().items():
-                logs[k].append(v)
             self.step += 1
-            if self.step % cfg.logging.logging_steps == 0 or self.step == self.total_steps:
-                self.logger.log(self.step, self._reduce(logs))
-            self.logger.advance()
-            if cfg.logging.eval_steps > 0 and self.step % cfg.logging.eval_steps == 0:
-                self.logger.log(self.step, self.evaluate(), prefix="eval")
-            if cfg.checkpoint.save_steps > 0 and self.step % cfg.checkpoint.save_steps == 0:
-                self.save()
-            if self.step < self.total_steps and stop_requested():
-                if self.rank == 0:
-                    print(f"[preempt] stop requested: checkpointing step {self.step} and exiting", flush=True)
-                self.save()
-                self.logger.close()
-                return self
-        self.final_eval = self.evaluate()
-        self.logger.log(self.step, self.final_eval, prefix="eval")
-        sd = self.engine.full_state_dict()
-        if self.rank == 0:
-            ckpt.save_hf(sd, self.engine.model, self.tokenizer, cfg.checkpoint.save_path)
-        self.task.after_fit(self)
-        if dist.is_initialized():
-            dist.barrier()
-        self.logger.close()
+            if not self.cadence.after_step(self, self._reduce(logs)):
+                break
+        self.cadence.finish(self)
         return self
+
+    def finish(self):
+        with self.watchdog.phase("save"):
+            sd = self.engine.full_state_dict()
+            if self.rank == 0:
+                ckpt.save_hf(sd, self.engine.model, self.tokenizer, self.cfg.checkpoint.save_path)
+            self.task.after_fit(self)
+            dist.barrier()
 
 
 def run_supervised(cfg, task_cls, data_kind: str):
-    trainer = SupervisedTrainer(cfg, task_cls, data_kind)
-    try:
+    def main():
+        trainer = SupervisedTrainer(cfg, task_cls, data_kind)
         trainer.fit()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return trainer
+        trainer.watchdog.stop()
+        dist.barrier()
+        dist.destroy_process_group()
+        return trainer
+
+    return guarded(main)

@@ -1,36 +1,57 @@
-"""Preemption: the sbatch trap (or anyone) touches $RLHF_STOP_FILE; the trainers checkpoint and exit cleanly.
+"""Stop requests: the stop file ($RLHF_STOP_FILE, touched by the sbatch trap), SIGUSR1 and SIGTERM.
 
 A file works through every layer (sbatch -> srun -> torchrun -> ranks), where a
-signal would have to survive torchrun's own handlers.  Also reacts to SIGUSR1
-delivered to a rank directly.
+signal would have to survive torchrun's own handlers.  SIGUSR1 and SIGTERM
+delivered to a rank (torchrun forwards SIGTERM to its workers when the scheduler
+or an operator stops it, then kills them after its grace period, 30 s by default)
+are recorded and acted on at the next step boundary: every rank agrees through one
+collective, checkpoints, and exits with a "[preempt] ... NOT complete" line.
 """
 from __future__ import annotations
 
 import os
 import signal
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-_flag = {"signal": False}
 
+class StopSignal:
+    """Records stop requests of this process; ``requested()`` is the collective that agrees on one."""
 
-def install_signal_handler() -> None:
-    def handler(signum, frame):
-        _flag["signal"] = True
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
-    try:
-        signal.signal(signal.SIGUSR1, handler)
-    except ValueError:  # not the main thread
-        pass
+    def __init__(self, stop_file: Optional[str] = None, comm_device=None):
+        self.comm_device = comm_device  # where the agreement tensor lives (the GPU under NCCL)
+        self.stop_file = stop_file if stop_file is not None else os.environ.get("RLHF_STOP_FILE")
+        self.signal_name: Optional[str] = None
+        self._agreed = ""
 
+    def install(self) -> None:
+        def handler(signum, frame):
+            self.signal_name = signal.Signals(signum).name
 
-def stop_requested() -> bool:
-    """Collective: True on every rank if any rank saw the stop file or a SIGUSR1."""
-    path = os.environ.get("RLHF_STOP_FILE")
-    local = _flag["signal"] or bool(path and os.path.exists(path))
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return local
-    t = torch.tensor([int(local)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+        for s in self.SIGNALS:
+            try:
+                signal.signal(s, handler)
+            except ValueError:  # not the main thread
+                pass
+
+    def local(self) -> int:
+        """0: nothing; 1: stop file; 2: a signal."""
+        if self.signal_name:
+            return 2
+        return 1 if self.stop_file and os.path.exists(self.stop_file) else 0
+
+    def requested(self) -> bool:
+        """Collective: True on every rank if any rank saw the stop file or a signal."""
+        t = torch.tensor([self.local()], device=self.comm_device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        v = int(t.item())
+        self._agreed = {1: f"stop file {self.stop_file}", 2: "stop signal (SIGTERM/SIGUSR1)"}.get(v, "")
+        return v > 0
+
+    def reason(self) -> str:
+        return self._agreed or "stop requested"

@@ -1,0 +1,202 @@
+"""The SPMD sweep: many RL configurations per torchrun launch (start-up paid once), awkward sizes, every placement.
+
+    torchrun --nproc_per_node N tests/sweep.py --kit KIT --data DIR --out DIR [--cases a,b]
+
+Each case builds a fresh trainer over the launch's process group (new role groups),
+runs its steps, and rank 0 appends one JSON line to DIR/results.jsonl.  An error in
+any case ends the whole launch (rlhf.distributed.failfast), which the test reports.
+``CASES[world]`` lists the cases for a world size; ``NODES2`` the 2 nodes x 2 ranks ones.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+# name -> (trainer kind, flags); sizes are chosen to be awkward: fewer prompts than ranks or engines, rollout
+# batches that do not divide over the engines, data sets not a multiple of the batch, one-prompt eval sets.
+BASE = {"generate_max_len": 4, "remote_rm_url": "builtin:arithmetic", "lr_warmup_ratio": 0.0,
+        "actor_learning_rate": 1e-4, "max_global_steps": 2, "micro_rollout_batch_size": 2}
+RM = {"remote_rm_url": None, "reward_pretrain": "{kit}/reward"}
+
+CASES = {
+    1: {
+        "w1_group_norm_eval1": ("grpo", dict(prompts=6, eval_prompts=1, rollout_batch_size=4, n_samples_per_prompt=2,
+                                             train_batch_size=8, micro_train_batch_size=4)),
+        "w1_gae_rm": ("ppo", dict(RM, prompts=5, rollout_batch_size=2, n_samples_per_prompt=1, train_batch_size=2,
+                                  micro_train_batch_size=1, advantage_estimator="gae", critic_learning_rate=1e-3)),
+        "w1_rloo_small_data": ("grpo", dict(prompts=3, eval_prompts=0, rollout_batch_size=3, n_samples_per_prompt=2,
+                                            train_batch_size=6, micro_train_batch_size=3,
+                                            advantage_estimator="rloo", max_epochs=2)),
+    },
+    2: {
+        "w2_colocated_sleep_rb1": ("grpo", dict(prompts=4, eval_prompts=1, rollout_batch_size=1,
+                                                n_samples_per_prompt=2, train_batch_size=2, micro_train_batch_size=1,
+                                                colocate_all_models=True, vllm_enable_sleep=True,
+                                                deepspeed_enable_sleep=True)),
+        "w2_colocated_rb3_split": ("grpo", dict(prompts=10, eval_split=0.0, rollout_batch_size=3,
+                                                n_samples_per_prompt=2, train_batch_size=6, micro_train_batch_size=3,
+                                                colocate_all_models=True, advantage_estimator="dr_grpo")),
+        "w2_actor_ref_colocated_rollout_own": ("ppo", dict(prompts=5, eval_prompts=1, rollout_batch_size=2,
+                                                           n_samples_per_prompt=1, train_batch_size=2,
+                                                           micro_train_batch_size=2, advantage_estimator="reinforce",
+                                                           actor_num_gpus_per_node=1, colocate_actor_ref=True,
+                                                           vllm_num_engines=1)),
+        "w2_async_rloo": ("grpo", dict(prompts=7, eval_prompts=1, rollout_batch_size=2, n_samples_per_prompt=2,
+                                       train_batch_size=4, micro_train_batch_size=2, advantage_estimator="rloo",
+                                       actor_num_gpus_per_node=1, vllm_num_engines=1, async_train=True,
+                                       max_global_steps=3)),
+        "w2_gae_rm_colocated": ("ppo", dict(RM, prompts=4, eval_prompts=1, rollout_batch_size=2,
+                                            n_samples_per_prompt=1, train_batch_size=2, micro_train_batch_size=1,
+                                            advantage_estimator="gae", colocate_all_models=True,
+                                            critic_learning_rate=1e-3)),
+    },
+    3: {
+        "w3_actor_ref_rollout_blocks": ("grpo", dict(prompts=5, eval_prompts=1, rollout_batch_size=3,
+                                                     n_samples_per_prompt=2, train_batch_size=6,
+                                                     micro_train_batch_size=3, actor_num_gpus_per_node=1,
+                                                     ref_num_gpus_per_node=1, vllm_num_engines=1)),
+        "w3_gae_critic_reward_block": ("ppo", dict(RM, prompts=4, eval_prompts=2, rollout_batch_size=2,
+                                                   n_samples_per_prompt=1, train_batch_size=2,
+                                                   micro_train_batch_size=2, advantage_estimator="gae",
+                                                   actor_num_gpus_per_node=1, critic_num_gpus_per_node=1,
+                                                   reward_num_gpus_per_node=1, colocate_critic_reward=True,
+                                                   colocate_actor_ref=True, vllm_num_engines=1,
+                                                   critic_learning_rate=1e-3)),
+        "w3_colocated_uneven": ("grpo", dict(prompts=8, eval_prompts=1, rollout_batch_size=3, n_samples_per_prompt=3,
+                                             train_batch_size=9, micro_train_batch_size=3,
+                                             colocate_all_models=True, micro_rollout_batch_size=1,
+                                             advantage_estimator="reinforce_baseline")),
+    },
+    4: {
+        "w4_ppo_every_role_own_ranks": ("ppo", dict(RM, prompts=4, eval_prompts=1, rollout_batch_size=2,
+                                                    n_samples_per_prompt=1, train_batch_size=2,
+                                                    micro_train_batch_size=2, advantage_estimator="gae",
+                                                    actor_num_gpus_per_node=1, ref_num_gpus_per_node=1,
+                                                    critic_num_gpus_per_node=1, colocate_critic_reward=True,
+                                                    reward_num_gpus_per_node=1, vllm_num_engines=1,
+                                                    critic_learning_rate=1e-3)),
+        "w4_colocated_tp2_rb1": ("grpo", dict(prompts=3, eval_prompts=1, rollout_batch_size=1, n_samples_per_prompt=4,
+                                              train_batch_size=4, micro_train_batch_size=1,
+                                              colocate_all_models=True, vllm_tensor_parallel_size=2)),
+        "w4_actor2_rollout2_async": ("grpo", dict(prompts=6, eval_prompts=1, rollout_batch_size=3,
+                                                  n_samples_per_prompt=2, train_batch_size=6,
+                                                  micro_train_batch_size=3, actor_num_gpus_per_node=2,
+                                                  vllm_num_engines=2, async_train=True,
+                                                  advantage_estimator="group_norm")),
+    },
+}
+NODES2 = {  # 2 nodes x 2 ranks (two torchrun agents, c10d rendezvous)
+    "n2_colocated": ("grpo", dict(prompts=4, eval_prompts=1, rollout_batch_size=2, n_samples_per_prompt=2,
+                                  train_batch_size=4, micro_train_batch_size=1, colocate_all_models=True)),
+    "n2_actor_node_rollout_node": ("grpo", dict(prompts=5, eval_prompts=1, rollout_batch_size=3,
+                                                n_samples_per_prompt=2, train_batch_size=6, micro_train_batch_size=3,
+                                                actor_num_nodes=1, actor_num_gpus_per_node=2, vllm_num_engines=2)),
+}
+
+
+def write_prompts(path: str, rows) -> str:
+    """Every rank writes the same file: atomically (own temp file, then rename), so no rank reads a partial one."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def case_argv(name: str, spec: dict, kit: str, data: str, out: str):
+    """(kind, argv, expected steps) for one case; writes its prompt files."""
+    kind, flags = spec
+    flags = {**BASE, **flags}
+    with open(os.path.join(kit, "data", "prompts_train.jsonl")) as fh:
+        pool = [json.loads(line) for line in fh][:64]
+    n, n_eval = flags.pop("prompts"), flags.pop("eval_prompts", None)
+    flags["prompt_data"] = write_prompts(os.path.join(data, f"{name}_train.jsonl"), pool[:n])
+    if n_eval is not None and n_eval > 0:
+        flags["eval_dataset"] = write_prompts(os.path.join(data, f"{name}_eval.jsonl"), pool[32:32 + n_eval])
+    elif n_eval == 0:
+        flags["eval_split"] = 0.0
+    flags.update(pretrain=kit, log_dir=os.path.join(out, name, "logs"), save_path=os.path.join(out, name, "model"),
+                 ckpt_path=os.path.join(out, name, "ckpt"), no_progress_bar=True)
+    if flags.get("reward_pretrain"):
+        flags["reward_pretrain"] = flags["reward_pretrain"].format(kit=kit)
+    argv = []
+    for k, v in flags.items():
+        if v is True:
+            argv.append(f"--{k}")
+        elif v is not False and v is not None:
+            argv += [f"--{k}", str(v)]
+    n_train = n - (max(1, int(n * flags.get("eval_split", 0.1))) if "eval_dataset" not in flags
+                   and flags.get("eval_split", 0.1) > 0 else 0)
+    steps = min(n_train // flags["rollout_batch_size"] * flags.get("num_episodes", 1), flags["max_global_steps"])
+    return kind, argv, steps
+
+
+def run_cases(cases: dict, kit: str, data: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from rlhf.config import parse
+    from rlhf.train_grpo import GRPO_DEFAULTS
+    from rlhf.train_ppo import PPO_DEFAULTS
+    from rlhf.trainers.rl_trainer import RLTrainer
+
+    defaults = {"grpo": GRPO_DEFAULTS, "ppo": PPO_DEFAULTS}
+    for name, spec in cases.items():
+        kind, argv, steps = case_argv(name, spec, kit, data, out)
+        t0 = time.time()
+        cfg = parse(kind, argv, defaults[kind])
+        trainer = RLTrainer(cfg, name)
+        trainer.fit()
+        trainer.watchdog.stop()
+        dist.barrier()
+        rows = []
+        if trainer.rank == 0:
+            from rlhf.utils.logging import read_metrics
+
+            rows = read_metrics(os.path.join(cfg.logging.log_dir, "metrics.jsonl"))
+            train = [r for r in rows if r["split"] == "train"]
+            ev = [r for r in rows if r["split"] == "eval"]
+            finite = all(math.isfinite(v) for r in train for k, v in r.items() if isinstance(v, float)
+                         and k not in ("rollout_logprob_gap",))
+            with open(os.path.join(out, "results.jsonl"), "a") as fh:
+                fh.write(json.dumps({"case": name, "world": trainer.world, "steps": [r["step"] for r in train],
+                                     "expected_steps": steps, "eval_rows": len(ev),
+                                     "eval_samples": [r.get("samples") for r in ev], "finite": finite,
+                                     "seconds": round(time.time() - t0, 2),
+                                     "exported": os.path.isfile(os.path.join(cfg.checkpoint.save_path,
+                                                                             "model.safetensors")),
+                                     "last": {k: train[-1].get(k) for k in ("reward", "kl", "policy_loss",
+                                                                           "value_loss", "response_len")}}) + "\n")
+        del trainer
+
+
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--kit", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--cases", default="")
+    p.add_argument("--nodes2", action="store_true")
+    a = p.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    table = NODES2 if a.nodes2 else CASES[world]
+    names = [c for c in a.cases.split(",") if c] or list(table)
+    os.makedirs(a.data, exist_ok=True)
+    from rlhf.distributed.failfast import guarded
+
+    guarded(lambda: run_cases({n: table[n] for n in names}, a.kit, a.data, a.out))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()

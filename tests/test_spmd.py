@@ -1,0 +1,143 @@
+"""No rank waits forever: the sweep of placements and awkward sizes, and the fault tests.
+
+The sweep runs many configurations per torchrun launch (tests/sweep.py); each launch
+must end by itself well inside its deadline.  The fault tests break one rank (an
+exception, SIGKILL, a reward function that blocks) and check that the whole job ends
+within 60 s, non-zero, with the cause printed once and first.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import free_port
+from e2e import ROOT
+
+pytestmark = pytest.mark.slow
+
+SWEEP = os.path.join(ROOT, "tests", "sweep.py")
+
+
+def _env(**extra):
+    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
+                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+
+
+def _torchrun(nproc, args, extra=(), **popen):
+    return [sys.executable, "-m", "torch.distributed.run", *extra, f"--nproc_per_node={nproc}", *map(str, args)]
+
+
+def _results(out):
+    with open(os.path.join(out, "results.jsonl")) as fh:
+        return {r["case"]: r for r in map(json.loads, fh)}
+
+
+def _check_sweep(res, cases):
+    assert sorted(res) == sorted(cases), f"cases that did not report: {sorted(set(cases) - set(res))}"
+    for name, r in res.items():
+        assert r["steps"] == list(range(1, r["expected_steps"] + 1)), (name, r)
+        assert r["finite"], f"{name}: a non-finite metric: {r['last']}"
+        assert r["exported"], f"{name}: no final model written"
+        assert r["last"]["response_len"] > 0, (name, r)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_sweep_every_placement_and_awkward_sizes(world, tiny_kit, tmp_path):
+    from sweep import CASES
+
+    cmd = _torchrun(world, [SWEEP, "--kit", tiny_kit, "--data", tmp_path / "data", "--out", tmp_path],
+                    extra=["--standalone"])
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=420)
+    assert p.returncode == 0, f"world {world} failed after {time.time() - t0:.0f}s:\n{p.stderr[-6000:]}"
+    _check_sweep(_results(tmp_path), CASES[world])
+
+
+def test_sweep_two_nodes_of_two_ranks(tiny_kit, tmp_path):
+    """Two torchrun agents on localhost meeting through c10d rendezvous: node boundaries are real."""
+    from sweep import NODES2
+
+    port = free_port()
+    extra = ["--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=sweep2x2"]
+    args = [SWEEP, "--nodes2", "--kit", tiny_kit, "--data", tmp_path / "data", "--out", tmp_path]
+    procs = [subprocess.Popen(_torchrun(2, args, extra), cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=420) for p in procs]
+    for p, (o, e) in zip(procs, outs):
+        assert p.returncode == 0, e[-6000:]
+    _check_sweep(_results(tmp_path), NODES2)
+
+
+def _fault_run(tiny_kit, tmp_path, fault, extra_flags=(), nproc=2, layout=("--colocate_all_models",)):
+    d = os.path.join(tiny_kit, "data")
+    mark = tmp_path / "fault_time"
+    args = ["-m", "rlhf.train_grpo", "--pretrain", tiny_kit, "--prompt_data", f"{d}/prompts_train.jsonl",
+            "--eval_dataset", f"{d}/prompts_eval.jsonl", "--max_samples", 64,
+            "--remote_rm_url", os.path.join(ROOT, "tests", "fault_reward.py"), "--rollout_batch_size", 4,
+            "--n_samples_per_prompt", 2, "--train_batch_size", 8, "--micro_train_batch_size", 4,
+            "--generate_max_len", 4, "--max_global_steps", 50, "--eval_steps", -1, "--log_dir", tmp_path / "logs",
+            "--save_path", tmp_path / "m", "--no_progress_bar", *layout, *extra_flags]
+    cmd = _torchrun(nproc, args, extra=["--standalone"])
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=tmp_path, env=_env(RLHF_FAULT=fault, RLHF_FAULT_MARK=str(mark)),
+                       capture_output=True, text=True, timeout=240)
+    end = time.time()
+    assert mark.exists(), f"the fault was never injected:\n{p.stderr[-4000:]}"
+    after = end - float(mark.read_text())
+    return p, after, end - t0
+
+
+def _rank_lines(text):
+    return [ln for ln in text.splitlines() if re.match(r"\[rank \d+\]", ln)]
+
+
+def test_exception_on_one_rank_ends_job_with_its_traceback_first(tiny_kit, tmp_path):
+    p, after, _ = _fault_run(tiny_kit, tmp_path, "raise")
+    assert p.returncode != 0
+    assert after < 60, f"the job took {after:.0f}s to end after the fault"
+    lines = _rank_lines(p.stderr)
+    assert lines and lines[0].startswith("[rank 1] error:") and "injected reward failure" in lines[0], lines[:5]
+    assert sum("Traceback" in ln for ln in lines) == 1, "\n".join(lines)  # the reward function's, once
+    assert any("ValueError: injected reward failure on this rank only" in ln for ln in lines)
+    assert any(ln.startswith("[rank 0] stopping: the job was aborted by rank 1") for ln in lines), "\n".join(lines)
+
+
+def test_wrong_length_reward_on_one_rank_ends_job(tiny_kit, tmp_path):
+    p, after, _ = _fault_run(tiny_kit, tmp_path, "wrong_len")
+    assert p.returncode != 0 and after < 60
+    lines = _rank_lines(p.stderr)
+    assert lines[0].startswith("[rank 1]") and any("'rewards' has" in ln for ln in lines), "\n".join(lines[:20])
+
+
+def test_rank_killed_mid_step_ends_job(tiny_kit, tmp_path):
+    p, after, _ = _fault_run(tiny_kit, tmp_path, "kill")
+    assert p.returncode != 0
+    assert after < 60, f"the job took {after:.0f}s to end after rank 1 was killed"
+    assert "Signal 9 (SIGKILL)" in p.stderr or "exitcode  : -9" in p.stderr, p.stderr[-3000:]
+    lines = _rank_lines(p.stderr)
+    assert any("lost a peer rank" in ln for ln in lines), "\n".join(lines[:20])
+
+
+def test_blocking_reward_function_is_caught_by_the_watchdog(tiny_kit, tmp_path):
+    """A synchronous reward function that never returns on rank 1: the phase deadline ends the job and the
+    report names every rank's phase."""
+    p, after, _ = _fault_run(tiny_kit, tmp_path, "block", ["--watchdog_timeout_s", 5, "--watchdog_slow_timeout_s", 60,
+                                                           "--reward_timeout_s", 1000])
+    assert p.returncode != 0
+    assert after < 60, f"the job took {after:.0f}s to end after rank 1 blocked"
+    err = p.stderr
+    assert "exceeded its deadline of 5s" in err, err[-3000:]
+    assert re.search(r"rank 1: reward_function for \d+s", err), err[-3000:]
+
+
+def test_separate_roles_exception_on_rollout_rank(tiny_kit, tmp_path):
+    """Roles on ranks of their own (actor 0, rollout 1, async): rank 1 raises in its reward call while rank 0
+    may be training; the job still ends promptly."""
+    p, after, _ = _fault_run(tiny_kit, tmp_path, "raise", layout=("--actor_num_gpus_per_node", 1,
+                                                                  "--vllm_num_engines", 1, "--async_train"))
+    assert p.returncode != 0 and after < 60
+    assert _rank_lines(p.stderr)[0].startswith("[rank 1] error:")
