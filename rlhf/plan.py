@@ -1,28 +1,46 @@
 """Print the placement plan for a set of topology flags without starting anything.
 
-    python -m rlhf.plan --world_size 8 --nnodes 1 --colocate_all_models --vllm_num_engines 4 --vllm_tensor_parallel_size 2
+    python -m rlhf.plan --actor_num_nodes 1 --actor_num_gpus_per_node 8 --colocate_all_models \
+        --vllm_num_engines 4 --vllm_tensor_parallel_size 2
+
+Without ``--world_size`` the world size is derived from the role flags (the job you would launch for them);
+``--world_size N --nnodes K`` checks the flags against a given allocation instead.
 """
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 import click
 
 from rlhf.algorithms import ADVANTAGE_ESTIMATORS
 from rlhf.config import make_command
-from rlhf.distributed.plan import TopologyError, make_plan
+from rlhf.distributed.plan import TopologyError, make_plan, required_world_size
 
 
-def plan_for(cfg, world_size: int, nnodes: int):
+def needs(cfg) -> dict:
     spec = ADVANTAGE_ESTIMATORS[cfg.algorithm.advantage_estimator]
-    need_ref = cfg.algorithm.init_kl_coef > 0 or cfg.algorithm.use_kl_loss
-    return make_plan(cfg.topology, world_size, nnodes, need_ref=need_ref, need_critic=spec.needs_critic,
-                     need_reward_model=cfg.model.reward_pretrain is not None)
+    return dict(need_ref=cfg.algorithm.init_kl_coef > 0 or cfg.algorithm.use_kl_loss, need_critic=spec.needs_critic,
+                need_reward_model=cfg.model.reward_pretrain is not None)
+
+
+def plan_for(cfg, world_size: Optional[int], nnodes: Optional[int]):
+    t = cfg.topology
+    if world_size is None:
+        world_size = required_world_size(t, **needs(cfg))
+        if world_size is None:
+            raise TopologyError("the role flags leave the world size open (the actor takes all remaining ranks): "
+                                "give --actor_num_gpus_per_node, or --world_size N")
+    if nnodes is None:
+        nnodes = t.actor_num_nodes if t.colocate_all_models else max(1, t.nnodes_hint or 1)
+        if world_size % nnodes:
+            nnodes = 1
+    return make_plan(t, world_size, nnodes, **needs(cfg))
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = {"world_size": 1, "nnodes": 1}
+    extra = {"world_size": None, "nnodes": None}
     for key in list(extra):
         flag = f"--{key}"
         if flag in argv:

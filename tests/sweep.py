@@ -32,6 +32,10 @@ CASES = {
                                             advantage_estimator="rloo", max_epochs=2)),
     },
     2: {
+        # the issue's own case: 16 prompts, default 10% eval split -> 1 eval prompt for 2 ranks
+        "w2_issue_16_prompts": ("grpo", dict(prompts=16, eval_prompts=None, rollout_batch_size=8,
+                                             n_samples_per_prompt=2, train_batch_size=16, micro_train_batch_size=8,
+                                             max_samples=16, colocate_all_models=True)),
         "w2_colocated_sleep_rb1": ("grpo", dict(prompts=4, eval_prompts=1, rollout_batch_size=1,
                                                 n_samples_per_prompt=2, train_batch_size=2, micro_train_batch_size=1,
                                                 colocate_all_models=True, vllm_enable_sleep=True,

@@ -71,3 +71,23 @@ def test_micro_plan_same_count_on_every_rank():
         rows = [i for p in parts for s in p if s is not None for i in range(s.start, s.stop)]
         assert rows == list(range(n))
         assert all(s is None or s.stop - s.start <= micro for p in parts for s in p)
+
+
+def test_plan_cli_derives_world_size_from_role_flags(capsys):
+    """The seed's role flags alone (no --world_size): the world is the job those flags need."""
+    with pytest.raises(SystemExit) as e:
+        plan_main(["--actor_num_nodes", "2", "--actor_num_gpus_per_node", "8", "--vllm_num_engines", "8",
+                   "--vllm_tensor_parallel_size", "2", "--colocate_all_models", "--advantage_estimator", "group_norm",
+                   "--n_samples_per_prompt", "8", "--train_batch_size", "64"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "world_size=16  ranks/node=8" in out and "engines: 8 x TP 2" in out and "  15     1  actor" in out
+    with pytest.raises(SystemExit) as e:
+        plan_main(["--actor_num_gpus_per_node", "4", "--ref_num_gpus_per_node", "2", "--vllm_num_engines", "2",
+                   "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--train_batch_size", "16"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "world_size=8" in out and "ref: ranks 4-5" in out and "rollout: ranks 6-7" in out
+    with pytest.raises(SystemExit) as e:  # the actor takes "the rest": the flags alone do not say how many
+        plan_main(["--vllm_num_engines", "2"])
+    assert e.value.code == 2

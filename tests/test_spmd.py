@@ -141,3 +141,34 @@ def test_separate_roles_exception_on_rollout_rank(tiny_kit, tmp_path):
                                                                   "--vllm_num_engines", 1, "--async_train"))
     assert p.returncode != 0 and after < 60
     assert _rank_lines(p.stderr)[0].startswith("[rank 1] error:")
+
+
+def test_sigterm_to_torchrun_checkpoints_and_says_not_complete(tiny_kit, tmp_path):
+    """What scancel or an operator sends: torchrun forwards SIGTERM to the ranks; they agree at the step boundary,
+    checkpoint, and say the run is not complete; a resume continues from that step."""
+    import signal
+
+    d = os.path.join(tiny_kit, "data")
+    ck = tmp_path / "ck"
+    args = ["-m", "rlhf.train_grpo", "--pretrain", tiny_kit, "--prompt_data", f"{d}/prompts_train.jsonl",
+            "--eval_dataset", f"{d}/prompts_eval.jsonl", "--remote_rm_url", "builtin:arithmetic",
+            "--rollout_batch_size", 4, "--n_samples_per_prompt", 2, "--train_batch_size", 8,
+            "--micro_train_batch_size", 4, "--generate_max_len", 4, "--max_global_steps", 400, "--ckpt_path", ck,
+            "--log_dir", tmp_path / "logs", "--save_path", tmp_path / "m", "--no_progress_bar",
+            "--colocate_all_models"]
+    p = subprocess.Popen(_torchrun(2, args, extra=["--standalone"]), cwd=tmp_path, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "logs" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    assert p.poll() is None, p.communicate()[1][-3000:]
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert time.time() - t0 < 35, "the ranks did not stop within torchrun's 30 s grace"
+    steps = sorted(int(n.split("_")[-1]) for n in os.listdir(ck) if n.startswith("global_step_"))
+    assert steps, f"no checkpoint written on SIGTERM:\n{out[-2000:]}\n{err[-3000:]}"
+    assert "[preempt] stop signal" in out and "NOT complete" in out, out[-2000:]
+    assert p.returncode != 0  # torchrun itself was signalled: not a completion
+    assert not (tmp_path / "m" / "model.safetensors").exists()  # no final export for an incomplete run

@@ -78,6 +78,28 @@ def _block(name: str, nodes: int, per_node: int, gpus_per_node: int) -> int:
     return nodes * per_node
 
 
+def required_world_size(topo, need_ref: bool = True, need_critic: bool = False,
+                        need_reward_model: bool = False) -> Optional[int]:
+    """The world size the role flags imply, or None when they leave it open (a role sized "all the rest").
+
+    Colocated: the actor block (``--actor_num_nodes x --actor_num_gpus_per_node``).  Separate roles: the sum of
+    the blocks, when the actor's size is given.
+    """
+    if not topo.actor_num_gpus_per_node:
+        return None
+    n_actor = topo.actor_num_nodes * topo.actor_num_gpus_per_node
+    if topo.colocate_all_models:
+        return n_actor
+    total = n_actor + topo.vllm_num_engines * topo.vllm_tensor_parallel_size
+    if need_ref and topo.ref_num_gpus_per_node and not topo.colocate_actor_ref:
+        total += topo.ref_num_nodes * topo.ref_num_gpus_per_node
+    if need_critic and topo.critic_num_gpus_per_node:
+        total += topo.critic_num_nodes * topo.critic_num_gpus_per_node
+    if need_reward_model and topo.reward_num_gpus_per_node and not (topo.colocate_critic_reward and need_critic):
+        total += topo.reward_num_nodes * topo.reward_num_gpus_per_node
+    return total
+
+
 def make_plan(topo, world_size: int, nnodes: int = 1, need_ref: bool = True, need_critic: bool = False,
               need_reward_model: bool = False) -> Plan:
     """Compute and validate the placement.  Raises TopologyError naming the numbers that disagree."""
