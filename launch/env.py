@@ -87,3 +87,18 @@ def with_resume(args: Sequence[str]) -> List[str]:
 
 def shell_join(cmd: Sequence[str]) -> str:
     return " ".join(shlex.quote(c) for c in cmd)
+
+
+def shell_exports(defaults: Optional[Dict[str, str]] = None) -> str:
+    """``export K="${K:-V}"`` lines for the defaults: sourced by slurm/common.sh, so the sbatch scripts and the
+    Python launchers share one table (whatever the user exported wins in both)."""
+    return "\n".join(f'export {k}="${{{k}:-{v}}}"' for k, v in (defaults or NCCL_DEFAULTS).items())
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--exports"]:
+        print(shell_exports())
+    else:
+        sys.exit("usage: python -m launch.env --exports")

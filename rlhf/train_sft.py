@@ -2,6 +2,9 @@
 from rlhf.config import main_entry
 
 
+DEFAULTS = {"learning_rate": 1e-3, "train_batch_size": 32, "micro_train_batch_size": 8}
+
+
 def run(cfg):
     from rlhf.trainers.supervised import run_supervised
     from rlhf.trainers.tasks import SFTTask
@@ -10,5 +13,4 @@ def run(cfg):
 
 
 if __name__ == "__main__":
-    main_entry("sft", run, {"learning_rate": 1e-3, "train_batch_size": 32, "micro_train_batch_size": 8} if "sft" != "dpo"
-               else {"learning_rate": 1e-4, "train_batch_size": 32, "micro_train_batch_size": 8}, help="Supervised fine-tuning (loss on response tokens).")
+    main_entry("sft", run, DEFAULTS, help="Supervised fine-tuning (loss on response tokens).")

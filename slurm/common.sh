@@ -5,13 +5,8 @@ export RLHF_HOME="${RLHF_HOME:-$PWD}"   # the checkout (configs/, slurm/); the j
 export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 export MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
 export GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
-# InfiniBand / NCCL: defaults only, whatever the user exported wins
-export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-0}"
-export NCCL_IB_HCA="${NCCL_IB_HCA:-mlx5}"
-export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"
-export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"
-export NCCL_IB_RETRY_CNT="${NCCL_IB_RETRY_CNT:-10}"
-export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+# InfiniBand / NCCL: defaults only, whatever the user exported wins (the one table: launch/env.py NCCL_DEFAULTS)
+eval "$(cd "$RLHF_HOME" && python -m launch.env --exports)"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
 export TOKENIZERS_PARALLELISM=false
 export RLHF_STOP_FILE="${RLHF_STOP_FILE:-$PWD/output/slurm-$SLURM_JOB_ID.stop}"

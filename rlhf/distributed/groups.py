@@ -49,23 +49,15 @@ def nnodes_from_env() -> int:
 
 @dataclass
 class Groups:
+    """This rank's process groups: one per role it holds, its rollout engine's TP group, the weight-sync group."""
     plan: Plan
     rank: int
-    roles: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
-    engine: Optional[dist.ProcessGroup] = None      # this rank's rollout TP group
+    role_groups: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)  # None where not a member
+    tp_group: Optional[dist.ProcessGroup] = None    # this rank's rollout engine's TP ranks
     sync: Optional[dist.ProcessGroup] = None        # actor rank 0 + rollout ranks (separate rollout only)
 
-    def has(self, role: str) -> bool:
-        return self.rank in self.plan.roles.get(role, [])
-
     def group(self, role: str) -> Optional[dist.ProcessGroup]:
-        return self.roles.get(role)
-
-    def role_rank(self, role: str) -> int:
-        return self.plan.roles[role].index(self.rank)
-
-    def role_size(self, role: str) -> int:
-        return len(self.plan.roles[role])
+        return self.role_groups.get(role)
 
 
 def build_groups(plan: Plan, rank: int) -> Groups:
@@ -83,11 +75,11 @@ def build_groups(plan: Plan, rank: int) -> Groups:
     for role in ROLES:
         ranks = plan.roles.get(role) or []
         grp = make(ranks) if ranks else None
-        g.roles[role] = grp if rank in ranks else None
+        g.role_groups[role] = grp if rank in ranks else None
     for e in plan.engines:
         grp = make(e)
         if rank in e:
-            g.engine = grp
+            g.tp_group = grp
     if plan.sync_ranks:
         grp = make(plan.sync_ranks)
         if rank in plan.sync_ranks:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from typing import Dict, Iterable, List, Optional, Protocol, Tuple
 
 import torch.distributed as dist
@@ -60,8 +59,6 @@ class PhaseScheduler:
         self.awake = set(roles)       # everything starts resident
         self.partial = set()          # woken for some tags only (vLLM weights without KV cache)
         self.ledger = ledger or Ledger(rank)
-        self.timings: Dict[str, float] = {}
-        self.current: Optional[str] = None
         for r in roles:
             self.ledger.record("init", r, self.awake)
 
@@ -110,11 +107,7 @@ class PhaseScheduler:
             if share is not None and share not in self.awake:
                 self.wake(share)
         self.ledger.record("begin", name, self.awake)
-        self.current = name
-        t0 = time.perf_counter()
         try:
             yield
         finally:
-            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
             self.ledger.record("end", name, self.awake)
-            self.current = None

@@ -10,7 +10,7 @@ metadata, which is broadcast once.  Every wait has a timeout.
 from __future__ import annotations
 
 import datetime
-from typing import Iterable, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -111,7 +111,6 @@ class WeightSync:
         self.timeout_s = timeout_s
         self.device = device or torch.device("cpu")
         self._meta: Optional[List[Meta]] = None
-        self.bytes_sent = 0
 
     # ---- colocated -------------------------------------------------------------------------------------------
     def _named_full(self, model) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -131,7 +130,6 @@ class WeightSync:
                 self.engine.load_weights(batch)
         if self.engine is not None:
             self.engine.reset_prefix_cache()
-        self.bytes_sent = total
         return total
 
     # ---- separate rollout ranks --------------------------------------------------------------------------------
@@ -176,7 +174,6 @@ class WeightSync:
                 self.engine.load_weights(loaded)
         if not is_actor and self.engine is not None:
             self.engine.reset_prefix_cache()
-        self.bytes_sent = total
         return total
 
     def sync(self, model=None) -> int:
