@@ -19,7 +19,7 @@ from rlhf.models.forward import action_logprobs, packed_action_logprobs
 from rlhf.rewards.reward_model import score_sequences
 from rlhf.rollout.base import RolloutBatch, SamplingParams
 
-from .advantage_stage import StageInputs, advantage_stage
+from .advantage_stage import StageInputs, advantage_stage, needs_old_logprobs
 
 
 @dataclass
@@ -264,7 +264,7 @@ def make_experience(cfg, roles, groups, batch: RolloutBatch, labels: List, rewar
         loc = run("ref", lambda: forward_logprobs_shard(roles.ref, batch, role_shard(groups, "ref", n), temp, micro,
                                                         chunk, m.packing_samples, groups, "ref"))
         ref_lp = gather_rows(loc, n) * batch.action_mask
-    if on_policy_single_update(cfg):
+    if not needs_old_logprobs(cfg, on_policy_single_update(cfg)):
         old_lp = None  # the one update sees ratio 1: the trainer uses its own log-probs, detached (no extra forward)
     else:
         loc = run("actor", lambda: forward_logprobs_shard(roles.actor, batch, role_shard(groups, "actor", n), temp,
