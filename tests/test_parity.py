@@ -502,3 +502,67 @@ def test_every_dotted_name_maps_to_a_known_flat_name():
         for t in targets:
             assert t in ours or t in OPENRLHF_FLAT_ERA, f"--{dotted} maps to --{t}, which is neither ours nor OpenRLHF's"
         assert "." in dotted and (isinstance(e, (str, Split, Fanout, Switch)) or isinstance(e, Notice) or e.target == "")
+
+
+def test_rm_margin_column_read_per_pair(tiny_kit, tmp_path):
+    from rlhf.data.loading import DataError, load_rows
+    from rlhf.models.load import load_tokenizer
+    from rlhf.trainers.tasks import RMTask
+
+    cfg = TrainConfig()
+    cfg.algorithm.margin_loss = True
+    task = RMTask(cfg, load_tokenizer(tiny_kit, padding_side="right"))
+    assert task.required_keys["margin_key"] is None and "margin_key" not in RMTask.required_keys
+    rows = [{"input": "1+1=", "chosen": "2", "rejected": "3", "margin": 0.5},
+            {"input": "2+2=", "chosen": "4", "rejected": "5", "margin": 2.0}]
+    samples = [task.make_sample(r) for r in rows]
+    close(task.margins(samples), [0.5, 2.0])
+    # the data must carry the column: the loader names the flag that picks it
+    f = tmp_path / "pairs.jsonl"
+    f.write_text('{"input": "1+1=", "chosen": "2", "rejected": "3"}\n')
+    keys = {k: getattr(cfg.data, k) for k in task.required_keys}
+    with pytest.raises(DataError, match="set --margin_key"):
+        load_rows(str(f), keys)
+    cfg.algorithm.margin_loss = False
+    assert RMTask(cfg, task.tokenizer).margins(samples) == 0.0   # the constant --margin otherwise
+
+
+def test_moe_aux_loss_is_read_and_added():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from rlhf.trainers.ppo_update import _AuxLossTap
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                             num_experts_per_tok=2))
+    tap = _AuxLossTap(model, True)
+    ids = torch.randint(0, 32, (2, 5))
+    out = model(input_ids=ids)
+    got = tap.take()
+    assert got is not None and torch.isfinite(got) and float(got) > 0 and torch.equal(got, out.aux_loss)
+    tap.close()
+    from transformers import LlamaConfig, LlamaForCausalLM
+    dense = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with pytest.warns(UserWarning, match="--aux_loss_coef is set but the model has no MoE router"):
+        _AuxLossTap(dense, True)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--enable_is_correction", "--is_truncated_threshold_low", "2", "--is_truncated_threshold", "1"],
+     "is_truncated_threshold_low < --is_truncated_threshold"),
+    (["--stop_properly_penalty_coef", "2"], "--stop_properly_penalty_coef 2.0: use a factor in"),
+    (["--scale_rewards", "batch", "--advantage_estimator", "rloo", "--n_samples_per_prompt", "2"],
+     "--scale_rewards batch changes group_norm's std only"),
+    (["--kl_unbiased_gradient"], "--kl_unbiased_gradient changes the gradient of the KL loss"),
+    (["--policy_loss_type", "sapo", "--sapo_tau_neg", "0"], "--sapo_tau_pos and --sapo_tau_neg must be > 0"),
+    (["--max_invalid_reward_batches", "-1"], "--max_invalid_reward_batches must be >= 0"),
+])
+def test_parity_flags_checked_at_parse_time(argv, msg):
+    import click
+
+    from rlhf.config.cli import parse
+
+    with pytest.raises(click.UsageError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        parse("ppo", argv)

@@ -50,6 +50,7 @@ class DataConfig:
     label_key: Optional[str] = opt("label", "key of the label passed to the reward function")
     chosen_key: str = opt("chosen", "key of the preferred response")
     rejected_key: str = opt("rejected", "key of the rejected response")
+    margin_key: str = opt("margin", "key of the per-pair reward-model margin (read with --margin_loss)")
     input_template: Optional[str] = opt(None, "template with {} applied to the prompt when no chat template is used")
     apply_chat_template: bool = opt(False, "format prompts with the tokenizer's chat template")
     max_samples: int = opt(10**9, "use at most this many samples from each data set")
