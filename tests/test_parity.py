@@ -480,7 +480,7 @@ def test_unknown_dotted_names_fail_with_did_you_mean(tmp_path):
 
 # OpenRLHF flat-era names this project accepts through openrlhf_compat (issue 18) rather than as its own flags
 OPENRLHF_FLAT_ERA = {
-    "adam_offload", "async_queue_size", "attn_implementation", "best_metric_key", "compute_fp32_loss",
+    "adam_offload", "async_queue_size", "dataset_split", "prompt_split", "attn_implementation", "best_metric_key", "compute_fp32_loss",
     "dataloader_num_workers", "deepcompile", "disable_ds_ckpt", "disable_fast_tokenizer", "ds_tensor_parallel_size",
     "ema_beta", "enable_ema", "enable_prefix_caching", "freeze_visual_encoder", "freezing_actor_steps",
     "full_determinism", "grad_accum_dtype", "gradient_checkpointing_use_reentrant", "image_key", "load_in_4bit",

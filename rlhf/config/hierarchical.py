@@ -57,7 +57,7 @@ Entry = Union[str, Split, Fanout, Switch, Notice, Choice]
 _MUON = "the Muon optimizer is not available here (AdamW only)"
 _ADAM_EPS = "AdamW eps is fixed at 1e-8 here (OpenRLHF's default)"
 _MIN_LR = "the cosine schedule's floor is fixed at 0.1 x lr here (OpenRLHF's default)"
-_SPLIT = "HF dataset splits: data files are read whole here (use --eval_dataset or --eval_split for held-out data)"
+_SPLIT = "only the train split of --eval_dataset is read (a hub set takes name@split)"
 
 HIERARCHICAL: Dict[str, Entry] = {
     # --- models ---
@@ -151,8 +151,8 @@ HIERARCHICAL: Dict[str, Entry] = {
     "ds.enable_sleep": "deepspeed_enable_sleep",
     # --- data ---
     "data.prompt_dataset": "prompt_data", "data.prompt_probs": "prompt_data_probs",
-    "data.prompt_split": Notice(1, _SPLIT), "data.dataset_split": Notice(1, _SPLIT),
-    "eval.split": Notice(1, _SPLIT),
+    "data.prompt_split": "prompt_split", "data.dataset_split": "dataset_split",
+    "eval.split": Choice("", ("train",), _SPLIT),
     "data.dataset": "dataset", "data.dataset_probs": "dataset_probs", "eval.dataset": "eval_dataset",
     "data.input_key": "input_key", "data.output_key": "output_key", "data.label_key": "label_key",
     "data.prompt_key": "prompt_key", "data.chosen_key": "chosen_key", "data.rejected_key": "rejected_key",
