@@ -11,7 +11,8 @@ import torch
 
 from mp import spawn
 from rlhf.algorithms import (IS_CORRECTIONS, LossTotals, POLICY_LOSSES, aggregate, compute_advantages, compute_kl,
-                             dynamic_filter_mask, dynamic_filter_refill, fold_kl_into_rewards, importance_weights,
+                             dynamic_filter_mask, dynamic_filter_refill, dynamic_filter_select,
+                             fold_kl_into_rewards, importance_weights,
                              kl_unbiased_gradient, masked_whiten, overlong_penalty, stop_properly_penalty)
 from rlhf.algorithms.preference import rm_logsigmoid
 from rlhf.config import TrainConfig
@@ -226,6 +227,9 @@ def test_dynamic_filtering_openrlhf_rule_and_refill():
     assert dynamic_filter_refill(kept_groups=2, target_groups=4, pass_rate=0.5) == 4   # ceil(2 / 0.5)
     assert dynamic_filter_refill(kept_groups=2, target_groups=4, pass_rate=0.1, max_extra=8) == 8
     assert dynamic_filter_refill(kept_groups=5, target_groups=4) == 0
+    # the rows of the first 1 (then all) kept groups: groups 1 and 3 are kept
+    assert dynamic_filter_select(keep, 2, 1).tolist() == [2, 3]
+    assert dynamic_filter_select(keep, 2, 4).tolist() == [2, 3, 6, 7]
 
 
 # ---- issue 18: NaN rewards ---------------------------------------------------------------------------------------

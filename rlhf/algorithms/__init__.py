@@ -9,5 +9,5 @@ from .logprob import entropy_chunked, logprobs_from_logits
 from .masked import masked_mean, masked_whiten
 from .policy_loss import entropy_from_logits, importance_weights, value_loss
 from .preference import dpo_loss, sft_token_loss
-from .shaping import (RunningMeanStd, clip_rewards, dynamic_filter_mask, dynamic_filter_refill, overlong_penalty,
-                      stop_properly_penalty)
+from .shaping import (RunningMeanStd, clip_rewards, dynamic_filter_mask, dynamic_filter_refill,
+                      dynamic_filter_select, overlong_penalty, stop_properly_penalty)

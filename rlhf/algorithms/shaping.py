@@ -87,6 +87,13 @@ def dynamic_filter_mask(scores: Tensor, group_size: int, score_range: Tuple[floa
     return keep.repeat_interleave(group_size)
 
 
+def dynamic_filter_select(keep: Tensor, group_size: int, target_groups: int) -> Tensor:
+    """Row indices of the first target_groups kept groups (keep: the (B,) mask of dynamic_filter_mask, rows of a
+    group contiguous), in batch order: the rows a refilled batch trains on.  Fewer when fewer groups are kept."""
+    kept = torch.nonzero(keep.view(-1, group_size)[:, 0], as_tuple=False).view(-1)[:max(int(target_groups), 0)]
+    return (kept.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1)
+
+
 def dynamic_filter_refill(kept_groups: int, target_groups: int, pass_rate: Optional[float] = None,
                           max_extra: Optional[int] = None) -> int:
     """How many more prompts to generate so that the batch fills up to target_groups kept groups.
