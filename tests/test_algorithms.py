@@ -92,7 +92,7 @@ def test_reinforce_and_baseline_whitened():
     adv, ret = compute_advantages("reinforce", T([1.0, 2.0, 3.0, 4.0]), m)
     close(ret[:, 0], [1.0, 2.0, 3.0, 4.0])
     close(adv.mean(), 0.0)
-    close(adv.std(), 1.0, 1e-3)
+    close(adv.std(unbiased=False), 1.0, 1e-3)  # OpenRLHF whitening: biased variance
     adv, ret = compute_advantages("reinforce_baseline", T([1.0, 3.0, 5.0, 5.0]), m, group_size=2)
     close(ret[:, 0], [-1.0, 1.0, 0.0, 0.0])
     close(adv, masked_whiten(ret, m))
@@ -173,10 +173,11 @@ def test_gspo_uses_sequence_ratio():
 
 
 def test_importance_weights_truncated():
-    w, keep = importance_weights(T([[math.log(3.0), 0.0]]), T([[0.0, 0.0]]), T([[1.0, 1.0]]), cap=2.0)
-    close(w, [[2.0, 1.0]])
-    w, keep = importance_weights(T([[math.log(9.0)]]), T([[0.0]]), T([[1.0]]), cap=2.0, seq_mask_threshold=4.0)
-    assert not keep[0] and w.sum() == 0
+    w = importance_weights(T([[math.log(3.0), 0.0, math.log(0.1)]]), torch.zeros(1, 3), torch.ones(1, 3), "tis",
+                           0.5, 2.0)
+    close(w, [[2.0, 1.0, 0.5]])  # clamped to [low, high]
+    w = importance_weights(T([[math.log(9.0)]]), T([[0.0]]), T([[1.0]]), "seq-mask-tis", 0.25, 4.0)
+    assert w.sum() == 0  # geometric mean 9 lies outside [1/4, 4]: the sequence is dropped
 
 
 def test_value_loss_clipped_by_hand():

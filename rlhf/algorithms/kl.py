@@ -4,6 +4,9 @@ With log-ratio  d = log pi(a) - log pi_ref(a)  sampled from pi:
   k1 = d                       (unbiased, high variance, can be negative)
   k2 = d^2 / 2                 (biased, low variance)
   k3 = exp(-d) - 1 + d         (unbiased, >= 0; Schulman's estimator, GRPO's KL loss)
+
+Every estimate is clamped to [-10, 10] (OpenRLHF's ``compute_approx_kl``), and a
+negative KL coefficient counts as 0 (OpenRLHF's ``compute_reward``).
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import torch
 from .registry import KL_ESTIMATORS
 
 LOG_RATIO_CLAMP = 20.0
+KL_VALUE_CLAMP = 10.0
+KL_IS_WEIGHT_CLIP = 10.0
 
 
 def _log_ratio(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -22,29 +27,48 @@ def _log_ratio(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 @KL_ESTIMATORS.register("k1")
 def kl_k1(logp, ref_logp, mask=None):
-    """k1 = log pi - log pi_ref."""
-    d = _log_ratio(logp, ref_logp)
+    """k1 = clamp(log pi - log pi_ref, -10, 10)."""
+    d = _log_ratio(logp, ref_logp).clamp(-KL_VALUE_CLAMP, KL_VALUE_CLAMP)
     return d if mask is None else d * mask
 
 
 @KL_ESTIMATORS.register("k2")
 def kl_k2(logp, ref_logp, mask=None):
-    """k2 = (log pi - log pi_ref)^2 / 2."""
+    """k2 = clamp((log pi - log pi_ref)^2 / 2, -10, 10)."""
     d = _log_ratio(logp, ref_logp)
-    out = 0.5 * d * d
+    out = (0.5 * d * d).clamp(-KL_VALUE_CLAMP, KL_VALUE_CLAMP)
     return out if mask is None else out * mask
 
 
 @KL_ESTIMATORS.register("k3")
 def kl_k3(logp, ref_logp, mask=None):
-    """k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1, clamped to [0, 10]."""
+    """k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1, clamped to [-10, 10] (it is >= 0)."""
     neg = -_log_ratio(logp, ref_logp)
-    out = (torch.exp(neg) - neg - 1.0).clamp(0.0, 10.0)
+    out = (torch.exp(neg) - neg - 1.0).clamp(-KL_VALUE_CLAMP, KL_VALUE_CLAMP)
     return out if mask is None else out * mask
 
 
 def compute_kl(name: str, logp, ref_logp, mask=None):
     return KL_ESTIMATORS.get_fn(name)(logp, ref_logp, mask)
+
+
+def kl_unbiased_gradient(value: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor,
+                         old_logp: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """KL loss with the true reverse-KL gradient (--kl_unbiased_gradient; OpenRLHF ``algo.kl.unbiased_gradient``).
+
+    Forward value = the chosen estimator's ``value``; gradient = that of  w * (log pi - log pi_ref)^2 / 2  with
+    w = sg(min(exp(log pi - log pi_old), 10))  (importance weight of the off-policy inner loop, 1 when old is None):
+        out = sg(value) + w d^2/2 - sg(w d^2/2),   d = log pi - log pi_ref.
+    Its gradient  w d grad(log pi)  is the unbiased score-function estimate of grad KL(pi || pi_ref), whatever
+    the estimator (k1's pathwise gradient is 0 in expectation, k3's descends the forward KL).
+    """
+    d = logp.float() - ref_logp.float()
+    if old_logp is None:
+        w = torch.ones_like(d)
+    else:
+        w = torch.exp((logp.float() - old_logp.float()).clamp(max=LOG_RATIO_CLAMP)).clamp(max=KL_IS_WEIGHT_CLIP).detach()
+    surrogate = w * 0.5 * d * d
+    return value.detach() + surrogate - surrogate.detach()
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
@@ -55,10 +79,12 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
 
 def fold_kl_into_rewards(scores: torch.Tensor, kl: Optional[torch.Tensor], kl_coef: float, mask: torch.Tensor,
                          kl_clamp: Optional[float] = None) -> torch.Tensor:
-    """Per-token reward  r_t = -kl_coef * kl_t * m_t  +  score * [t == last action token].
+    """Per-token reward  r_t = -max(kl_coef, 0) * kl_t * m_t  +  score * [t == last action token].
 
-    kl may be None (KL used as a loss instead).  kl_clamp bounds |kl_coef * kl_t|.
+    kl may be None (KL used as a loss instead).  kl_clamp bounds |kl_coef * kl_t|.  A negative coefficient
+    counts as 0 (OpenRLHF).
     """
+    kl_coef = max(float(kl_coef), 0.0)
     mask = mask.to(torch.float32)
     if kl is None:
         rewards = torch.zeros_like(mask)

@@ -30,10 +30,15 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) over masked entries; masked-out entries become 0."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
-    out = (x - mean) * torch.rsqrt(var + eps)
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  std: bool = True) -> torch.Tensor:
+    """(x - mean) * rsqrt(max(var, eps)) over masked entries, var biased (divided by N) - OpenRLHF's
+    convention for the global advantage whitening.  std=False (--no_advantage_std_norm) only centres.
+    Masked-out entries become 0."""
+    mean = masked_mean(x, mask)
+    out = x - mean
+    if std:
+        out = out * torch.rsqrt(masked_var(x, mask, unbiased=False).clamp(min=eps))
     if not shift_mean:
         out = out + mean
     return out * mask.to(x.dtype)

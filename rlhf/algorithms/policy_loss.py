@@ -1,7 +1,8 @@
 """Policy-gradient losses, importance-sampling correction, entropy, value loss.
 
-Shapes: log-probs, advantages and masks are (B, T) over response tokens.
-Each loss returns ``(loss, metrics)`` where metrics are detached scalars.
+Shapes: log-probs, advantages and masks are (B, T) over response tokens.  Each loss
+returns ``(loss, metrics)`` where metrics are detached floats.  ``totals`` (see
+aggregation.py) makes the aggregation global over the optimizer step.
 """
 from __future__ import annotations
 
@@ -9,64 +10,67 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .aggregation import aggregate
+from .aggregation import LossTotals, aggregate
 from .masked import masked_mean
-from .registry import POLICY_LOSSES
+from .registry import IS_CORRECTIONS, POLICY_LOSSES
 
 Tensor = torch.Tensor
 
 
-@POLICY_LOSSES.register("ppo")
+def _ratio(logp: Tensor, old_logp: Tensor) -> Tuple[Tensor, Tensor]:
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
+    return log_ratio, torch.exp(log_ratio)
+
+
+def _finish(loss, mask, agg_mode, norm_const, totals, is_weights):
+    if is_weights is not None:
+        loss = loss * is_weights
+    return aggregate(loss, mask, agg_mode, norm_const, totals)
+
+
+@POLICY_LOSSES.register("ppo", forced_agg=None)
 def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_eps_low: float = 0.2,
                   clip_eps_high: float = 0.2, dual_clip: Optional[float] = None, agg_mode: str = "token-mean",
-                  norm_const: Optional[float] = None, is_weights: Optional[Tensor] = None, **_) -> Tuple[Tensor, Dict]:
+                  norm_const: Optional[float] = None, is_weights: Optional[Tensor] = None,
+                  totals: Optional[LossTotals] = None, **_) -> Tuple[Tensor, Dict]:
     """rho = exp(logp - old_logp);  l = -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A).
 
     Dual clip (Ye et al. 2020), for A < 0 only:  l = min(l, -c A).
-    Optional token IS weights w multiply l (truncated IS for rollout/train mismatch).
+    Optional token IS weights w multiply l (rollout/train mismatch, see IS_CORRECTIONS).
     """
-    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
-    ratio = torch.exp(log_ratio)
+    log_ratio, ratio = _ratio(logp, old_logp)
     surr1 = -adv * ratio
     surr2 = -adv * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     loss = torch.maximum(surr1, surr2)
     clipped = (surr2 > surr1).float()
-    dual_frac = torch.zeros((), device=logp.device)
+    dual_frac = 0.0
     if dual_clip is not None:
         capped = torch.minimum(loss, -adv * dual_clip)
         use = (adv < 0).float()
-        dual_frac = masked_mean(((loss > -adv * dual_clip) & (adv < 0)).float(), mask)
+        dual_frac = float(masked_mean(((loss > -adv * dual_clip) & (adv < 0)).float(), mask))
         loss = use * capped + (1 - use) * loss
-    if is_weights is not None:
-        loss = loss * is_weights
-    out = aggregate(loss, mask, agg_mode, norm_const)
+    out = _finish(loss, mask, agg_mode, norm_const, totals, is_weights)
     with torch.no_grad():
-        metrics = {
-            "clip_frac": masked_mean(clipped, mask).item(),
-            "dual_clip_frac": float(dual_frac),
-            "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask).item(),
-            "ratio_mean": masked_mean(ratio, mask).item(),
-        }
+        metrics = {"clip_frac": masked_mean(clipped, mask).item(), "dual_clip_frac": dual_frac,
+                   "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask).item(),
+                   "ratio_mean": masked_mean(ratio, mask).item()}
     return out, metrics
 
 
-@POLICY_LOSSES.register("gspo")
+@POLICY_LOSSES.register("gspo", forced_agg="seq-mean-token-mean")
 def gspo_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_eps_low: float = 3e-4,
-              clip_eps_high: float = 4e-4, agg_mode: str = "seq-mean-token-mean", norm_const: Optional[float] = None,
-              is_weights: Optional[Tensor] = None, **_) -> Tuple[Tensor, Dict]:
-    """GSPO (Zheng et al. 2025): sequence ratio s_i = exp(mean_t (logp - old_logp)), applied per token as
-    s_it = sg(s_i) * pi_t / sg(pi_t), so the value is s_i and the gradient flows through each token;
-    l = -min(s_it A, clip(s_it, 1-eps_low, 1+eps_high) A)."""
+              clip_eps_high: float = 4e-4, norm_const: Optional[float] = None,
+              is_weights: Optional[Tensor] = None, totals: Optional[LossTotals] = None, **_) -> Tuple[Tensor, Dict]:
+    """GSPO (Zheng et al. 2025): s_i = exp(mean_t (logp - old_logp)) (gradient through every token's logp);
+    l = -min(s_i A, clip(s_i, 1-eps_low, 1+eps_high) A), aggregated seq-mean-token-mean whatever
+    --loss_agg_mode says (OpenRLHF forces sequence-level aggregation for GSPO)."""
     mask_f = mask.to(logp.dtype)
     seq_log_ratio = ((logp - old_logp) * mask_f).sum(1) / mask_f.sum(1).clamp(min=1.0)
-    log_ratio_tok = logp - logp.detach() + seq_log_ratio.detach().unsqueeze(1)
-    ratio = torch.exp(log_ratio_tok.clamp(max=10.0))
+    ratio = torch.exp(seq_log_ratio.clamp(max=10.0)).unsqueeze(1) * mask_f
     surr1 = -adv * ratio
     surr2 = -adv * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     loss = torch.maximum(surr1, surr2)
-    if is_weights is not None:
-        loss = loss * is_weights
-    out = aggregate(loss, mask, agg_mode, norm_const)
+    out = _finish(loss, mask, "seq-mean-token-mean", norm_const, totals, is_weights)
     with torch.no_grad():
         metrics = {"clip_frac": masked_mean((surr2 > surr1).float(), mask).item(),
                    "approx_kl": masked_mean(0.5 * (logp - old_logp) ** 2, mask).item(),
@@ -74,22 +78,78 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip
     return out, metrics
 
 
-def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float = 2.0,
-                       seq_mask_threshold: Optional[float] = None) -> Tuple[Tensor, Tensor]:
-    """Truncated IS for the rollout engine's sampling distribution differing from the trainer's:
-    w_t = min(exp(old_logp_t - rollout_logp_t), cap), detached.
+@POLICY_LOSSES.register("cispo", forced_agg=None)
+def cispo_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_eps_low: float = 0.2,
+               clip_eps_high: float = 0.2, agg_mode: str = "token-mean", norm_const: Optional[float] = None,
+               is_weights: Optional[Tensor] = None, totals: Optional[LossTotals] = None, **_) -> Tuple[Tensor, Dict]:
+    """CISPO (MiniMax-M1, veRL ``cispo``): l = -sg(clip(rho, 1-eps_low, 1+eps_high)) * A * logp.
 
-    With seq_mask_threshold tau, a sequence whose geometric-mean ratio lies outside [1/tau, tau]
-    is masked out entirely.  Returns (w (B, T), sequence keep mask (B,)).
-    """
+    The clipped ratio is a detached weight, so every token keeps a gradient A * grad(logp) scaled by it."""
+    log_ratio, ratio = _ratio(logp, old_logp)
+    clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    loss = -clipped.detach() * adv * logp
+    out = _finish(loss, mask, agg_mode, norm_const, totals, is_weights)
     with torch.no_grad():
-        log_w = (old_logp.float() - rollout_logp.float()).clamp(-20.0, 20.0) * mask
-        w = torch.exp(log_w).clamp(max=cap) * mask
-        keep = torch.ones(mask.size(0), dtype=torch.bool, device=mask.device)
-        if seq_mask_threshold is not None:
-            geo = torch.exp(log_w.sum(1) / mask.sum(1).clamp(min=1))
-            keep = (geo <= seq_mask_threshold) & (geo >= 1.0 / seq_mask_threshold)
-        return w * keep.unsqueeze(1).to(w.dtype), keep
+        metrics = {"clip_frac": masked_mean((ratio != clipped).float(), mask).item(), "dual_clip_frac": 0.0,
+                   "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask).item(),
+                   "ratio_mean": masked_mean(ratio, mask).item()}
+    return out, metrics
+
+
+@POLICY_LOSSES.register("sapo", forced_agg="seq-mean-token-mean")
+def sapo_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, sapo_tau_pos: float = 1.0,
+              sapo_tau_neg: float = 1.05, norm_const: Optional[float] = None, is_weights: Optional[Tensor] = None,
+              totals: Optional[LossTotals] = None, **_) -> Tuple[Tensor, Dict]:
+    """SAPO (arXiv 2511.20347, veRL ``sapo``): a soft gate instead of a hard clip,
+    f(rho) = sigmoid(tau (rho - 1)) * 4 / tau,  tau = tau_pos if A > 0 else tau_neg;  l = -f(rho) A,
+    aggregated seq-mean-token-mean (as veRL).  At rho = 1 the gradient equals PPO's: f'(1) = 1."""
+    log_ratio, ratio = _ratio(logp, old_logp)
+    tau = torch.where(adv > 0, torch.as_tensor(sapo_tau_pos, dtype=ratio.dtype),
+                      torch.as_tensor(sapo_tau_neg, dtype=ratio.dtype))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    loss = -gate * adv
+    out = _finish(loss, mask, "seq-mean-token-mean", norm_const, totals, is_weights)
+    with torch.no_grad():
+        metrics = {"clip_frac": 0.0, "dual_clip_frac": 0.0, "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask).item(),
+                   "ratio_mean": masked_mean(ratio, mask).item()}
+    return out, metrics
+
+
+# ---- rollout-vs-trainer importance-sampling correction (--is_correction_type) ------------------------------------
+
+def _is_log_w(old_logp, rollout_logp, mask):
+    return (old_logp.float() - rollout_logp.float()).clamp(-20.0, 20.0) * mask
+
+
+@IS_CORRECTIONS.register("tis")
+def is_tis(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, low: float = 0.5, high: float = 5.0) -> Tensor:
+    """Truncated IS: w_t = clamp(exp(old_t - rollout_t), low, high)  (OpenRLHF ``tis``; low 0 = no lower bound)."""
+    return torch.exp(_is_log_w(old_logp, rollout_logp, mask)).clamp(min=low, max=high) * mask
+
+
+@IS_CORRECTIONS.register("icepop")
+def is_icepop(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, low: float = 0.5, high: float = 5.0) -> Tensor:
+    """IcePop: w_t = exp(old_t - rollout_t) * [low <= w_t <= high]  (tokens outside the band are dropped)."""
+    w = torch.exp(_is_log_w(old_logp, rollout_logp, mask))
+    return w * ((w >= low) & (w <= high)).to(w.dtype) * mask
+
+
+@IS_CORRECTIONS.register("seq-mask-tis")
+def is_seq_mask_tis(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, low: float = 0.5,
+                    high: float = 5.0) -> Tensor:
+    """Sequence mask: g_i = exp(mean_t (old - rollout)); w_t = exp(old_t - rollout_t) * [low <= g_i <= high]
+    (OpenRLHF ``seq-mask-tis``: the band filters whole sequences, the token weights are not truncated)."""
+    log_w = _is_log_w(old_logp, rollout_logp, mask)
+    geo = torch.exp(log_w.sum(1) / mask.sum(1).clamp(min=1))
+    keep = ((geo >= low) & (geo <= high)).to(log_w.dtype).unsqueeze(1)
+    return torch.exp(log_w) * keep * mask
+
+
+def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, kind: str = "tis", low: float = 0.5,
+                       high: float = 5.0) -> Tensor:
+    """Detached (B, T) weights of the chosen correction; 0 outside the mask."""
+    with torch.no_grad():
+        return IS_CORRECTIONS.get_fn(kind)(old_logp, rollout_logp, mask.float(), low, high)
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
@@ -100,7 +160,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: Optional[float] = 0.5,
-               agg_mode: str = "token-mean") -> Tuple[Tensor, Dict]:
+               agg_mode: str = "token-mean", totals: Optional[LossTotals] = None) -> Tuple[Tensor, Dict]:
     """Clipped value loss:  V_c = V_old + clip(V - V_old, -c, c);
     l = 0.5 * max((V - R)^2, (V_c - R)^2)   (plain 0.5 (V - R)^2 when clip is None)."""
     err = (values - returns) ** 2
@@ -111,7 +171,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         frac = masked_mean((err_c > err).float(), mask).item()
     else:
         loss, frac = 0.5 * err, 0.0
-    return aggregate(loss, mask, agg_mode), {"vf_clip_frac": frac}
+    return aggregate(loss, mask, agg_mode, None, totals), {"vf_clip_frac": frac}
 
 
 def policy_loss(name: str, *args, **kwargs):

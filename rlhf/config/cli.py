@@ -16,6 +16,7 @@ import click
 import yaml
 from click.core import ParameterSource
 
+from .hierarchical import HierarchicalError, flatten_yaml, translate_argv, translate_yaml
 from .schema import GROUPS, TrainConfig, flag_index
 from .validate import ConfigError, validate
 
@@ -62,6 +63,10 @@ class GroupedCommand(click.Command):
 
     def parse_args(self, ctx, args):
         known = {o for p in self.get_params(ctx) for o in list(p.opts) + list(getattr(p, "secondary_opts", []))}
+        try:  # OpenRLHF's dotted spelling (--actor.adam.lr ...) -> our flat flags
+            args = translate_argv(args, sorted(o[2:] for o in known if o.startswith("--")))
+        except HierarchicalError as e:
+            raise click.UsageError(str(e), ctx) from None
         for a in args:
             if a.startswith("--"):
                 name = a.split("=", 1)[0]
@@ -81,7 +86,12 @@ def load_yaml(path: str) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError("config", f"{path} must hold a mapping of flag: value")
     index = flag_index()
-    flat = {}
+    raw, dotted = flatten_yaml(raw, lambda g, k: g in GROUPS and k in index and index[k][0] == g,
+                               lambda g: g in GROUPS)
+    try:
+        flat = translate_yaml(dotted, list(index))
+    except HierarchicalError as e:
+        raise ConfigError("config", f"{path}: {e}") from None
     for key, val in raw.items():
         if key in GROUPS and isinstance(val, dict):
             for k, v in val.items():

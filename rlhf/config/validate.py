@@ -40,7 +40,10 @@ def validate(cfg, kind: str) -> None:
 def _validate_rl(cfg) -> None:
     from rlhf.algorithms import ADVANTAGE_ESTIMATORS
 
+    from .algorithm_checks import validate_algorithm
+
     o, r, a, d, t, m = cfg.optim, cfg.rollout, cfg.algorithm, cfg.data, cfg.topology, cfg.model
+    validate_algorithm(cfg)
     est = a.advantage_estimator
     _check(est in ADVANTAGE_ESTIMATORS, "advantage_estimator",
            f"--advantage_estimator {est!r} is unknown; choose one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")

@@ -20,7 +20,34 @@ def render() -> str:
             extra = f" (one of {', '.join(map(str, f.metadata['choices']))})" if "choices" in f.metadata else ""
             out.append(f"| `--{f.name}` | `{d}` | {f.metadata['help']}{extra} |")
         out.append("")
+    out += _dotted()
     return "\n".join(out)
+
+
+def _dotted() -> list:
+    """OpenRLHF's hierarchical names (rlhf/config/hierarchical.py) and what each becomes here."""
+    from rlhf.config.hierarchical import HIERARCHICAL, Choice, Fanout, Notice, Split, Switch
+
+    def show(e):
+        if isinstance(e, str):
+            return f"`--{e}`"
+        if isinstance(e, Split):
+            return f"`--{e.first} V1 --{e.second} V2`"
+        if isinstance(e, Fanout):
+            return " ".join(f"`--{t} V`" for t in e.targets)
+        if isinstance(e, Switch):
+            return f"`--{e.target} {e.value}`"
+        if isinstance(e, Choice):
+            return f"only `{'/'.join(e.allowed)}`: {e.why}"
+        return f"no effect (a notice says why): {e.why}"
+
+    out = ["## OpenRLHF's dotted spelling", "",
+           "OpenRLHF's current CLI spells flags hierarchically; each name below is accepted on the command line "
+           "and in YAML (dotted keys or nested mappings) and becomes the flag on the right.", "",
+           "| OpenRLHF | here |", "| --- | --- |"]
+    out += [f"| `--{k}` | {show(e)} |" for k, e in sorted(HIERARCHICAL.items())]
+    out.append("")
+    return out
 
 
 def main():

@@ -2,25 +2,38 @@
 
 Pure tensor code on the full batch (identical on every rank, no collectives): the
 orchestration (which rank computes what, gathering) lives in experience.py; the
-order of operations and its conventions live here, in one place.
+order of operations and its conventions live here, in one place (OpenRLHF's order):
+
+  1. length penalties on the raw reward: DAPO overlong (floored at -factor), then ProRL stop-properly;
+  2. optional running normalisation (--normalize_reward, over valid rewards);
+  3. dynamic filtering (which groups train);
+  4. KL per token: estimator(old log-probs, ref log-probs), clamped to [-10, 10]; kl_coef < 0 counts as 0;
+  5. the estimator: group baseline -> clip to --reward_clip_range -> KL folded in -> returns -> whitening.
+
+Invalid rewards (``valid`` False) enter no statistic: not the group baselines, not the whitening, not the
+``reward`` metrics; their rows get advantage 0 and no loss.  A batch with no valid reward warns, and
+``--max_invalid_reward_batches`` such batches in a row stop the run with a message (an ``InvalidRewardGuard``).
+Because every rank runs this on the same data, every rank raises together: no rank waits.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 import torch
 
-from rlhf.algorithms import clip_rewards, compute_advantages, compute_kl, dynamic_filter_mask, masked_mean, overlong_penalty
+from rlhf.algorithms import (ADVANTAGE_ESTIMATORS, compute_advantages, compute_kl, dynamic_filter_mask, masked_mean,
+                             overlong_penalty, stop_properly_penalty)
 
 
 @dataclass
 class StageInputs:
-    rewards: torch.Tensor                  # (B,) reward-source rewards (invalid rows hold any value)
+    rewards: torch.Tensor                  # (B,) reward-source rewards (invalid rows hold any value, NaN included)
     scores: torch.Tensor                   # (B,) task scores (dynamic filtering, accuracy)
     valid: torch.Tensor                    # (B,) bool: the reward is finite and usable
     action_mask: torch.Tensor              # (B, R) long
-    truncated: torch.Tensor                # (B,) bool
+    truncated: torch.Tensor                # (B,) bool: stopped by the length limit (finish reason "length")
     rollout_logprobs: torch.Tensor         # (B, R) from the rollout engine
     old_logprobs: Optional[torch.Tensor]   # (B, R) actor before the update (None: single on-policy update)
     ref_logprobs: Optional[torch.Tensor]   # (B, R)
@@ -36,46 +49,129 @@ class StageOutputs:
     metrics: Dict[str, float]
 
 
-def advantage_stage(cfg, x: StageInputs, kl_coef: float, reward_norm=None) -> StageOutputs:
+def kl_in_reward(cfg) -> bool:
+    """The KL penalty is folded into the rewards (not a loss) and has a reference model to compare with."""
+    a = cfg.algorithm
+    return a.init_kl_coef > 0 and not a.use_kl_loss
+
+
+def needs_old_logprobs(cfg, on_policy_single_update: bool) -> bool:
+    """Old log-probs must be computed unless the update is a single on-policy step AND nothing else needs them:
+    KL in the reward must use the actor's log-probs (OpenRLHF), not the rollout engine's, which differ."""
+    return not on_policy_single_update or kl_in_reward(cfg)
+
+
+class InvalidRewardGuard:
+    """Counts consecutive batches without a single valid reward; warns on each, raises past the threshold."""
+
+    def __init__(self, threshold: int):
+        self.threshold, self.streak = int(threshold), 0
+
+    def check(self, n_valid: int, n: int) -> None:
+        if n_valid > 0:
+            self.streak = 0
+            return
+        self.streak += 1
+        msg = (f"all {n} rewards of this batch are invalid (NaN or failed reward call): nothing trains "
+               f"({self.streak} such batch(es) in a row)")
+        if self.threshold > 0 and self.streak >= self.threshold:
+            raise RuntimeError(f"{msg}; stopping after --max_invalid_reward_batches {self.threshold}. Check the "
+                               f"reward function / reward model output, or raise --max_invalid_reward_batches "
+                               f"(0 = never stop)")
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+_WARNED = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(msg, UserWarning, stacklevel=3)
+
+
+def advantage_stage(cfg, x: StageInputs, kl_coef: float, reward_norm=None,
+                    guard: Optional[InvalidRewardGuard] = None) -> StageOutputs:
     a, r = cfg.algorithm, cfg.rollout
-    rewards, scores, valid = x.rewards, x.scores, x.valid
-    n = rewards.numel()
+    n = x.rewards.numel()
+    valid = x.valid.bool() & torch.isfinite(x.rewards.float())
+    rewards = torch.where(valid, x.rewards.float(), torch.zeros_like(x.rewards, dtype=torch.float32))
+    n_valid = int(valid.sum())
+    if guard is not None:  # the trainer's, counting batches across steps
+        guard.check(n_valid, n)
+    kl_coef = max(float(kl_coef), 0.0)
     mask = x.action_mask.float()
     resp_len = x.action_mask.sum(1)
-    shaped = clip_rewards(rewards, a.reward_clip_range)
-    shaped = shaped + overlong_penalty(resp_len, cfg.data.generate_max_len, a.overlong_buffer_len,
-                                       a.overlong_penalty_factor)
+    # 1. length penalties
+    pen = overlong_penalty(resp_len, cfg.data.generate_max_len, a.overlong_buffer_len, a.overlong_penalty_factor)
+    shaped = stop_properly_penalty(rewards + pen, x.truncated, a.stop_properly_penalty_coef)
+    # 2. running normalisation (ours; OpenRLHF's --normalize_reward normalises the reward model's output instead)
     if reward_norm is not None:
-        reward_norm.update(shaped[valid])
+        if n_valid:
+            reward_norm.update(shaped[valid])
         shaped = reward_norm.normalize(shaped)
+    shaped = torch.where(valid, shaped, torch.full_like(shaped, float("nan")))
+    # 3. dynamic filtering
     keep = valid.clone()
     filtered = 0.0
     if a.dynamic_filtering:
-        dyn = dynamic_filter_mask(scores, r.n_samples_per_prompt, a.dynamic_filtering_reward_range)
+        dyn = dynamic_filter_mask(x.scores, r.n_samples_per_prompt, a.dynamic_filtering_reward_range, valid)
         filtered = 1.0 - dyn.float().mean().item()
         keep &= dyn
+    # 4. KL
     kl = None
     kl_mean = 0.0
     if x.ref_logprobs is not None:
-        kl_tok = compute_kl(a.kl_estimator, x.rollout_logprobs if x.old_logprobs is None else x.old_logprobs,
-                            x.ref_logprobs, mask)
-        kl_mean = float(masked_mean(kl_tok, mask))
+        cur = x.old_logprobs
+        if cur is None:
+            if kl_in_reward(cfg):
+                raise ValueError("KL in the reward needs the actor's log-probs (old_logprobs): compute them "
+                                 "whenever advantage_stage.needs_old_logprobs(cfg, ...) is True")
+            cur = x.rollout_logprobs  # KL is a loss here: this value is a metric only
+        kl_tok = compute_kl(a.kl_estimator, cur, x.ref_logprobs, mask)
+        kl_mean = float(masked_mean(kl_tok, mask * valid.unsqueeze(1)))
         if not a.use_kl_loss:
             kl = kl_tok
+    # 5. estimator
+    spec = ADVANTAGE_ESTIMATORS[a.advantage_estimator]
+    gamma = a.gamma
+    if getattr(spec, "forces_gamma1", False) and gamma != 1.0:
+        _warn_once(f"gamma-{a.advantage_estimator}", f"--gamma {gamma} is ignored: {a.advantage_estimator} uses "
+                                                     f"gamma = 1 (as OpenRLHF)")
+        gamma = 1.0
     adv, ret = compute_advantages(a.advantage_estimator, shaped, mask, values=x.values, kl=kl, kl_coef=kl_coef,
-                                  gamma=a.gamma, lambd=a.lambd, group_size=r.n_samples_per_prompt,
-                                  std_norm=not a.no_advantage_std_norm)
+                                  gamma=gamma, lambd=a.lambd, group_size=r.n_samples_per_prompt,
+                                  std_norm=not a.no_advantage_std_norm, scale=a.scale_rewards, valid=valid,
+                                  clip_range=a.reward_clip_range)
     train_mask = x.action_mask * keep.long().unsqueeze(1)
+    metrics = _metrics(x, valid, rewards, shaped, resp_len, mask, adv, kl_mean, kl_coef, filtered, pen,
+                       r.n_samples_per_prompt)
+    return StageOutputs(adv * train_mask, ret * train_mask, train_mask, metrics)
+
+
+def _vmean(t: torch.Tensor, valid: torch.Tensor) -> float:
+    return float(t.float()[valid].mean()) if bool(valid.any()) else 0.0
+
+
+def _metrics(x, valid, rewards, shaped, resp_len, mask, adv, kl_mean, kl_coef, filtered, pen, group) -> Dict[str, float]:
+    n = rewards.numel()
+    vr = rewards[valid]
     old = x.old_logprobs
-    metrics = {
-        "reward": float(rewards.mean()), "reward_std": float(rewards.std()) if n > 1 else 0.0,
-        "score": float(scores.mean()),
-        "shaped_reward": float(shaped.mean()), "response_len": float(resp_len.float().mean()),
+    vmask = mask * valid.unsqueeze(1)
+    invalid_groups = 0.0
+    if group > 1 and n % group == 0:
+        invalid_groups = float((valid.view(-1, group).sum(1) == 0).sum())
+    return {
+        "reward": float(vr.mean()) if vr.numel() else 0.0,
+        "reward_std": float(vr.std()) if vr.numel() > 1 else 0.0,
+        "score": _vmean(x.scores, valid & torch.isfinite(x.scores.float())),
+        "shaped_reward": _vmean(shaped, valid), "response_len": float(resp_len.float().mean()),
         "truncated_frac": float(x.truncated.float().mean()), "kl": kl_mean, "kl_coef": kl_coef,
-        "reward_invalid": float((~valid).sum()), "filtered_frac": filtered,
-        "adv_mean": float(masked_mean(adv, mask)), "adv_abs": float(masked_mean(adv.abs(), mask)),
+        "reward_invalid": float((~valid).sum()), "reward_invalid_groups": invalid_groups,
+        "reward_all_invalid": float(not bool(valid.any())), "filtered_frac": filtered,
+        "overlong_penalized": float((pen < 0).sum()),
+        "adv_mean": float(masked_mean(adv, vmask)), "adv_abs": float(masked_mean(adv.abs(), vmask)),
         # rollout engine vs trainer log-probs of the same tokens: ~0 on-policy, > 0 one step off-policy (async)
         "rollout_logprob_gap": 0.0 if old is None else float(masked_mean((old - x.rollout_logprobs).abs(), mask)),
-        **{f"reward_{k}": float(v.float().mean()) for k, v in x.extra_logs.items()},
+        **{f"reward_{k}": _vmean(v, valid & torch.isfinite(v.float())) for k, v in x.extra_logs.items()},
     }
-    return StageOutputs(adv, ret, train_mask, metrics)

@@ -18,7 +18,7 @@ import torch
 from rlhf.distributed.sharding import all_gather_objects, gather_rows, shard_rows
 from rlhf.rollout.base import RolloutBatch
 
-from .advantage_stage import StageInputs, advantage_stage
+from .advantage_stage import StageInputs, advantage_stage, needs_old_logprobs
 from .ppo_update import train_actor, train_critic
 
 
@@ -152,7 +152,7 @@ def advantages_stage(tr, st: StepState) -> None:
     b, res = st.batch, st.rewards
     out = advantage_stage(tr.cfg, StageInputs(res["rewards"], res["scores"], res["valid"], b.action_mask, b.truncated,
                                               b.rollout_logprobs, st.old_logprobs, st.ref_logprobs, st.values,
-                                              res["extra_logs"]), st.kl_coef, tr.reward_norm)
+                                              res["extra_logs"]), st.kl_coef, tr.reward_norm, tr.invalid_rewards)
     st.experience = Experience(b.sequences, b.attention_mask, out.train_mask, b.rollout_logprobs, st.old_logprobs,
                                st.ref_logprobs, st.values, out.advantages, out.returns, res["scores"], out.metrics)
     st.metrics.update(out.metrics)
@@ -189,7 +189,7 @@ def rl_stages(cfg, roles) -> List[Stage]:
         Stage("ref", ref_stage, role="ref", applies=lambda tr: tr.roles.ref is not None),
         Stage("values", values_stage, role="critic", applies=lambda tr: tr.roles.critic is not None),
         Stage("old_logprobs", old_logprobs_stage, role="actor",
-              applies=lambda tr: not on_policy_single_update(tr.cfg)),
+              applies=lambda tr: needs_old_logprobs(tr.cfg, on_policy_single_update(tr.cfg))),
         Stage("advantages", advantages_stage),
         Stage("prefetch", prefetch_stage, applies=lambda tr: tr.cfg.rollout.async_train),
         Stage("critic_update", critic_update_stage, role="critic", applies=lambda tr: tr.roles.critic is not None),

@@ -27,6 +27,7 @@ from rlhf.utils import checkpoint as ckpt
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
+from .advantage_stage import InvalidRewardGuard
 from .cadence import Cadence, log0
 from .experience import Stage, StepState, rl_stages, score_batch
 from .roles import build_roles
@@ -132,6 +133,7 @@ class RLTrainer:
                                       dtype=torch.bfloat16 if cfg.model.bf16 else None)
         self.kl_ctl = make_kl_controller(a.init_kl_coef, a.kl_target, a.kl_horizon)
         self.reward_norm = RunningMeanStd() if a.normalize_reward else None
+        self.invalid_rewards = InvalidRewardGuard(a.max_invalid_reward_batches)
         self.stages: List[Stage] = [s for s in rl_stages(cfg, self.roles) if s.applies(self)]
         self.step = 0
         lg = cfg.logging

@@ -75,12 +75,25 @@ class RMTask(Task):
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return m
 
+    def __init__(self, cfg, tokenizer):
+        super().__init__(cfg, tokenizer)
+        if cfg.algorithm.margin_loss:  # per-pair margin from the data (OpenRLHF --margin_loss)
+            self.required_keys = {**type(self).required_keys, "margin_key": None}
+
     def make_sample(self, row):
         d, tok = self.cfg.data, self.tokenizer
         p = _prompt(self.cfg, tok, row)
         c = tokenize_pair(tok, p, str(row[d.chosen_key]), d.max_len)[0]
         r = tokenize_pair(tok, p, str(row[d.rejected_key]), d.max_len)[0]
+        if self.cfg.algorithm.margin_loss:
+            return c, r, float(row[d.margin_key])
         return c, r
+
+    def margins(self, samples):
+        """Per-pair margins (--margin_loss: the data's --margin_key column), else the constant --margin."""
+        if self.cfg.algorithm.margin_loss:
+            return torch.tensor([float(s[2]) for s in samples])
+        return self.cfg.algorithm.margin
 
     def scores(self, model, samples):
         seqs = [s[0] for s in samples] + [s[1] for s in samples]
@@ -105,7 +118,7 @@ class RMTask(Task):
     def loss(self, model, samples):
         a = self.cfg.algorithm
         c, r = self.scores(model, samples)
-        loss = REWARD_MODEL_LOSSES.get_fn(a.rm_loss)(c, r, a.margin).mean()
+        loss = REWARD_MODEL_LOSSES.get_fn(a.rm_loss)(c, r, self.margins(samples)).mean()
         return loss, {"loss": float(loss.detach()), "acc": float((c > r).float().mean()),
                       "margin": float((c - r).mean()), "chosen_reward": float(c.mean()),
                       "rejected_reward": float(r.mean())}
