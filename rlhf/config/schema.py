@@ -11,8 +11,10 @@ from dataclasses import dataclass, field, fields
 from typing import Optional, Tuple
 
 
-def opt(default, help: str, choices=None, nargs=None, flag_type=None):
+def opt(default, help: str, choices=None, nargs=None, flag_type=None, optional_value=None):
     meta = {"help": help}
+    if optional_value is not None:
+        meta["optional_value"] = optional_value  # the flag alone means this value; --flag VALUE gives another
     if choices is not None:
         meta["choices"] = tuple(choices)
     if nargs is not None:
@@ -175,7 +177,8 @@ class LoggingConfig:
     wandb_org: Optional[str] = opt(None, "wandb entity")
     wandb_project: str = opt("rlhf", "wandb project")
     wandb_run_name: Optional[str] = opt(None, "wandb run name")
-    use_tensorboard: bool = opt(False, "write TensorBoard events to --log_dir")
+    use_tensorboard: Optional[str] = opt(None, "write TensorBoard events: to DIR (OpenRLHF's --use_tensorboard DIR), "
+                                              "or to --log_dir/tensorboard when given alone", optional_value="True")
     progress_bar: bool = opt(True, "rank-0 progress bar with ETA")
 
 
