@@ -33,13 +33,31 @@ def build_prompts(rows: List[Dict], tokenizer, cfg_data) -> List[PromptItem]:
     return out
 
 
-def tokenize_pair(tokenizer, prompt: str, response: str, max_len: int):
-    """(input_ids, loss_mask) of prompt + response + eos; loss on response tokens (and eos) only."""
+def fit_pair(p: List[int], r: List[int], max_len: int):
+    """Fit prompt ids ``p`` and response ids ``r`` (eos included) into ``max_len`` tokens.
+
+    Too long: the prompt is left-truncated so the whole response fits (one prompt token is kept, so the first
+    response token still has a prediction); only a response that alone fills ``max_len`` is cut at its end.
+    Returns (p, r, how) with how "" (fits), "prompt" or "response".  The response is never emptied.
+    """
+    if len(p) + len(r) <= max_len:
+        return p, r, ""
+    if len(r) <= max_len - 1:
+        return p[len(p) + len(r) - max_len:], r, "prompt"
+    p = p[-1:]
+    return p, r[:max_len - len(p)], "response"
+
+
+def tokenize_pair(tokenizer, prompt: str, response: str, max_len: int, return_how: bool = False):
+    """(input_ids, loss_mask) of prompt + response + eos; loss on response tokens (and eos) only.
+
+    Longer than ``max_len``: see ``fit_pair`` (prompt side truncated first).
+    """
     p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    ids = (p + r)[:max_len]
-    mask = ([0] * len(p) + [1] * len(r))[:max_len]
-    return ids, mask
+    p, r, how = fit_pair(p, r, max_len)
+    out = (p + r, [0] * len(p) + [1] * len(r))
+    return out + (how,) if return_how else out
 
 
 def pad_batch(seqs: List[List[int]], pad_id: int, side: str = "right"):

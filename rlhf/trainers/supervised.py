@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from rlhf.backends.base import EngineSpec, make_engine
 from rlhf.data.loading import load_rows, split_eval
+from rlhf.data.screen import screen_rows
 from rlhf.distributed import init_distributed, shard_rows
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.utils import checkpoint as ckpt
@@ -65,6 +66,8 @@ class SupervisedTrainer:
             rows, ev = load_rows(tr, keys, None, d.max_samples), load_rows(te, keys, None, d.max_samples)
         else:
             raise ValueError("--dataset is required with --pretrain (the built-in task goes with the built-in kit)")
+        rows, self.data_report = screen_rows(rows, self.tokenizer, cfg, self.task.name, "train")
+        ev, _ = screen_rows(ev, self.tokenizer, cfg, self.task.name, "eval")
         self.train_samples = [self.task.make_sample(r) for r in rows]
         self.eval_samples = [self.task.make_sample(r) for r in ev]
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -94,6 +97,7 @@ class SupervisedTrainer:
                                     use_wandb=lg.use_wandb, wandb_project=lg.wandb_project, wandb_org=lg.wandb_org,
                                     use_tensorboard=lg.use_tensorboard, progress_bar=lg.progress_bar,
                                     config=cfg.to_dict())
+        self.logger.log(0, self.data_report.metrics(), prefix="data")
 
     def batches_for(self, step: int):
         o = self.cfg.optim
@@ -148,7 +152,7 @@ class SupervisedTrainer:
         self.engine.load_checkpoint(os.path.join(path, "model"))
         self.step = ckpt.load_trainer_state(path)["step"]
         ckpt.load_rank_state(path)
-        self.logger.advance(self.step)
+        self.logger.resume_at(self.step)
         if self.rank == 0:
             print(f"[resume] from {path} at step {self.step}", flush=True)
 

@@ -74,6 +74,35 @@ class MetricsLogger:
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(f"{prefix}/{k}", v, step)
 
+    def resume_at(self, step: int) -> None:
+        """After loading a checkpoint of ``step``: drop metrics rows past it (the crashed run's steps that will be
+        trained again) and keep one row per (split, step), the newest; move the progress bar."""
+        self.advance(step)
+        if not self.active:
+            return
+        self.jsonl.close()
+        rows = []
+        with open(self.path) as fh:
+            for line in fh:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:  # a line cut by the crash
+                    pass
+        latest = {}
+        for i, r in enumerate(rows):
+            if r.get("step", 0) <= step:
+                latest[(r.get("split"), r.get("step"))] = i
+        keep = sorted(latest.values())
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as fh:
+            for i in keep:
+                fh.write(json.dumps(rows[i]) + "\n")
+        os.replace(tmp, self.path)
+        self.jsonl = open(self.path, "a", buffering=1)
+        if len(keep) < len(rows):
+            print(f"[resume] {self.path}: removed {len(rows) - len(keep)} rows past step {step} or repeated",
+                  flush=True)
+
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
             self.bar.update(n)
