@@ -99,7 +99,9 @@ class RolloutConfig:
     vllm_sleep_level: int = opt(1, "vLLM sleep level (1 keeps weights in CPU, 2 discards)", choices=(1, 2), flag_type=int)
     enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM")
     remote_rm_url: Optional[str] = opt(None, "reward_func.py path or http(s) URL of a reward server (comma separated)")
-    reward_timeout_s: float = opt(120.0, "timeout of one reward call")
+    reward_timeout_s: float = opt(120.0, "deadline of one reward call (reward_func.py or the reward server, all tries)")
+    remote_rm_retries: int = opt(2, "extra tries of a reward-server request after a connection error, timeout or 5xx "
+                                    "(all within --reward_timeout_s)")
     agent_func_path: Optional[str] = opt(None, "python file defining AgentInstance / AgentExecutor for multi-turn rollouts")
     max_steps: int = opt(4, "max environment steps per agent episode")
     async_train: bool = opt(False, "overlap generation of step t+1 with training of step t (one-step off-policy)")
@@ -163,7 +165,9 @@ class CheckpointConfig:
     save_path: str = opt("./output/model", "final HF-format model")
     ckpt_path: str = opt("./output/ckpt", "training checkpoints (global_step_N/)")
     save_steps: int = opt(-1, "save a checkpoint every N steps (-1 = off)")
-    load_checkpoint: bool = opt(False, "resume from the newest complete checkpoint in --ckpt_path")
+    load_checkpoint: bool = opt(False, "resume from the newest complete checkpoint in --ckpt_path (none there: an error)")
+    start_fresh_if_no_checkpoint: bool = opt(False, "with --load_checkpoint: start from step 0 when --ckpt_path holds "
+                                                    "no checkpoint yet (OpenRLHF's behaviour) instead of failing")
     save_hf_ckpt: bool = opt(False, "also write an HF model into each checkpoint")
     max_ckpt_num: int = opt(3, "keep at most this many checkpoints")
 

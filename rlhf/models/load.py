@@ -20,6 +20,74 @@ def resolve_pretrain(path: Optional[str]) -> str:
     return ensure_tiny()
 
 
+class ModelKindError(ValueError):
+    def __init__(self, flag: str, message: str):
+        self.flag = flag
+        super().__init__(message)
+
+
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+REWARD_SUFFIXES = ("ForSequenceClassification",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith(("/", ".", "~")) or path.count("/") != 1 or os.path.exists(path)
+
+
+def model_architectures(path: str, flag: str) -> list:
+    """config.json's ``architectures`` of a local model dir (checked: exists, is a dir, holds config.json)."""
+    if not os.path.exists(path):
+        raise ModelKindError(flag, f"--{flag} {path}: no such directory (give the directory save_pretrained wrote, "
+                                   f"or a hub name org/model on a machine that can reach the hub)")
+    if not os.path.isdir(path):
+        raise ModelKindError(flag, f"--{flag} {path} is a file; give the model directory that holds config.json")
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        listing = ", ".join(sorted(os.listdir(path))[:8]) or "nothing"
+        raise ModelKindError(flag, f"--{flag} {path} is not a model directory: no config.json (it holds {listing}); "
+                                   f"give the directory save_pretrained wrote")
+    try:
+        with open(cfg) as fh:
+            return list(json.load(fh).get("architectures") or [])
+    except ValueError as e:
+        raise ModelKindError(flag, f"--{flag} {path}: config.json is not valid JSON ({e})") from None
+
+
+def check_model_dir(path: str, want: str, flag: str, need_tokenizer: bool = False) -> None:
+    """Fail before any process group when ``path`` is not the kind of model ``flag`` needs.
+
+    want: "causal" (a language model), "reward" (a *ForSequenceClassification reward model) or "any".
+    A hub name (org/model) that is not a local path is left to from_pretrained unless HF_HUB_OFFLINE=1.
+    """
+    path = os.path.expanduser(path)
+    if not _looks_local(path):
+        if os.environ.get("HF_HUB_OFFLINE") == "1":
+            raise ModelKindError(flag, f"--{flag} {path}: not a local directory, and HF_HUB_OFFLINE=1 forbids "
+                                       f"downloading it; give a local model directory")
+        return
+    archs = model_architectures(path, flag)
+    is_reward = any(a.endswith(REWARD_SUFFIXES) for a in archs)
+    is_causal = any(a.endswith(CAUSAL_SUFFIXES) for a in archs)
+    names = ", ".join(archs) or "no architectures listed"
+    if want == "causal" and is_reward:
+        raise ModelKindError(flag, f"--{flag} {path} is a reward model ({names}), not a language model: its LM head "
+                                   f"would be initialised at random; give it as --reward_pretrain, and a causal LM "
+                                   f"(*ForCausalLM) as --{flag}")
+    if want == "reward" and not is_reward:
+        what = f"a causal LM ({names}) without a reward head" if is_causal else f"not a reward model ({names})"
+        raise ModelKindError(flag, f"--{flag} {path} is {what}: its score head would be initialised at random; "
+                                   f"train one with rlhf.train_rm and give its --save_path (a *ForSequenceClassification "
+                                   f"model)")
+    if need_tokenizer and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ModelKindError(flag, f"--{flag} {path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                                   f"save the tokenizer into the model directory (tokenizer.save_pretrained(dir))")
+
+
+def attn_implementation(flash_attn: bool) -> str:
+    return _attn(flash_attn)
+
+
 def _attn(flash_attn: bool) -> str:
     if flash_attn:
         if not torch.cuda.is_available():

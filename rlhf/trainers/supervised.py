@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.backends.base import EngineSpec, make_engine
+from rlhf.config.preflight import preflight
 from rlhf.data.loading import load_rows, split_eval
 from rlhf.data.screen import screen_rows
 from rlhf.distributed import init_distributed, shard_rows
@@ -51,6 +52,7 @@ class SupervisedTrainer:
     def __init__(self, cfg, task_cls, data_kind: str):
         self.cfg = cfg
         d, o, t = cfg.data, cfg.optim, cfg.topology
+        preflight(cfg, task_cls.name)  # before any process group: wrong model kinds, unwritable paths, resume
         self.path = resolve_pretrain(cfg.model.pretrain)
         self.tokenizer = load_tokenizer(self.path, padding_side="right")
         self.task = task_cls(cfg, self.tokenizer)
