@@ -180,7 +180,9 @@ def translate(values: Dict[str, Any], schema_flags) -> Tuple[Dict[str, Any], Lis
                     raise ConfigError(name, f"--{name} {v!r} means --{k} {mv!r}, but --{k} {values[k]!r} is also "
                                             f"given; keep one of them")
                 out[k] = mv
-            if mapped:
+            if not mapped:
+                notices.append(f"[openrlhf] {_flag(name, v)} is already what happens here (no flag to set)")
+            else:
                 notices.append(f"[openrlhf] {_flag(name, v)} -> " + " ".join(_flag(k, x) for k, x in mapped.items()))
         elif c.kind == "noop" or (c.kind == "unsupported" and _is_default(c, v)):
             notices.append(f"[openrlhf] {_flag(name, v)} has no effect here: {c.why}")
