@@ -17,11 +17,11 @@ MAX_BODY = 64 * 2**20
 
 
 class RewardScorer:
-    def __init__(self, path: str, batch_size: int = 16, max_len: int = 2048):
+    def __init__(self, path: str, batch_size: int = 16, max_len: int = 2048, value_head_prefix=None):
         from rlhf.models.load import load_reward_model, load_tokenizer
         from rlhf.rewards.reward_model import score_sequences
 
-        self.model, self.stats = load_reward_model(path)
+        self.model, self.stats = load_reward_model(path, value_head_prefix=value_head_prefix)
         self.tok = load_tokenizer(path, padding_side="left")
         self.batch_size, self.max_len = batch_size, max_len
         self._score = score_sequences
@@ -112,15 +112,19 @@ def make_server(scorer, host: str = "127.0.0.1", port: int = 5000, request_timeo
 @click.option("--max_len", default=2048, show_default=True)
 @click.option("--request_timeout_s", default=30.0, show_default=True,
               help="drop a connection that sends nothing for this long (half-sent requests)")
-def main(reward_pretrain, host, port, batch_size, max_len, request_timeout_s):
+@click.option("--value_head_prefix", default=None, help="name of the reward head's weights (default: config.json's, "
+                                                         "else score)")
+def main(reward_pretrain, host, port, batch_size, max_len, request_timeout_s, value_head_prefix):
     from rlhf.models.load import ModelKindError, check_model_dir
 
     try:
-        check_model_dir(reward_pretrain, "reward", "reward_pretrain", need_tokenizer=True)
+        check_model_dir(reward_pretrain, "reward", "reward_pretrain", need_tokenizer=True,
+                        value_head_prefix=value_head_prefix)
     except ModelKindError as e:
         raise click.UsageError(str(e)) from None
     torch.set_grad_enabled(False)
-    server = make_server(RewardScorer(reward_pretrain, batch_size, max_len), host, port, request_timeout_s)
+    server = make_server(RewardScorer(reward_pretrain, batch_size, max_len, value_head_prefix), host, port,
+                         request_timeout_s)
     click.echo(f"reward server on http://{host}:{server.server_address[1]}/get_reward")
     server.serve_forever()
 

@@ -74,7 +74,9 @@ def test_issue_flags_parse_and_map(capsys):
     assert cfg.optim.weight_decay == 0.01, "--l2"
     assert cfg.logging.use_tensorboard == "/tmp/tb_dir"
     err = capsys.readouterr().err
-    silent = [f for f in ISSUE_FLAGS.split() if f.startswith("--") and f not in ("--use_tensorboard",)
+    assert cfg.model.value_head_prefix == "score"
+    real = flag_index()
+    silent = [f for f in ISSUE_FLAGS.split() if f.startswith("--") and f[2:] not in real
               and f"[openrlhf] {f}" not in err]
     assert not silent, f"compat flags without a notice: {silent}"
     assert parse("ppo", ["--use_tensorboard"]).logging.use_tensorboard == "True"  # alone: log_dir/tensorboard
@@ -258,3 +260,34 @@ def test_preflight_batch_vs_world(tmp_path):
     fix = int(str(e.value).split("e.g. --train_batch_size ")[1])
     kw["train_batch_size"] = fix
     preflight(_cfg("sft", **kw), "sft", world_size=2)  # the suggestion passes
+
+
+def test_value_head_prefix_loads_openrlhf_heads(tiny_kit, tmp_path):
+    """An OpenRLHF reward model whose head is saved as value_head.weight: refused without --value_head_prefix
+    (its score head would be random), loaded into HF's score with it or with config.json's value_head_prefix."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from rlhf.models.load import load_reward_model
+
+    src = os.path.join(tiny_kit, "reward")
+    dst = tmp_path / "orlhf_rm"
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    head = sd.pop("score.weight")
+    sd["value_head.weight"] = head
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    out = dict(save_path=str(tmp_path / "s"), log_dir=str(tmp_path / "l"), ckpt_path=str(tmp_path / "c"))
+    with pytest.raises(ConfigError) as e:
+        preflight(_cfg("ppo", pretrain=tiny_kit, reward_pretrain=str(dst), **out), "ppo")
+    assert "no reward head weight 'score.weight'" in str(e.value) and "--value_head_prefix value_head" in str(e.value)
+    preflight(_cfg("ppo", pretrain=tiny_kit, reward_pretrain=str(dst), value_head_prefix="value_head", **out), "ppo")
+    model, _ = load_reward_model(str(dst), value_head_prefix="value_head")
+    assert torch.equal(model.score.weight, head), "the value_head weights must land in score"
+    conf = json.loads((dst / "config.json").read_text())
+    conf.update(value_head_prefix="value_head", normalize_reward=True, mean=0.5, std=2.0)
+    (dst / "config.json").write_text(json.dumps(conf))
+    model, stats = load_reward_model(str(dst))
+    assert torch.equal(model.score.weight, head) and stats == (0.5, 2.0)

@@ -137,8 +137,6 @@ COMPAT: Dict[str, Compat] = {
     "max_new_tokens": _unsupported("use --generate_max_len", int),
     "freezing_actor_steps": _unsupported("freezing the actor while the critic warms up is not implemented", int, -1),
     "save_value_network": _unsupported("the critic is not exported as an HF model"),
-    "value_head_prefix": _unsupported("reward/critic heads are HF's *ForSequenceClassification 'score' head", str,
-                                      "score"),
 }
 
 

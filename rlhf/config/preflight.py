@@ -47,7 +47,7 @@ def check_models(cfg, kind: str) -> None:
         todo.append(("ref_pretrain", m.ref_pretrain, "causal", False))
     for flag, path, want, tok in todo:
         try:
-            check_model_dir(path, want, flag, need_tokenizer=tok)
+            check_model_dir(path, want, flag, need_tokenizer=tok, value_head_prefix=m.value_head_prefix)
         except ModelKindError as e:
             raise ConfigError(e.flag, str(e)) from None
 

@@ -28,6 +28,9 @@ def opt(default, help: str, choices=None, nargs=None, flag_type=None, optional_v
 class ModelConfig:
     pretrain: Optional[str] = opt(None, "HF model dir or hub name of the actor / policy (default: the built-in tiny kit)")
     reward_pretrain: Optional[str] = opt(None, "HF dir of the sequence-classification reward model")
+    value_head_prefix: Optional[str] = opt(None, "name of the reward head's weights in --reward_pretrain (OpenRLHF: "
+                                                 "score or value_head; default: config.json's value_head_prefix, "
+                                                 "else score)")
     critic_pretrain: Optional[str] = opt(None, "HF dir the critic is initialised from (default: --pretrain)")
     ref_pretrain: Optional[str] = opt(None, "HF dir of the reference model (default: --pretrain)")
     bf16: bool = opt(False, "train in bfloat16 mixed precision")
