@@ -158,3 +158,15 @@ def test_tensorboard_dir(tmp_path):
     lg.log(1, {"x": 1.0})
     lg.close()
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
+
+
+def test_rl_prompts_truncated_are_counted(tiny_kit, capsys):
+    from transformers import AutoTokenizer
+
+    from rlhf.data.formatting import build_prompts
+
+    tok = AutoTokenizer.from_pretrained(tiny_kit)
+    d = build_config({"prompt_max_len": 6}, "ppo").data
+    items = build_prompts([{"input": "1+2=", "label": 3}, {"input": "12+34+56=", "label": 102}], tok, d)
+    assert [len(i.ids) for i in items] == [4, 6] and items[1].label == "102"
+    assert "1 of 2 prompts are longer than --prompt_max_len 6" in capsys.readouterr().out

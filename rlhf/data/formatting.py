@@ -1,6 +1,7 @@
 """Turn rows into prompt text and tokenized SFT / preference samples."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -24,12 +25,18 @@ class PromptItem:
 
 
 def build_prompts(rows: List[Dict], tokenizer, cfg_data) -> List[PromptItem]:
-    out = []
+    """Prompts left-truncated to --prompt_max_len; how many were cut is said once (not silently)."""
+    out, cut = [], 0
     for r in rows:
         text = format_prompt(r[cfg_data.input_key], tokenizer, cfg_data.apply_chat_template, cfg_data.input_template)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][-cfg_data.prompt_max_len:]
+        full = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = full[-cfg_data.prompt_max_len:]
+        cut += len(ids) < len(full)
         label = r.get(cfg_data.label_key) if cfg_data.label_key else None
         out.append(PromptItem(text, None if label is None else str(label), ids))
+    if cut and os.environ.get("RANK", "0") == "0":
+        print(f"[data] {cut} of {len(rows)} prompts are longer than --prompt_max_len {cfg_data.prompt_max_len} and "
+              f"lost their first tokens; raise --prompt_max_len to keep them whole", flush=True)
     return out
 
 
