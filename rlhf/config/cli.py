@@ -130,8 +130,8 @@ def coerce_int(name: str, value) -> int:
                 raise ConfigError(name, f"--{name} expects int, got {value!r}") from None
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    raise ConfigError(name, f"--{name} expects int, got {value!r} (not a whole number; it would be cut to "
-                            f"{int(value) if isinstance(value, float) and value == value and abs(value) != float('inf') else '?'})")
+    raise ConfigError(name, f"--{name} expects int, got {value!r}: not a whole number (it is not rounded or cut; "
+                            f"write the integer you mean)")
 
 
 def coerce_float(name: str, value) -> float:
