@@ -1,6 +1,5 @@
 """Issue 18, data / checkpoint / logging side: --max_len truncation and drops (counted), JSONL errors with line
 numbers, the label-key fix, rng state across world sizes, metrics.jsonl after a resume."""
-import json
 import os
 
 import pytest

@@ -48,7 +48,7 @@ class DataReport:
                          f"gradient; first: row {self.examples['identical']})")
         if not parts:
             return ""
-        fix = f"; raise --max_len to keep rows whole" if self.prompt_truncated or self.response_truncated else ""
+        fix = "; raise --max_len to keep rows whole" if self.prompt_truncated or self.response_truncated else ""
         return f"[data] {self.split}: of {self.rows} rows, " + "; ".join(parts) + fix
 
     def announce(self) -> None:
