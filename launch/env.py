@@ -80,9 +80,13 @@ def torchrun_cmd(module: str, args: Sequence[str], nnodes: int, nproc_per_node: 
 
 
 def with_resume(args: Sequence[str]) -> List[str]:
-    """Add --load_checkpoint (restarts after preemption resume from the newest checkpoint)."""
+    """Add --load_checkpoint (restarts after preemption resume from the newest checkpoint) and
+    --start_fresh_if_no_checkpoint (the first start has none yet)."""
     args = list(args)
-    return args if "--load_checkpoint" in args else args + ["--load_checkpoint"]
+    for flag in ("--load_checkpoint", "--start_fresh_if_no_checkpoint"):
+        if flag not in args:
+            args.append(flag)
+    return args
 
 
 def shell_join(cmd: Sequence[str]) -> str:

@@ -55,7 +55,8 @@ def render(job: Job) -> str:
         cfg = f'--config "$RLHF_HOME/{args[1]}" '
         args = args[2:]
     rest = (shell_join(args) + " ") if args else ""
-    lines.append(f'rlhf_run {job.module} {cfg}{rest}--load_checkpoint "$@"')
+    # the first start has no checkpoint yet: allowed (and said), a requeued one resumes
+    lines.append(f'rlhf_run {job.module} {cfg}{rest}--load_checkpoint --start_fresh_if_no_checkpoint "$@"')
     return "\n".join(lines) + "\n"
 
 

@@ -17,11 +17,11 @@ MAX_BODY = 64 * 2**20
 
 
 class RewardScorer:
-    def __init__(self, path: str, batch_size: int = 16, max_len: int = 2048):
+    def __init__(self, path: str, batch_size: int = 16, max_len: int = 2048, value_head_prefix=None):
         from rlhf.models.load import load_reward_model, load_tokenizer
         from rlhf.rewards.reward_model import score_sequences
 
-        self.model, self.stats = load_reward_model(path)
+        self.model, self.stats = load_reward_model(path, value_head_prefix=value_head_prefix)
         self.tok = load_tokenizer(path, padding_side="left")
         self.batch_size, self.max_len = batch_size, max_len
         self._score = score_sequences
@@ -45,14 +45,19 @@ def validate_request(body: bytes):
     q = req.get("queries")
     if not isinstance(q, list) or not q or not all(isinstance(x, str) for x in q):
         raise ValueError("'queries' must be a non-empty list of strings")
+    empty = [i for i, x in enumerate(q) if not x.strip()]
+    if empty:
+        raise ValueError(f"'queries' {empty[:5]} are empty strings; each query is prompt + response text")
     for key in ("prompts", "labels"):
         if key in req and (not isinstance(req[key], list) or len(req[key]) != len(q)):
             raise ValueError(f"'{key}' must be a list as long as 'queries' ({len(q)})")
     return req
 
 
-def make_server(scorer, host: str = "127.0.0.1", port: int = 5000) -> ThreadingHTTPServer:
+def make_server(scorer, host: str = "127.0.0.1", port: int = 5000, request_timeout_s: float = 30.0) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
+        timeout = request_timeout_s  # socket timeout: a client that stops sending is dropped, not waited on forever
+
         def _send(self, code: int, obj):
             data = json.dumps(obj).encode()
             self.send_response(code)
@@ -69,11 +74,22 @@ def make_server(scorer, host: str = "127.0.0.1", port: int = 5000) -> ThreadingH
         def do_POST(self):
             if self.path not in ("/get_reward", "/"):
                 return self._send(404, {"error": f"no route {self.path}; POST /get_reward"})
-            n = int(self.headers.get("Content-Length") or 0)
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                return self._send(400, {"error": f"Content-Length {self.headers.get('Content-Length')!r} is not a number"})
             if n <= 0 or n > MAX_BODY:
                 return self._send(400 if n <= 0 else 413, {"error": "missing or oversized body"})
             try:
-                req = validate_request(self.rfile.read(n))
+                body = self.rfile.read(n)
+            except (TimeoutError, OSError):
+                self.close_connection = True
+                return self._send(408, {"error": f"request body not received within {request_timeout_s:g}s"})
+            if len(body) < n:
+                self.close_connection = True
+                return self._send(400, {"error": f"body has {len(body)} of the {n} bytes Content-Length announced"})
+            try:
+                req = validate_request(body)
             except ValueError as e:
                 return self._send(400, {"error": str(e)})
             try:
@@ -94,9 +110,21 @@ def make_server(scorer, host: str = "127.0.0.1", port: int = 5000) -> ThreadingH
 @click.option("--port", default=5000, show_default=True)
 @click.option("--batch_size", default=16, show_default=True)
 @click.option("--max_len", default=2048, show_default=True)
-def main(reward_pretrain, host, port, batch_size, max_len):
+@click.option("--request_timeout_s", default=30.0, show_default=True,
+              help="drop a connection that sends nothing for this long (half-sent requests)")
+@click.option("--value_head_prefix", default=None, help="name of the reward head's weights (default: config.json's, "
+                                                         "else score)")
+def main(reward_pretrain, host, port, batch_size, max_len, request_timeout_s, value_head_prefix):
+    from rlhf.models.load import ModelKindError, check_model_dir
+
+    try:
+        check_model_dir(reward_pretrain, "reward", "reward_pretrain", need_tokenizer=True,
+                        value_head_prefix=value_head_prefix)
+    except ModelKindError as e:
+        raise click.UsageError(str(e)) from None
     torch.set_grad_enabled(False)
-    server = make_server(RewardScorer(reward_pretrain, batch_size, max_len), host, port)
+    server = make_server(RewardScorer(reward_pretrain, batch_size, max_len, value_head_prefix), host, port,
+                         request_timeout_s)
     click.echo(f"reward server on http://{host}:{server.server_address[1]}/get_reward")
     server.serve_forever()
 

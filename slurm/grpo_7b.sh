@@ -13,4 +13,4 @@
 # grpo-7b: 1 node(s) x 8 ranks. Extra flags after the script name
 # override the config, e.g.  sbatch slurm/<this>.sh --actor_learning_rate 1e-6
 source "${RLHF_HOME:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
-rlhf_run rlhf.train_grpo --config "$RLHF_HOME/configs/grpo_qwen2.5_7b_math.yaml" --load_checkpoint "$@"
+rlhf_run rlhf.train_grpo --config "$RLHF_HOME/configs/grpo_qwen2.5_7b_math.yaml" --load_checkpoint --start_fresh_if_no_checkpoint "$@"

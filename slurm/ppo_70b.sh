@@ -13,4 +13,4 @@
 # ppo-70b: 4 node(s) x 8 ranks. Extra flags after the script name
 # override the config, e.g.  sbatch slurm/<this>.sh --actor_learning_rate 1e-6
 source "${RLHF_HOME:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
-rlhf_run rlhf.train_ppo --config "$RLHF_HOME/configs/ppo_llama3_70b_hybrid.yaml" --load_checkpoint "$@"
+rlhf_run rlhf.train_ppo --config "$RLHF_HOME/configs/ppo_llama3_70b_hybrid.yaml" --load_checkpoint --start_fresh_if_no_checkpoint "$@"

@@ -13,4 +13,4 @@
 # override the config, e.g.  sbatch slurm/<this>.sh --actor_learning_rate 1e-6
 export GPUS_PER_NODE=${GPUS_PER_NODE:-2}
 source "${RLHF_HOME:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
-rlhf_run rlhf.train_sft --config "$RLHF_HOME/configs/sft_tiny.yaml" --save_steps 20 --max_global_steps 40 --load_checkpoint "$@"
+rlhf_run rlhf.train_sft --config "$RLHF_HOME/configs/sft_tiny.yaml" --save_steps 20 --max_global_steps 40 --load_checkpoint --start_fresh_if_no_checkpoint "$@"

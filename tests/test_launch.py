@@ -33,7 +33,8 @@ def test_torchrun_cmd():
     multi = torchrun_cmd("rlhf.train_ppo", ["--config", "c.yaml"], 4, 8, "gpu01", 2345, node_rank=3)
     assert "--rdzv_endpoint=gpu01:2345" in multi and "--nnodes=4" in multi and "--node_rank=3" in multi
     assert multi[-4:] == ["-m", "rlhf.train_ppo", "--config", "c.yaml"] and "--standalone" not in multi
-    assert with_resume(["--x"]) == ["--x", "--load_checkpoint"] and with_resume(["--load_checkpoint"]) == ["--load_checkpoint"]
+    both = ["--load_checkpoint", "--start_fresh_if_no_checkpoint"]
+    assert with_resume(["--x"]) == ["--x"] + both and with_resume(["--load_checkpoint"]) == both
 
 
 def test_render_and_shipped_scripts_in_sync():
@@ -41,7 +42,8 @@ def test_render_and_shipped_scripts_in_sync():
                       partition="gpu"))
     for needle in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "--signal=B:USR1@300",
                    "#SBATCH --requeue", 'source "${RLHF_HOME:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"',
-                   'rlhf_run rlhf.train_dpo --config "$RLHF_HOME/configs/dpo_llama3_8b.yaml" --beta 0.2 --load_checkpoint "$@"'):
+                   'rlhf_run rlhf.train_dpo --config "$RLHF_HOME/configs/dpo_llama3_8b.yaml" --beta 0.2 --load_checkpoint '
+                   '--start_fresh_if_no_checkpoint "$@"'):
         assert needle in text
     for name, job in SHIPPED.items():
         with open(os.path.join(ROOT, "slurm", name)) as fh:

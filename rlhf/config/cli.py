@@ -16,6 +16,7 @@ import click
 import yaml
 from click.core import ParameterSource
 
+from . import openrlhf_compat
 from .hierarchical import HierarchicalError, flatten_yaml, translate_argv, translate_yaml
 from .schema import GROUPS, TrainConfig, flag_index
 from .validate import ConfigError, validate
@@ -100,12 +101,56 @@ def load_yaml(path: str) -> dict:
                 flat[k] = v
         else:
             key = key.replace("-", "_")
-            if key not in index:
+            if key not in index and key not in openrlhf_compat.active(index):
                 close = difflib.get_close_matches(key, list(index), n=1)
                 hint = f"; did you mean '{close[0]}'?" if close else ""
                 raise ConfigError(key, f"{path}: unknown key '{key}'{hint}")
             flat[key] = val
     return flat
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def coerce_bool(name: str, value) -> bool:
+    """Strict: YAML true/false, 0/1, or the strings true/false/yes/no/on/off/1/0 (any case); anything else is an error."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ConfigError(name, f"--{name} is a switch: give true or false, got {value!r}")
+
+
+def coerce_int(name: str, value) -> int:
+    """Strict: an int, an integral float (4.0) or a string of one; 4.9, 32.5, "many" and booleans are errors."""
+    if isinstance(value, bool):
+        raise ConfigError(name, f"--{name} expects an integer, got the boolean {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(name, f"--{name} expects int, got {value!r}") from None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise ConfigError(name, f"--{name} expects int, got {value!r}: not a whole number (it is not rounded or cut; "
+                            f"write the integer you mean)")
+
+
+def coerce_float(name: str, value) -> float:
+    if isinstance(value, bool) or isinstance(value, (list, tuple, dict)):
+        raise ConfigError(name, f"--{name} expects float, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(name, f"--{name} expects float, got {value!r}") from None
 
 
 def _coerce(f: dataclasses.Field, value):
@@ -114,32 +159,53 @@ def _coerce(f: dataclasses.Field, value):
     if f.metadata.get("nargs"):
         if not isinstance(value, (list, tuple)) or len(value) != f.metadata["nargs"]:
             raise ConfigError(f.name, f"--{f.name} takes {f.metadata['nargs']} values, got {value!r}")
-        return tuple(float(v) for v in value)
+        return tuple(coerce_float(f.name, v) for v in value)
     if _is_bool(f):
-        if isinstance(value, str):
-            return value.lower() in ("1", "true", "yes", "on")
-        return bool(value)
+        return coerce_bool(f.name, value)
     typ = _click_type(f)
-    try:
-        if isinstance(typ, click.Choice):
-            if str(value) not in typ.choices:
-                raise ConfigError(f.name, f"--{f.name} must be one of {', '.join(typ.choices)}, got {value!r}")
-            return str(value)
-        if isinstance(typ, click.IntRange):
-            v = int(value)
-            if v not in f.metadata["choices"]:
-                raise ConfigError(f.name, f"--{f.name} must be one of {f.metadata['choices']}, got {value!r}")
-            return v
-        return typ(value)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError):
-        raise ConfigError(f.name, f"--{f.name} expects {getattr(typ, '__name__', typ)}, got {value!r}") from None
+    if isinstance(typ, click.Choice):
+        if str(value) not in typ.choices:
+            raise ConfigError(f.name, f"--{f.name} must be one of {', '.join(typ.choices)}, got {value!r}")
+        return str(value)
+    if isinstance(typ, click.IntRange):
+        v = coerce_int(f.name, value)
+        if v not in f.metadata["choices"]:
+            raise ConfigError(f.name, f"--{f.name} must be one of {f.metadata['choices']}, got {value!r}")
+        return v
+    if typ is int:
+        return coerce_int(f.name, value)
+    if typ is float:
+        return coerce_float(f.name, value)
+    if isinstance(value, (list, tuple, dict)):
+        raise ConfigError(f.name, f"--{f.name} expects a string, got {value!r}")
+    return str(value)
+
+
+def _coerce_compat(name: str, c, value):
+    if value is None:
+        return None
+    if c.nargs > 1:
+        if not isinstance(value, (list, tuple)) or len(value) != c.nargs:
+            raise ConfigError(name, f"--{name} takes {c.nargs} values, got {value!r}")
+        return tuple(coerce_float(name, v) for v in value)
+    if c.type is bool:
+        return coerce_bool(name, value)
+    if c.type is int:
+        return coerce_int(name, value)
+    if c.type is float:
+        return coerce_float(name, value)
+    return str(value)
 
 
 def build_config(values: dict, kind: str, trainer_defaults: Optional[dict] = None) -> TrainConfig:
     """Assemble and validate a TrainConfig from a flat {flag: value} mapping."""
     index = flag_index()
+    compat = openrlhf_compat.active(index)
+    values = {k: _coerce_compat(k, compat[k], v) if k in compat else v for k, v in values.items()}
+    values, notices = openrlhf_compat.translate(values, index)
+    if os.environ.get("RANK", "0") == "0":
+        for n in notices:
+            print(n, file=sys.stderr, flush=True)
     merged = dict(trainer_defaults or {})
     merged.update(values)
     cfg = TrainConfig()
@@ -160,9 +226,20 @@ def make_command(kind: str, run: Callable[[TrainConfig], None], trainer_defaults
                            help="YAML recipe; flags given on the command line override it"),
               # the `deepspeed` launcher appends --local_rank=N; torchrun sets LOCAL_RANK instead
               click.Option(["--local_rank", "--local-rank"], type=int, default=None, hidden=True)]
-    for name, (g, f) in flag_index().items():
+    index = flag_index()
+    for name, c in openrlhf_compat.active(index).items():
+        if name == "local_rank":
+            continue
+        if c.type is bool:
+            params.append(click.Option([f"--{name}"], is_flag=True, default=False, hidden=True))
+        else:
+            params.append(click.Option([f"--{name}"], type=c.type, nargs=c.nargs, default=None, hidden=True))
+    for name, (g, f) in index.items():
         default = trainer_defaults.get(name, f.default)
-        if _is_bool(f):
+        if f.metadata.get("optional_value"):
+            params.append(click.Option([f"--{name}"], type=str, is_flag=False, flag_value=f.metadata["optional_value"],
+                                       default=default, help=f.metadata["help"]))
+        elif _is_bool(f):
             decl = f"--{name}/--no_{name}" if default else f"--{name}"
             params.append(click.Option([decl], is_flag=True, default=bool(default), help=f.metadata["help"]))
         else:

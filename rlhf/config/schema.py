@@ -11,8 +11,10 @@ from dataclasses import dataclass, field, fields
 from typing import Optional, Tuple
 
 
-def opt(default, help: str, choices=None, nargs=None, flag_type=None):
+def opt(default, help: str, choices=None, nargs=None, flag_type=None, optional_value=None):
     meta = {"help": help}
+    if optional_value is not None:
+        meta["optional_value"] = optional_value  # the flag alone means this value; --flag VALUE gives another
     if choices is not None:
         meta["choices"] = tuple(choices)
     if nargs is not None:
@@ -26,6 +28,9 @@ def opt(default, help: str, choices=None, nargs=None, flag_type=None):
 class ModelConfig:
     pretrain: Optional[str] = opt(None, "HF model dir or hub name of the actor / policy (default: the built-in tiny kit)")
     reward_pretrain: Optional[str] = opt(None, "HF dir of the sequence-classification reward model")
+    value_head_prefix: Optional[str] = opt(None, "name of the reward head's weights in --reward_pretrain (OpenRLHF: "
+                                                 "score or value_head; default: config.json's value_head_prefix, "
+                                                 "else score)")
     critic_pretrain: Optional[str] = opt(None, "HF dir the critic is initialised from (default: --pretrain)")
     ref_pretrain: Optional[str] = opt(None, "HF dir of the reference model (default: --pretrain)")
     bf16: bool = opt(False, "train in bfloat16 mixed precision")
@@ -102,7 +107,9 @@ class RolloutConfig:
     vllm_sleep_level: int = opt(1, "vLLM sleep level (1 keeps weights in CPU, 2 discards)", choices=(1, 2), flag_type=int)
     enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM")
     remote_rm_url: Optional[str] = opt(None, "reward_func.py path or http(s) URL of a reward server (comma separated)")
-    reward_timeout_s: float = opt(120.0, "timeout of one reward call")
+    reward_timeout_s: float = opt(120.0, "deadline of one reward call (reward_func.py or the reward server, all tries)")
+    remote_rm_retries: int = opt(2, "extra tries of a reward-server request after a connection error, timeout or 5xx "
+                                    "(all within --reward_timeout_s)")
     agent_func_path: Optional[str] = opt(None, "python file defining AgentInstance / AgentExecutor for multi-turn rollouts")
     max_steps: int = opt(4, "max environment steps per agent episode")
     async_train: bool = opt(False, "overlap generation of step t+1 with training of step t (one-step off-policy)")
@@ -176,7 +183,9 @@ class CheckpointConfig:
     save_path: str = opt("./output/model", "final HF-format model")
     ckpt_path: str = opt("./output/ckpt", "training checkpoints (global_step_N/)")
     save_steps: int = opt(-1, "save a checkpoint every N steps (-1 = off)")
-    load_checkpoint: bool = opt(False, "resume from the newest complete checkpoint in --ckpt_path")
+    load_checkpoint: bool = opt(False, "resume from the newest complete checkpoint in --ckpt_path (none there: an error)")
+    start_fresh_if_no_checkpoint: bool = opt(False, "with --load_checkpoint: start from step 0 when --ckpt_path holds "
+                                                    "no checkpoint yet (OpenRLHF's behaviour) instead of failing")
     save_hf_ckpt: bool = opt(False, "also write an HF model into each checkpoint")
     max_ckpt_num: int = opt(3, "keep at most this many checkpoints")
 
@@ -190,7 +199,8 @@ class LoggingConfig:
     wandb_org: Optional[str] = opt(None, "wandb entity")
     wandb_project: str = opt("rlhf", "wandb project")
     wandb_run_name: Optional[str] = opt(None, "wandb run name")
-    use_tensorboard: bool = opt(False, "write TensorBoard events to --log_dir")
+    use_tensorboard: Optional[str] = opt(None, "write TensorBoard events: to DIR (OpenRLHF's --use_tensorboard DIR), "
+                                              "or to --log_dir/tensorboard when given alone", optional_value="True")
     progress_bar: bool = opt(True, "rank-0 progress bar with ETA")
 
 

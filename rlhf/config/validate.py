@@ -15,6 +15,22 @@ class ConfigError(ValueError):
 
 RL_KINDS = ("ppo", "grpo")
 
+_POSITIVE_HINT = {
+    "prompt_max_len": " (it is the prompt truncation length; 0 does not disable truncation)",
+    "num_episodes": " (0 episodes would export the untrained model)",
+    "generate_max_len": " (the number of new tokens per response)",
+}
+
+
+def suggest_train_batch_size(samples: int, current: int, micro: int) -> str:
+    """A fix that passes both checks: a divisor of ``samples`` that is a multiple of ``micro`` (nearest ``current``)."""
+    fits = [b for b in range(micro, samples + 1, micro) if samples % b == 0]
+    if fits:
+        best = min(fits, key=lambda b: (abs(b - current), -b))
+        return f"e.g. --train_batch_size {best}"
+    return (f"no multiple of --micro_train_batch_size {micro} divides {samples}; e.g. --micro_train_batch_size 1 "
+            f"--train_batch_size {samples}")
+
 
 def _check(cond: bool, flag: str, message: str):
     if not cond:
@@ -44,6 +60,11 @@ def _validate_rl(cfg) -> None:
 
     o, r, a, d, t, m = cfg.optim, cfg.rollout, cfg.algorithm, cfg.data, cfg.topology, cfg.model
     validate_algorithm(cfg)
+    for flag, val in (("n_samples_per_prompt", r.n_samples_per_prompt),
+                      ("micro_rollout_batch_size", r.micro_rollout_batch_size),
+                      ("rollout_batch_size", r.rollout_batch_size), ("num_episodes", o.num_episodes),
+                      ("prompt_max_len", d.prompt_max_len), ("generate_max_len", d.generate_max_len)):
+        _check(val > 0, flag, f"--{flag} must be > 0, got {val}" + _POSITIVE_HINT.get(flag, ""))
     est = a.advantage_estimator
     _check(est in ADVANTAGE_ESTIMATORS, "advantage_estimator",
            f"--advantage_estimator {est!r} is unknown; choose one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
@@ -52,16 +73,19 @@ def _validate_rl(cfg) -> None:
         _check(r.n_samples_per_prompt > 1, "n_samples_per_prompt",
                f"--advantage_estimator {est} compares samples of the same prompt: set --n_samples_per_prompt > 1 "
                f"(got {r.n_samples_per_prompt}), or use gae/reinforce")
+        _check(r.temperature > 0, "temperature",
+               f"--temperature 0 samples greedily: the {r.n_samples_per_prompt} samples of a prompt are identical, so "
+               f"--advantage_estimator {est} gives every sample advantage 0 and nothing trains; "
+               f"use --temperature 1.0 (or gae/reinforce for greedy rollouts)")
     if not spec.needs_critic:
         _check(m.critic_pretrain is None, "critic_pretrain",
                f"--critic_pretrain is set but --advantage_estimator {est} trains no critic; drop it or use gae")
         _check(t.critic_num_gpus_per_node == 0, "critic_num_gpus_per_node",
                f"--critic_num_gpus_per_node is set but --advantage_estimator {est} trains no critic; drop it or use gae")
     samples = r.rollout_batch_size * r.n_samples_per_prompt
-    _check(r.rollout_batch_size > 0, "rollout_batch_size", "--rollout_batch_size must be > 0")
     _check(samples % o.train_batch_size == 0, "train_batch_size",
            f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples must be a multiple of "
-           f"--train_batch_size {o.train_batch_size}; e.g. --train_batch_size {samples}")
+           f"--train_batch_size {o.train_batch_size}; {suggest_train_batch_size(samples, o.train_batch_size, o.micro_train_batch_size)}")
     _check(a.clip_eps_low >= 0 and a.clip_eps_high >= 0, "clip_eps_low", "clip epsilons must be >= 0")
     if a.dual_clip is not None:
         _check(a.dual_clip > 1.0, "dual_clip", f"--dual_clip must be > 1, got {a.dual_clip}")

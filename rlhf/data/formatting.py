@@ -1,6 +1,7 @@
 """Turn rows into prompt text and tokenized SFT / preference samples."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -24,22 +25,46 @@ class PromptItem:
 
 
 def build_prompts(rows: List[Dict], tokenizer, cfg_data) -> List[PromptItem]:
-    out = []
+    """Prompts left-truncated to --prompt_max_len; how many were cut is said once (not silently)."""
+    out, cut = [], 0
     for r in rows:
         text = format_prompt(r[cfg_data.input_key], tokenizer, cfg_data.apply_chat_template, cfg_data.input_template)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][-cfg_data.prompt_max_len:]
+        full = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = full[-cfg_data.prompt_max_len:]
+        cut += len(ids) < len(full)
         label = r.get(cfg_data.label_key) if cfg_data.label_key else None
         out.append(PromptItem(text, None if label is None else str(label), ids))
+    if cut and os.environ.get("RANK", "0") == "0":
+        print(f"[data] {cut} of {len(rows)} prompts are longer than --prompt_max_len {cfg_data.prompt_max_len} and "
+              f"lost their first tokens; raise --prompt_max_len to keep them whole", flush=True)
     return out
 
 
-def tokenize_pair(tokenizer, prompt: str, response: str, max_len: int):
-    """(input_ids, loss_mask) of prompt + response + eos; loss on response tokens (and eos) only."""
+def fit_pair(p: List[int], r: List[int], max_len: int):
+    """Fit prompt ids ``p`` and response ids ``r`` (eos included) into ``max_len`` tokens.
+
+    Too long: the prompt is left-truncated so the whole response fits (one prompt token is kept, so the first
+    response token still has a prediction); only a response that alone fills ``max_len`` is cut at its end.
+    Returns (p, r, how) with how "" (fits), "prompt" or "response".  The response is never emptied.
+    """
+    if len(p) + len(r) <= max_len:
+        return p, r, ""
+    if len(r) <= max_len - 1:
+        return p[len(p) + len(r) - max_len:], r, "prompt"
+    p = p[-1:]
+    return p, r[:max_len - len(p)], "response"
+
+
+def tokenize_pair(tokenizer, prompt: str, response: str, max_len: int, return_how: bool = False):
+    """(input_ids, loss_mask) of prompt + response + eos; loss on response tokens (and eos) only.
+
+    Longer than ``max_len``: see ``fit_pair`` (prompt side truncated first).
+    """
     p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    ids = (p + r)[:max_len]
-    mask = ([0] * len(p) + [1] * len(r))[:max_len]
-    return ids, mask
+    p, r, how = fit_pair(p, r, max_len)
+    out = (p + r, [0] * len(p) + [1] * len(r))
+    return out + (how,) if return_how else out
 
 
 def pad_batch(seqs: List[List[int]], pad_id: int, side: str = "right"):

@@ -16,6 +16,23 @@ class DataError(ValueError):
     pass
 
 
+def check_jsonl(path: str) -> None:
+    """Every non-blank line of a .jsonl file must be a JSON object; the error names the file and the line."""
+    import json
+
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for i, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{path}:{i}: line {i} is not valid JSON ({e}): {line.strip()[:120]!r}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{i}: line {i} is a JSON {type(row).__name__}, not an object "
+                                f"{{\"key\": value, ...}}")
+
+
 def _load_one(part: str, split: str = "train"):
     import datasets
 
@@ -36,6 +53,8 @@ def _load_one(part: str, split: str = "train"):
             raise DataError(f"data file {part} does not exist")
         if os.path.getsize(part) == 0:
             raise DataError(f"data set {part} is empty")
+        if ext == ".jsonl":
+            check_jsonl(part)
         try:
             return datasets.load_dataset(EXT[ext], data_files=part, split="train")
         except Exception as e:
@@ -63,8 +82,10 @@ def load_rows(spec: str, required_keys: Dict[str, Optional[str]], probs: Optiona
             raise DataError(f"data set {part} is empty")
         for flag, key in required_keys.items():
             if key and key not in ds.column_names:
-                raise DataError(f"data set {part} has no key {key!r} (it has {', '.join(ds.column_names)}); "
-                                f"set --{flag} to one of those")
+                fix = f"set --{flag} to one of those"
+                if flag == "label_key":
+                    fix += ', or --label_key "" if the data has no labels (the reward then gets None labels)'
+                raise DataError(f"data set {part} has no key {key!r} (it has {', '.join(ds.column_names)}); {fix}")
         sets.append(ds.select(range(min(max_samples, len(ds)))))
     if len(sets) == 1:
         return list(sets[0])

@@ -20,6 +20,77 @@ def resolve_pretrain(path: Optional[str]) -> str:
     return ensure_tiny()
 
 
+class ModelKindError(ValueError):
+    def __init__(self, flag: str, message: str):
+        self.flag = flag
+        super().__init__(message)
+
+
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+REWARD_SUFFIXES = ("ForSequenceClassification", "RewardModel", "CriticModel")  # the last two: OpenRLHF's classes
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith(("/", ".", "~")) or path.count("/") != 1 or os.path.exists(path)
+
+
+def model_architectures(path: str, flag: str) -> list:
+    """config.json's ``architectures`` of a local model dir (checked: exists, is a dir, holds config.json)."""
+    if not os.path.exists(path):
+        raise ModelKindError(flag, f"--{flag} {path}: no such directory (give the directory save_pretrained wrote, "
+                                   f"or a hub name org/model on a machine that can reach the hub)")
+    if not os.path.isdir(path):
+        raise ModelKindError(flag, f"--{flag} {path} is a file; give the model directory that holds config.json")
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        listing = ", ".join(sorted(os.listdir(path))[:8]) or "nothing"
+        raise ModelKindError(flag, f"--{flag} {path} is not a model directory: no config.json (it holds {listing}); "
+                                   f"give the directory save_pretrained wrote")
+    try:
+        with open(cfg) as fh:
+            return list(json.load(fh).get("architectures") or [])
+    except ValueError as e:
+        raise ModelKindError(flag, f"--{flag} {path}: config.json is not valid JSON ({e})") from None
+
+
+def check_model_dir(path: str, want: str, flag: str, need_tokenizer: bool = False,
+                    value_head_prefix: Optional[str] = None) -> None:
+    """Fail before any process group when ``path`` is not the kind of model ``flag`` needs.
+
+    want: "causal" (a language model), "reward" (a *ForSequenceClassification reward model) or "any".
+    A hub name (org/model) that is not a local path is left to from_pretrained unless HF_HUB_OFFLINE=1.
+    """
+    path = os.path.expanduser(path)
+    if not _looks_local(path):
+        if os.environ.get("HF_HUB_OFFLINE") == "1":
+            raise ModelKindError(flag, f"--{flag} {path}: not a local directory, and HF_HUB_OFFLINE=1 forbids "
+                                       f"downloading it; give a local model directory")
+        return
+    archs = model_architectures(path, flag)
+    is_reward = any(a.endswith(REWARD_SUFFIXES) for a in archs)
+    is_causal = any(a.endswith(CAUSAL_SUFFIXES) for a in archs)
+    names = ", ".join(archs) or "no architectures listed"
+    if want == "causal" and is_reward:
+        raise ModelKindError(flag, f"--{flag} {path} is a reward model ({names}), not a language model: its LM head "
+                                   f"would be initialised at random; give it as --reward_pretrain, and a causal LM "
+                                   f"(*ForCausalLM) as --{flag}")
+    if want == "reward" and not is_reward:
+        what = f"a causal LM ({names}) without a reward head" if is_causal else f"not a reward model ({names})"
+        raise ModelKindError(flag, f"--{flag} {path} is {what}: its score head would be initialised at random; "
+                                   f"train one with rlhf.train_rm and give its --save_path (a *ForSequenceClassification "
+                                   f"model)")
+    if want == "reward" and is_reward:
+        _head_key(path, value_head_prefix)
+    if need_tokenizer and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ModelKindError(flag, f"--{flag} {path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                                   f"save the tokenizer into the model directory (tokenizer.save_pretrained(dir))")
+
+
+def attn_implementation(flash_attn: bool) -> str:
+    return _attn(flash_attn)
+
+
 def _attn(flash_attn: bool) -> str:
     if flash_attn:
         if not torch.cuda.is_available():
@@ -78,19 +149,70 @@ def apply_lora(model, rank: int, alpha: int, target_modules: str):
 RM_NORM_FILE = "reward_norm.json"
 
 
-def load_reward_model(path: str, bf16: bool = False, flash_attn: bool = False, on_meta: bool = False):
-    """Sequence-classification RM; returns (model, (mean, std)) with normalisation stats saved by train_rm."""
+def weight_index(path: str) -> dict:
+    """{tensor name: safetensors file} of a local model dir ({} when it has no safetensors)."""
+    idx = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(idx):
+        with open(idx) as fh:
+            return {k: os.path.join(path, f) for k, f in json.load(fh)["weight_map"].items()}
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, "pt") as f:
+            return {k: single for k in f.keys()}
+    return {}
+
+
+def _config_json(path: str) -> dict:
+    f = os.path.join(path, "config.json")
+    if not os.path.isfile(f):
+        return {}
+    with open(f) as fh:
+        return json.load(fh)
+
+
+def _head_key(path: str, value_head_prefix: Optional[str]) -> str:
+    """The reward head's weight name: --value_head_prefix, else config.json's value_head_prefix (OpenRLHF
+    writes it), else HF's 'score'; it must be in the checkpoint, or the head would be initialised at random."""
+    prefix = value_head_prefix or _config_json(path).get("value_head_prefix") or "score"
+    keys = weight_index(path)
+    if keys and f"{prefix}.weight" not in keys:
+        heads = sorted(k[:-len(".weight")] for k in keys if k.endswith(".weight") and "." not in k[:-len(".weight")]
+                       and not k.startswith(("lm_head", "embed")))
+        hint = f"; its top-level heads: {', '.join(heads)} -- e.g. --value_head_prefix {heads[0]}" if heads else ""
+        raise ModelKindError("value_head_prefix", f"{path} has no reward head weight '{prefix}.weight' (it would be "
+                                                  f"initialised at random){hint}")
+    return f"{prefix}.weight"
+
+
+def load_reward_model(path: str, bf16: bool = False, flash_attn: bool = False, on_meta: bool = False,
+                      value_head_prefix: Optional[str] = None):
+    """Sequence-classification RM; returns (model, (mean, std)) with normalisation stats saved by train_rm
+    (reward_norm.json) or by OpenRLHF (config.json's mean / std with normalize_reward).  A head saved under another
+    name (OpenRLHF's --value_head_prefix, e.g. value_head) is loaded into HF's ``score``."""
     from transformers import AutoModelForSequenceClassification
 
+    head = _head_key(path, value_head_prefix) if os.path.isdir(path) else "score.weight"
     model = from_pretrained_or_meta(AutoModelForSequenceClassification, path, on_meta, {"num_labels": 1},
                                     dtype=torch.bfloat16 if bf16 and flash_attn else torch.float32,
                                     attn_implementation=_attn(flash_attn))
+    if head != "score.weight" and not on_meta:
+        from safetensors import safe_open
+
+        with safe_open(weight_index(path)[head], "pt") as f:
+            w = f.get_tensor(head)
+        with torch.no_grad():
+            model.score.weight.copy_(w.reshape(model.score.weight.shape).to(model.score.weight.dtype))
     stats = (0.0, 1.0)
     f = os.path.join(path, RM_NORM_FILE)
+    cfg = _config_json(path) if os.path.isdir(path) else {}
     if os.path.isfile(f):
         with open(f) as fh:
             d = json.load(fh)
         stats = (float(d["mean"]), float(d["std"]))
+    elif cfg.get("normalize_reward") and "mean" in cfg and "std" in cfg:
+        stats = (float(cfg["mean"]), float(cfg["std"]))
     model.requires_grad_(False)
     model.eval()
     return model, stats

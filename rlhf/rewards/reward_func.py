@@ -11,6 +11,8 @@ import inspect
 import json
 import math
 import os
+import socket
+import threading
 import time
 import traceback
 import urllib.error
@@ -78,6 +80,42 @@ def check_result(out, n: int, where: str) -> Dict:
     return {"rewards": rewards, "scores": scores, "extra_logs": extra}
 
 
+class RewardTimeout(Exception):
+    pass
+
+
+def call_with_deadline(fn: Callable, args: tuple, kwargs: dict, timeout_s: float):
+    """``fn(*args, **kwargs)`` (awaited when it returns an awaitable), given ``timeout_s`` seconds.
+
+    Runs in a daemon thread, so a sync function that blocks is given up on (RewardTimeout) instead of hanging
+    the rank; the thread is left behind (Python cannot kill it) and does not keep the process alive.
+    """
+    box: Dict[str, object] = {}
+    done = threading.Event()
+
+    def work():
+        try:
+            out = fn(*args, **kwargs)
+            if inspect.isawaitable(out):
+                out = asyncio.run(_await(out))
+            box["out"] = out
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["err"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name="reward_func", daemon=True).start()
+    if not done.wait(timeout_s if timeout_s and timeout_s > 0 else None):
+        raise RewardTimeout()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
+
+
+async def _await(aw):
+    return await aw
+
+
 class RewardSource:
     """Calls the function / server, validates, and masks NaN rewards (counted, first case logged once)."""
 
@@ -89,13 +127,12 @@ class RewardSource:
     def __call__(self, queries: List[str], prompts: List[str], labels: List, **kw) -> Dict:
         n = len(queries)
         try:
-            out = self.fn(queries, prompts, labels, **kw)
-            if inspect.isawaitable(out):
-                out = asyncio.run(asyncio.wait_for(out, self.timeout_s))
+            out = call_with_deadline(self.fn, (queries, prompts, labels), kw, self.timeout_s)
         except RewardError:
             raise
-        except asyncio.TimeoutError:
-            raise RewardError(f"{self.where}: reward_func did not return within {self.timeout_s}s") from None
+        except RewardTimeout:
+            raise RewardError(f"{self.where}: reward_func did not return within {self.timeout_s:g}s for a batch of "
+                              f"{n} queries (first: {queries[0]!r}); make it faster or raise --reward_timeout_s") from None
         except Exception as e:
             tb = traceback.format_exc()
             raise RewardError(f"{self.where}: reward_func raised {type(e).__name__}: {e}\n"
@@ -115,30 +152,53 @@ class RewardSource:
         return res
 
 
-def http_reward_func(url: str, timeout_s: float = 120.0, retries: int = 3) -> Callable:
-    """A reward_func that POSTs {"queries", "prompts", "labels"} as JSON to url."""
+def http_reward_func(url: str, timeout_s: float = 120.0, retries: int = 2) -> Callable:
+    """A reward_func that POSTs {"queries", "prompts", "labels"} as JSON to url.
+
+    One deadline (``timeout_s``, --reward_timeout_s) covers every try; a connection error, a timeout or a 5xx is
+    tried again up to ``retries`` more times (--remote_rm_retries) while time is left; a 4xx is final.
+    """
     def call(queries, prompts, labels, **kwargs):
         body = json.dumps({"queries": queries, "prompts": prompts, "labels": labels}).encode()
-        last = None
-        for attempt in range(retries):
+        deadline = time.monotonic() + timeout_s
+        what = f"the reward server's answer to POST {url} ({len(queries)} queries, {len(body)} bytes)"
+        last, tries = "no try made", 0
+        for attempt in range(retries + 1):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            tries += 1
             req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                with urllib.request.urlopen(req, timeout=left) as resp:
                     return json.loads(resp.read())
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")[:500]
                 if 400 <= e.code < 500:
                     raise RewardError(f"reward server {url} rejected the request ({e.code}): {detail}") from None
                 last = f"HTTP {e.code}: {detail}"
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            except urllib.error.URLError as e:
+                reason = e.reason
+                if isinstance(reason, (TimeoutError, socket.timeout)):
+                    last = f"no answer within {left:.3g}s"
+                elif isinstance(reason, ConnectionRefusedError):
+                    last = "connection refused (is the server running? python -m rlhf.serve_rm ...)"
+                else:
+                    last = f"{type(reason).__name__}: {reason}"
+            except (TimeoutError, socket.timeout):
+                last = f"no answer within {left:.3g}s"
+            except (ConnectionError, OSError, ValueError) as e:
                 last = f"{type(e).__name__}: {e}"
-            time.sleep(min(2 ** attempt * 0.5, 5))
-        raise RewardError(f"reward server {url} failed after {retries} tries: {last}")
+            pause = min(2 ** attempt * 0.5, 5, max(0.0, deadline - time.monotonic()))
+            if attempt < retries and pause > 0:
+                time.sleep(pause)
+        raise RewardError(f"waited {timeout_s:g}s (--reward_timeout_s) for {what}: {tries} tries "
+                          f"(--remote_rm_retries {retries}), last: {last}")
 
     return call
 
 
-def make_reward_source(spec: Optional[str], timeout_s: float = 120.0, log=print) -> Optional[RewardSource]:
+def make_reward_source(spec: Optional[str], timeout_s: float = 120.0, log=print, retries: int = 2) -> Optional[RewardSource]:
     """``--remote_rm_url``: a reward_func.py path, an http(s) URL (first of a comma list), or builtin:arithmetic."""
     if not spec:
         return None
@@ -146,7 +206,8 @@ def make_reward_source(spec: Optional[str], timeout_s: float = 120.0, log=print)
     if first == "builtin:arithmetic":
         return builtin_reward_source(log)
     if first.startswith(("http://", "https://")):
-        return RewardSource(http_reward_func(first, timeout_s), first, timeout_s, log)
+        # the client keeps its own deadline; the outer one only backs it up
+        return RewardSource(http_reward_func(first, timeout_s, retries), first, timeout_s + 5.0, log)
     return RewardSource(load_reward_func(first), first, timeout_s, log)
 
 

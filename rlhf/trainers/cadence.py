@@ -46,7 +46,7 @@ class Cadence:
     def start(self, t: Steps) -> None:
         self.stop.install()
         if self.ck.load_checkpoint and t.resume():
-            self.logger.advance(t.step)
+            self.logger.resume_at(t.step)  # metrics rows past the checkpoint are trained again: drop them
 
     def after_step(self, t: Steps, metrics: Dict[str, float]) -> bool:
         """Log / eval / save after step ``t.step``; returns False when the run must stop now (preemption)."""

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.algorithms import ADVANTAGE_ESTIMATORS, RunningMeanStd, make_kl_controller
+from rlhf.config.preflight import preflight
 from rlhf.data.formatting import build_prompts
 from rlhf.data.loading import load_rows, split_eval
 from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, init_distributed, make_plan, nnodes_from_env
@@ -77,6 +78,7 @@ class RLTrainer:
         spec = ADVANTAGE_ESTIMATORS[a.advantage_estimator]
         # --- everything that can fail on bad input, before any process group exists ---
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        preflight(cfg, "ppo", world)  # model kinds, writable paths, resume
         self.plan = make_plan(t, world, t.nnodes_hint or nnodes_from_env(), a.init_kl_coef > 0 or a.use_kl_loss,
                               spec.needs_critic, cfg.model.reward_pretrain is not None)
         if r.async_train and not self.plan.separate_rollout:

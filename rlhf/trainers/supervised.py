@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 from rlhf.backends.base import EngineSpec, make_engine
+from rlhf.config.preflight import preflight
 from rlhf.data.loading import load_rows, split_eval
+from rlhf.data.screen import screen_rows
 from rlhf.distributed import init_distributed, micro_plan, shard_rows
 from rlhf.distributed.failfast import Watchdog, guarded
 from rlhf.models.load import load_tokenizer, resolve_pretrain
@@ -53,6 +55,7 @@ class SupervisedTrainer:
     def __init__(self, cfg, task_cls, data_kind: str):
         self.cfg = cfg
         d, o, t = cfg.data, cfg.optim, cfg.topology
+        preflight(cfg, task_cls.name)  # before any process group: wrong model kinds, unwritable paths, resume
         self.path = resolve_pretrain(cfg.model.pretrain)
         self.tokenizer = load_tokenizer(self.path, padding_side="right")
         self.task = task_cls(cfg, self.tokenizer)
@@ -68,6 +71,8 @@ class SupervisedTrainer:
             rows, ev = load_rows(tr, keys, None, d.max_samples), load_rows(te, keys, None, d.max_samples)
         else:
             raise ValueError("--dataset is required with --pretrain (the built-in task goes with the built-in kit)")
+        rows, self.data_report = screen_rows(rows, self.tokenizer, cfg, self.task.name, "train")
+        ev, _ = screen_rows(ev, self.tokenizer, cfg, self.task.name, "eval")
         self.train_samples = [self.task.make_sample(r) for r in rows]
         self.eval_samples = [self.task.make_sample(r) for r in ev]
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -99,6 +104,7 @@ class SupervisedTrainer:
                                     use_wandb=lg.use_wandb, wandb_project=lg.wandb_project, wandb_org=lg.wandb_org,
                                     use_tensorboard=lg.use_tensorboard, progress_bar=lg.progress_bar,
                                     config=cfg.to_dict())
+        self.logger.log(0, self.data_report.metrics(), prefix="data")
         comm = self.device if dist.get_backend() == "nccl" else None
         self.cadence = Cadence(cfg, self.logger, StopSignal(comm_device=comm))
 

@@ -9,7 +9,7 @@ import torch
 from rlhf.algorithms import logprobs_from_logits
 from rlhf.algorithms.preference import REWARD_MODEL_LOSSES, dpo_loss, sft_token_loss
 from rlhf.data.formatting import collate_packed, collate_supervised, format_prompt, pad_batch, tokenize_pair
-from rlhf.models.load import RM_NORM_FILE, from_pretrained_or_meta, load_causal_lm
+from rlhf.models.load import RM_NORM_FILE, attn_implementation, from_pretrained_or_meta, load_causal_lm
 
 from .supervised import Task
 
@@ -69,7 +69,7 @@ class RMTask(Task):
         from transformers import AutoModelForSequenceClassification
 
         m = from_pretrained_or_meta(AutoModelForSequenceClassification, path, on_meta, {"num_labels": 1},
-                                    attn_implementation="sdpa")
+                                    attn_implementation=attn_implementation(self.cfg.model.flash_attn))
         m.config.pad_token_id = self.tokenizer.pad_token_id
         if self.cfg.model.gradient_checkpointing:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

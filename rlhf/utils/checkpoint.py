@@ -73,8 +73,9 @@ def save_checkpoint(root: str, step: int, write: Callable[[str], None], trainer_
     torch.save({"rng": rng_state(), **(extra_rank_state or {})}, os.path.join(tmp, f"rank_{rank}.pt"))
     _barrier()
     if rank == 0:
+        world = dist.get_world_size() if dist.is_initialized() else 1
         with open(os.path.join(tmp, STATE_FILE), "w") as fh:
-            json.dump(trainer_state, fh)
+            json.dump({**trainer_state, "world_size": world}, fh)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -89,8 +90,35 @@ def load_trainer_state(path: str) -> dict:
         return json.load(fh)
 
 
+def saved_world_size(path: str) -> int:
+    """Ranks that wrote checkpoint ``path`` (trainer_state's world_size, else its rank_N.pt files)."""
+    try:
+        ws = load_trainer_state(path).get("world_size")
+    except (OSError, ValueError):
+        ws = None
+    return int(ws) if ws else len([f for f in os.listdir(path) if re.match(r"^rank_\d+\.pt$", f)])
+
+
+def derived_seed(path: str, rank: int) -> int:
+    """A fixed seed for a rank the checkpoint has no rng state for (resume on more ranks than saved)."""
+    m = STEP_RE.match(os.path.basename(os.path.normpath(path)))
+    step = int(m.group(1)) if m else 0
+    return (1_000_003 * (step + 1) + 7919 * rank) % (2 ** 31 - 1)
+
+
 def load_rank_state(path: str) -> dict:
-    f = os.path.join(path, f"rank_{_rank()}.pt")
+    """Restore this rank's rng state; a rank the checkpoint has no file for (resumed on more ranks) gets rng states
+    seeded from (step, rank) -- deterministic, said once -- and an empty state."""
+    rank = _rank()
+    f = os.path.join(path, f"rank_{rank}.pt")
+    if not os.path.isfile(f):
+        seed = derived_seed(path, rank)
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        print(f"[resume] {path} has no rank_{rank}.pt (saved by {saved_world_size(path)} ranks): rank {rank} "
+              f"rng seeded with {seed}, derived from the step and the rank", flush=True)
+        return {"rng": None, "derived_seed": seed}
     s = torch.load(f, weights_only=False)
     set_rng_state(s["rng"])
     return s

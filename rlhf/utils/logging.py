@@ -14,9 +14,18 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def tensorboard_dir(use_tensorboard, log_dir: str) -> Optional[str]:
+    """--use_tensorboard alone (True / "True") -> log_dir/tensorboard; --use_tensorboard DIR -> DIR; unset -> None."""
+    if use_tensorboard in (None, False, "", "False", "false", "0"):
+        return None
+    if use_tensorboard in (True, "True", "true", "1"):
+        return os.path.join(log_dir, "tensorboard")
+    return os.path.expanduser(str(use_tensorboard))
+
+
 class MetricsLogger:
     def __init__(self, rank: int, log_dir: str, total_steps: int, run_name: str = "run", use_wandb: Optional[str] = None,
-                 wandb_project: str = "rlhf", wandb_org: Optional[str] = None, use_tensorboard: bool = False,
+                 wandb_project: str = "rlhf", wandb_org: Optional[str] = None, use_tensorboard=None,
                  progress_bar: bool = True, config: Optional[dict] = None, initial_step: int = 0):
         self.rank = rank
         self.active = rank == 0
@@ -42,10 +51,11 @@ class MetricsLogger:
                 wandb.login(key=use_wandb)
             self.wandb = wandb.init(project=wandb_project, entity=wandb_org, name=run_name, config=config,
                                     dir=log_dir, reinit=True)
-        if use_tensorboard:
+        tb_dir = tensorboard_dir(use_tensorboard, log_dir)
+        if tb_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=os.path.join(log_dir, "tensorboard"))
+            self.tb = SummaryWriter(log_dir=tb_dir)
 
     def log(self, step: int, metrics: Dict[str, float], prefix: str = "train") -> None:
         if not self.active:
@@ -63,6 +73,35 @@ class MetricsLogger:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(f"{prefix}/{k}", v, step)
+
+    def resume_at(self, step: int) -> None:
+        """After loading a checkpoint of ``step``: drop metrics rows past it (the crashed run's steps that will be
+        trained again) and keep one row per (split, step), the newest; move the progress bar."""
+        self.advance(step)
+        if not self.active:
+            return
+        self.jsonl.close()
+        rows = []
+        with open(self.path) as fh:
+            for line in fh:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:  # a line cut by the crash
+                    pass
+        latest = {}
+        for i, r in enumerate(rows):
+            if r.get("step", 0) <= step:
+                latest[(r.get("split"), r.get("step"))] = i
+        keep = sorted(latest.values())
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as fh:
+            for i in keep:
+                fh.write(json.dumps(rows[i]) + "\n")
+        os.replace(tmp, self.path)
+        self.jsonl = open(self.path, "a", buffering=1)
+        if len(keep) < len(rows):
+            print(f"[resume] {self.path}: removed {len(rows) - len(keep)} rows past step {step} or repeated",
+                  flush=True)
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:

@@ -1,0 +1,154 @@
+"""Checks that would otherwise fail late (after loading, or after all of training), run at start.
+
+``preflight(cfg, kind)`` runs on every rank before ``init_process_group`` and raises ``ConfigError`` naming the
+flag and a fix: model directories of the wrong kind, --flash_attn without CUDA, unwritable --save_path /
+--ckpt_path / --log_dir, --load_checkpoint with no checkpoint to load, a resume the backend cannot do on this
+number of ranks, a --train_batch_size the world size does not divide.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import List, Optional
+
+from .validate import ConfigError
+
+RL_KINDS = ("ppo", "grpo")
+
+
+def preflight(cfg, kind: str, world_size: Optional[int] = None) -> List[str]:
+    """Raise ConfigError on the first problem; return the notices (printed on rank 0)."""
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    notices: List[str] = []
+    check_models(cfg, kind)
+    check_flash_attn(cfg)
+    check_writable(cfg, kind)
+    notices += check_resume(cfg, world)
+    check_batch_world(cfg, kind, world)
+    if os.environ.get("RANK", "0") == "0":
+        for n in notices:
+            print(n, flush=True)
+    return notices
+
+
+def check_models(cfg, kind: str) -> None:
+    from rlhf.models.load import ModelKindError, check_model_dir
+
+    m = cfg.model
+    todo = []
+    if m.pretrain:
+        todo.append(("pretrain", m.pretrain, "any" if kind == "rm" else "causal", True))
+    if kind in RL_KINDS:
+        if m.reward_pretrain:
+            todo.append(("reward_pretrain", m.reward_pretrain, "reward", False))
+        if m.critic_pretrain:
+            todo.append(("critic_pretrain", m.critic_pretrain, "any", False))
+    if m.ref_pretrain and kind in RL_KINDS + ("dpo",):
+        todo.append(("ref_pretrain", m.ref_pretrain, "causal", False))
+    for flag, path, want, tok in todo:
+        try:
+            check_model_dir(path, want, flag, need_tokenizer=tok, value_head_prefix=m.value_head_prefix)
+        except ModelKindError as e:
+            raise ConfigError(e.flag, str(e)) from None
+
+
+def check_flash_attn(cfg) -> None:
+    if not cfg.model.flash_attn:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("flash_attn", "--flash_attn needs CUDA (flash_attention_2 has no CPU kernel); drop the flag "
+                                        "on this machine (attention then uses sdpa)")
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        raise ConfigError("flash_attn", "--flash_attn needs the flash-attn package: pip install 'rlhf[flash]', or "
+                                        "drop the flag (attention then uses sdpa)") from None
+
+
+def _nearest_existing(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+def writable_problem(path: str, need_dir_itself: bool = True) -> Optional[str]:
+    """None when ``path`` (a directory, created later) can be written; else why not.
+
+    The nearest existing ancestor must be a directory we can create a file in (tested with a real file: root
+    passes os.access everywhere, a read-only mount does not)."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{path} exists and is not a directory"
+    base = _nearest_existing(path if need_dir_itself else os.path.dirname(path))
+    if not os.path.isdir(base):
+        return f"{base} is a file, so {path} cannot be created under it"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".rlhf-write-test-", dir=base)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return f"cannot write in {base} ({e.strerror or e})"
+    return None
+
+
+def check_writable(cfg, kind: str) -> None:
+    c, lg = cfg.checkpoint, cfg.logging
+    # save_path is replaced by a sibling save_path.tmp: its parent must be writable
+    for flag, path, itself in (("save_path", c.save_path, False), ("ckpt_path", c.ckpt_path, True),
+                               ("log_dir", lg.log_dir, True)):
+        why = writable_problem(path, itself)
+        if why:
+            raise ConfigError(flag, f"--{flag} {path} is not writable: {why}; give a directory you can write "
+                                    f"(it is checked now so the run does not fail after training)")
+
+
+def check_resume(cfg, world: int) -> List[str]:
+    from rlhf.utils import checkpoint as ckpt
+
+    c = cfg.checkpoint
+    if not c.load_checkpoint:
+        return []
+    latest = ckpt.latest_checkpoint(c.ckpt_path)
+    if latest is None:
+        if os.path.isdir(c.ckpt_path):
+            entries = sorted(os.listdir(c.ckpt_path))
+            seen = f"it holds {', '.join(entries[:6])}" if entries else "it is empty"
+            partial = [e for e in entries if e.startswith(".tmp-")]
+            if partial:
+                seen += " (.tmp-* are saves cut short)"
+        else:
+            seen = "it does not exist"
+        msg = f"--load_checkpoint: no complete checkpoint (global_step_N/) in --ckpt_path {c.ckpt_path}: {seen}"
+        if not c.start_fresh_if_no_checkpoint:
+            raise ConfigError("ckpt_path", f"{msg}. Check --ckpt_path, or add --start_fresh_if_no_checkpoint to start "
+                                           f"from step 0 (OpenRLHF's behaviour)")
+        return [f"[resume] {msg}; starting fresh (--start_fresh_if_no_checkpoint)"]
+    saved = ckpt.saved_world_size(latest)
+    if saved and saved != world:
+        if cfg.topology.backend == "deepspeed":
+            raise ConfigError("load_checkpoint", f"{latest} was saved by {saved} ranks and this run has {world}: "
+                                                 f"DeepSpeed ZeRO checkpoints load only on the same number of ranks. "
+                                                 f"Run with {saved} ranks (torchrun --nproc_per_node {saved}), or "
+                                                 f"--backend fsdp2 checkpoints, which reshard")
+        extra = f"; ranks {saved}..{world - 1} get rng seeds derived from the step and rank" if world > saved else ""
+        return [f"[resume] {latest} was saved by {saved} ranks, this run has {world}: model and optimizer shards "
+                f"are resharded (torch.distributed.checkpoint){extra}"]
+    return []
+
+
+def check_batch_world(cfg, kind: str, world: int) -> None:
+    o = cfg.optim
+    if kind in RL_KINDS or world <= 1:
+        return
+    step = o.micro_train_batch_size * world
+    if o.train_batch_size % step:
+        fix = -(-o.train_batch_size // step) * step
+        raise ConfigError("train_batch_size", f"--train_batch_size {o.train_batch_size} must be a multiple of "
+                                              f"--micro_train_batch_size {o.micro_train_batch_size} x {world} ranks; "
+                                              f"e.g. --train_batch_size {fix}")

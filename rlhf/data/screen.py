@@ -1,0 +1,88 @@
+"""Screen SFT / RM / DPO rows before tokenizing: count what ``--max_len`` truncates, drop what cannot train.
+
+Dropped (counted, announced once, logged as ``data/*`` metrics):
+  * an empty response (SFT output, or a chosen / rejected side) -- nothing to learn from;
+  * chosen == rejected (RM / DPO) -- the pair's loss is log 2 with zero gradient forever.
+Truncated (kept, counted): rows longer than ``--max_len`` lose prompt tokens from the left (``fit_pair``);
+only a response that alone fills ``--max_len`` is cut at its end.  No row trains on an empty response.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+from .formatting import format_prompt, tokenize_pair
+
+RESPONSE_KEYS = {"sft": ("output_key",), "rm": ("chosen_key", "rejected_key"), "dpo": ("chosen_key", "rejected_key")}
+
+
+@dataclass
+class DataReport:
+    split: str
+    max_len: int
+    rows: int = 0
+    kept: int = 0
+    prompt_truncated: int = 0
+    response_truncated: int = 0
+    dropped_empty: int = 0
+    dropped_identical: int = 0
+    examples: Dict[str, int] = field(default_factory=dict)   # reason -> index of the first such row
+
+    def metrics(self) -> Dict[str, float]:
+        return {f"{self.split}_{k}": float(getattr(self, k)) for k in
+                ("rows", "kept", "prompt_truncated", "response_truncated", "dropped_empty", "dropped_identical")}
+
+    def message(self) -> str:
+        parts = []
+        if self.prompt_truncated:
+            parts.append(f"{self.prompt_truncated} longer than --max_len {self.max_len} had their prompt "
+                         f"left-truncated (first: row {self.examples['prompt']})")
+        if self.response_truncated:
+            parts.append(f"{self.response_truncated} had a response longer than --max_len {self.max_len} cut at its "
+                         f"end (first: row {self.examples['response']})")
+        if self.dropped_empty:
+            parts.append(f"{self.dropped_empty} dropped for an empty response (first: row {self.examples['empty']})")
+        if self.dropped_identical:
+            parts.append(f"{self.dropped_identical} dropped because chosen == rejected (their loss is log 2 with zero "
+                         f"gradient; first: row {self.examples['identical']})")
+        if not parts:
+            return ""
+        fix = "; raise --max_len to keep rows whole" if self.prompt_truncated or self.response_truncated else ""
+        return f"[data] {self.split}: of {self.rows} rows, " + "; ".join(parts) + fix
+
+    def announce(self) -> None:
+        msg = self.message()
+        if msg and os.environ.get("RANK", "0") == "0":
+            print(msg, flush=True)
+
+
+def screen_rows(rows: List[Dict], tokenizer, cfg, kind: str, split: str = "train") -> Tuple[List[Dict], DataReport]:
+    """(kept rows, report) for kind sft / rm / dpo."""
+    d = cfg.data
+    keys = [getattr(d, k) for k in RESPONSE_KEYS[kind]]
+    rep = DataReport(split, d.max_len, rows=len(rows))
+    kept = []
+    for i, row in enumerate(rows):
+        responses = [row.get(k) for k in keys]
+        if any(x is None or not str(x).strip() for x in responses):
+            rep.dropped_empty += 1
+            rep.examples.setdefault("empty", i)
+            continue
+        if len(responses) == 2 and str(responses[0]).strip() == str(responses[1]).strip():
+            rep.dropped_identical += 1
+            rep.examples.setdefault("identical", i)
+            continue
+        prompt = format_prompt(row[d.input_key], tokenizer, d.apply_chat_template, d.input_template)
+        hows = {tokenize_pair(tokenizer, prompt, str(x), d.max_len, return_how=True)[2] for x in responses}
+        for how in ("response", "prompt"):
+            if how in hows:
+                setattr(rep, f"{how}_truncated", getattr(rep, f"{how}_truncated") + 1)
+                rep.examples.setdefault(how, i)
+                break
+        kept.append(row)
+    rep.kept = len(kept)
+    rep.announce()
+    if rows and not kept:
+        raise ValueError(f"{split} data: all {len(rows)} rows were dropped: {rep.message()}")
+    return kept, rep
