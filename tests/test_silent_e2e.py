@@ -40,3 +40,18 @@ def test_dpo_long_and_identical_rows_then_resume(tiny_kit, tmp_path):
     with pytest.raises(AssertionError, match="--start_fresh_if_no_checkpoint"):
         torchrun("rlhf.train_dpo", 1, common + ["--ckpt_path", tmp_path / "ck_typo", "--load_checkpoint"],
                  tmp_path, str(tmp_path / "logs3"))
+
+
+def test_sft_resume_on_another_number_of_ranks(tiny_kit, tmp_path):
+    """FSDP2 checkpoints reshard: saved by 2 ranks, resumed by 1 (said at start), training continues at step 3."""
+    d = os.path.join(tiny_kit, "data")
+    logs = str(tmp_path / "logs")
+    common = ["--pretrain", tiny_kit, "--dataset", f"{d}/sft_train.jsonl", "--max_samples", 200, "--eval_split", 0,
+              "--train_batch_size", 8, "--micro_train_batch_size", 2, "--save_path", tmp_path / "out",
+              "--ckpt_path", tmp_path / "ck", "--save_steps", 2]
+    first, _, _ = torchrun("rlhf.train_sft", 2, common + ["--max_global_steps", 2], tmp_path, logs)
+    second, _, out = torchrun("rlhf.train_sft", 1, common + ["--max_global_steps", 4, "--load_checkpoint"],
+                              tmp_path, logs)
+    assert "was saved by 2 ranks, this run has 1" in out and "at step 2" in out, out[-2000:]
+    assert [r["step"] for r in second] == [1, 2, 3, 4]
+    assert second[2]["loss"] < first[0]["loss"], "the resumed run must continue from the trained weights"
