@@ -55,7 +55,8 @@ CASES = {
         "w2_gae_rm_colocated": ("ppo", dict(RM, prompts=4, eval_prompts=1, rollout_batch_size=2,
                                             n_samples_per_prompt=1, train_batch_size=2, micro_train_batch_size=1,
                                             advantage_estimator="gae", colocate_all_models=True,
-                                            critic_learning_rate=1e-3)),
+                                            critic_learning_rate=1e-3, freezing_actor_steps=1,
+                                            save_value_network=True)),
     },
     3: {
         "w3_actor_ref_rollout_blocks": ("grpo", dict(prompts=5, eval_prompts=1, rollout_batch_size=3,
@@ -165,6 +166,7 @@ def run_cases(cases: dict, kit: str, data: str, out: str) -> None:
             ev = [r for r in rows if r["split"] == "eval"]
             finite = all(math.isfinite(v) for r in train for k, v in r.items() if isinstance(v, float)
                          and k not in ("rollout_logprob_gap",))
+            critic_dir = cfg.checkpoint.save_path + "_critic"
             with open(os.path.join(out, "results.jsonl"), "a") as fh:
                 fh.write(json.dumps({"case": name, "world": trainer.world, "steps": [r["step"] for r in train],
                                      "expected_steps": steps, "eval_rows": len(ev),
@@ -172,6 +174,8 @@ def run_cases(cases: dict, kit: str, data: str, out: str) -> None:
                                      "seconds": round(time.time() - t0, 2),
                                      "exported": os.path.isfile(os.path.join(cfg.checkpoint.save_path,
                                                                              "model.safetensors")),
+                                     "critic_exported": os.path.isfile(os.path.join(critic_dir, "value_head.pt")),
+                                     "actor_updates": [("policy_loss" in r) for r in train],
                                      "last": {k: train[-1].get(k) for k in ("reward", "kl", "policy_loss",
                                                                            "value_loss", "response_len")}}) + "\n")
         del trainer

@@ -54,7 +54,11 @@ def test_sweep_every_placement_and_awkward_sizes(world, tiny_kit, tmp_path):
     t0 = time.time()
     p = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=420)
     assert p.returncode == 0, f"world {world} failed after {time.time() - t0:.0f}s:\n{p.stderr[-6000:]}"
-    _check_sweep(_results(tmp_path), CASES[world])
+    res = _results(tmp_path)
+    _check_sweep(res, CASES[world])
+    if world == 2:  # --freezing_actor_steps 1: no actor update in step 1; --save_value_network: the critic saved
+        r = res["w2_gae_rm_colocated"]
+        assert r["actor_updates"] == [False, True] and r["critic_exported"], r
 
 
 def test_sweep_two_nodes_of_two_ranks(tiny_kit, tmp_path):

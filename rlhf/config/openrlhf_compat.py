@@ -129,14 +129,15 @@ COMPAT: Dict[str, Compat] = {
     "margin_loss": _unsupported("a per-row margin column is not read; use --margin for a constant one"),
     "partial_rollout": _unsupported("partial rollouts (vLLM pause/resume) are not implemented"),
     "vllm_generate_batch_size": _unsupported("generation batches equal --rollout_batch_size (no oversampling)", int),
-    "vllm_is_correction_type": _unsupported("only token-level truncated IS (tis) is implemented", str, "tis"),
-    "vllm_is_truncated_threshold": _unsupported("use --is_truncated_threshold (the upper cap)", float, None, nargs=2),
-    "use_icepop": _unsupported("icepop IS correction is not implemented"),
+    "vllm_is_correction_type": _alias(lambda v: {"is_correction_type": v}, str, "tis", "--is_correction_type"),
+    "vllm_is_truncated_threshold": _alias(lambda v: {"is_truncated_threshold_low": v[0],
+                                                     "is_truncated_threshold": v[1]}, float, None,
+                                          "--is_truncated_threshold_low LOW --is_truncated_threshold HIGH", nargs=2),
+    "use_icepop": _alias(lambda v: {"is_correction_type": "icepop"} if v else {}, bool, False,
+                         "--is_correction_type icepop"),
     "stop_properly_penalty_coef": _unsupported("the stop-properly (truncation) penalty is not implemented", float),
     "min_lr_ratio": _unsupported("cosine_with_min_lr decays to 0.1 x the learning rate", float, 0.1),
     "max_new_tokens": _unsupported("use --generate_max_len", int),
-    "freezing_actor_steps": _unsupported("freezing the actor while the critic warms up is not implemented", int, -1),
-    "save_value_network": _unsupported("the critic is not exported as an HF model"),
 }
 
 

@@ -173,6 +173,8 @@ class OptimConfig:
     micro_train_batch_size: int = opt(4, "samples per forward/backward per rank")
     train_batch_size: int = opt(8, "samples per optimizer step (global)")
     max_epochs: int = opt(1, "SFT/RM/DPO: passes over the data; PPO: epochs over each rollout batch")
+    freezing_actor_steps: int = opt(-1, "RL: train only the critic for the first N steps (the actor stays frozen "
+                                        "and the rollout keeps its weights); -1 = off")
     num_episodes: int = opt(1, "RL: passes over the prompt data")
     max_global_steps: int = opt(0, "stop after this many steps (0 = run the full schedule)")
     seed: int = opt(42, "random seed")
@@ -187,6 +189,8 @@ class CheckpointConfig:
     start_fresh_if_no_checkpoint: bool = opt(False, "with --load_checkpoint: start from step 0 when --ckpt_path holds "
                                                     "no checkpoint yet (OpenRLHF's behaviour) instead of failing")
     save_hf_ckpt: bool = opt(False, "also write an HF model into each checkpoint")
+    save_value_network: bool = opt(False, "PPO: also write the trained critic (backbone + value head) to "
+                                          "<--save_path>_critic at the end")
     max_ckpt_num: int = opt(3, "keep at most this many checkpoints")
 
 

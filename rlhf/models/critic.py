@@ -40,3 +40,19 @@ class CriticModel(nn.Module):
         h = self.backbone(input_ids=sequences, attention_mask=attention_mask,
                           position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
         return self.value_head(h[:, -num_actions - 1:-1]).squeeze(-1).float()
+
+    def save_hf(self, state_dict: dict, tokenizer, path: str) -> None:
+        """Write the backbone (HF safetensors) and ``value_head.pt`` under a temporary name, then rename: the
+        directory ``from_pretrained`` (and ``--critic_pretrain``) reads back.  ``state_dict``: the full weights."""
+        import shutil
+
+        tmp = path.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        backbone = {k[len("backbone."):]: v for k, v in state_dict.items() if k.startswith("backbone.")}
+        self.backbone.save_pretrained(tmp, state_dict=backbone, safe_serialization=True)
+        torch.save({k[len("value_head."):]: v for k, v in state_dict.items() if k.startswith("value_head.")},
+                   os.path.join(tmp, "value_head.pt"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)

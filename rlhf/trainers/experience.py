@@ -172,6 +172,8 @@ def critic_update_stage(tr, st: StepState) -> None:
 
 def actor_update_stage(tr, st: StepState) -> None:
     a = tr.roles.actor
+    if st.step < tr.cfg.optim.freezing_actor_steps:  # the step counter is shared: every rank skips alike
+        return
     if a.is_member:
         st.metrics.update(train_actor(tr.cfg, a.engine, st.experience, a.index, a.size, st.kl_coef,
                                                     st.step))

@@ -90,7 +90,7 @@ class RLTrainer:
             from rlhf.agents.base import load_agent
 
             load_agent(r.agent_func_path)  # fail on a bad file before any process group
-        self.reward_source = make_reward_source(r.remote_rm_url, r.reward_timeout_s, log0)
+        self.reward_source = make_reward_source(r.remote_rm_url, r.reward_timeout_s, log0, r.remote_rm_retries)
         if self.reward_source is None and not cfg.model.reward_pretrain:
             self.reward_source = builtin_reward_source(log0)
         self.path = resolve_pretrain(cfg.model.pretrain)
@@ -241,6 +241,18 @@ class RLTrainer:
     def finish(self):
         with self.watchdog.phase("save"):
             self.save_hf(self.cfg.checkpoint.save_path)
+            if self.cfg.checkpoint.save_value_network and self.roles.critic is not None:
+                self.save_critic_hf(self.cfg.checkpoint.save_path.rstrip("/") + "_critic")
+
+    def save_critic_hf(self, path: str):
+        """Collective over the critic ranks: its backbone (HF) and value head, the directory --critic_pretrain
+        reads back (OpenRLHF writes the critic to ``<save_path>_critic`` too)."""
+        critic = self.roles.critic
+        if critic.is_member:
+            sd = critic.engine.full_state_dict()
+            if self.rank == critic.members[0]:
+                critic.engine.model.save_hf(sd, self.tokenizer, path)
+        dist.barrier()
 
     # ---- eval ------------------------------------------------------------------------------------------------------
     def evaluate(self) -> dict:

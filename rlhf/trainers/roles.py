@@ -254,7 +254,8 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     stats = {}
 
     def load_rm(on_meta):
-        rm, stats["v"] = load_reward_model(m.reward_pretrain, m.bf16, m.flash_attn, on_meta=on_meta)
+        rm, stats["v"] = load_reward_model(m.reward_pretrain, m.bf16, m.flash_attn, on_meta=on_meta,
+                                            value_head_prefix=m.value_head_prefix)
         return rm
 
     reward = model_role("reward", frozen, load_rm)
