@@ -27,6 +27,12 @@ CASES = {
                                              train_batch_size=8, micro_train_batch_size=4)),
         "w1_gae_rm": ("ppo", dict(RM, prompts=5, rollout_batch_size=2, n_samples_per_prompt=1, train_batch_size=2,
                                   micro_train_batch_size=1, advantage_estimator="gae", critic_learning_rate=1e-3)),
+        "w1_dynamic_filtering_refill": ("grpo", dict(prompts=12, eval_prompts=1, rollout_batch_size=4,
+                                                     n_samples_per_prompt=4, train_batch_size=16,
+                                                     micro_train_batch_size=8, dynamic_filtering=True,
+                                                     dynamic_filtering_reward_range=(0.2, 0.7), generate_max_len=6,
+                                                     remote_rm_url=os.path.join(os.path.dirname(
+                                                         os.path.abspath(__file__)), "fault_reward.py"))),
         "w1_rloo_small_data": ("grpo", dict(prompts=3, eval_prompts=0, rollout_batch_size=3, n_samples_per_prompt=2,
                                             train_batch_size=6, micro_train_batch_size=3,
                                             advantage_estimator="rloo", max_epochs=2)),
@@ -133,7 +139,7 @@ def case_argv(name: str, spec: dict, kit: str, data: str, out: str):
         if v is True:
             argv.append(f"--{k}")
         elif v is not False and v is not None:
-            argv += [f"--{k}", str(v)]
+            argv += [f"--{k}", *(map(str, v) if isinstance(v, tuple) else [str(v)])]
     n_train = n - (max(1, int(n * flags.get("eval_split", 0.1))) if "eval_dataset" not in flags
                    and flags.get("eval_split", 0.1) > 0 else 0)
     steps = min(n_train // flags["rollout_batch_size"] * flags.get("num_episodes", 1), flags["max_global_steps"])
@@ -176,6 +182,7 @@ def run_cases(cases: dict, kit: str, data: str, out: str) -> None:
                                                                              "model.safetensors")),
                                      "critic_exported": os.path.isfile(os.path.join(critic_dir, "value_head.pt")),
                                      "actor_updates": [("policy_loss" in r) for r in train],
+                                     "refill": [(r.get("dynamic_filter_rounds"), r.get("filtered_frac")) for r in train],
                                      "last": {k: train[-1].get(k) for k in ("reward", "kl", "policy_loss",
                                                                            "value_loss", "response_len")}}) + "\n")
         del trainer

@@ -51,9 +51,15 @@ def test_render_and_shipped_scripts_in_sync():
         if job.args[:1] == ["--config"]:
             assert os.path.isfile(os.path.join(ROOT, job.args[1]))
     common = open(os.path.join(ROOT, "slurm", "common.sh")).read()
-    for needle in ("scontrol show hostnames", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "scontrol requeue",
+    for needle in ("scontrol show hostnames", "python -m launch.env --exports", "scontrol requeue",
                    "--rdzv_backend c10d", "trap on_usr1 USR1", "trap on_term TERM", "RLHF_STOP_FILE"):
         assert needle in common
+    # the NCCL/IB defaults come from the one table in launch/env.py, under whatever the user exported
+    from launch.env import NCCL_DEFAULTS
+
+    out = subprocess.run(["bash", "-c", 'export NCCL_IB_HCA=mine; eval "$(python -m launch.env --exports)"; env'],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "NCCL_IB_HCA=mine" in out and f"NCCL_SOCKET_IFNAME={NCCL_DEFAULTS['NCCL_SOCKET_IFNAME']}" in out
     subprocess.run(["bash", "-n", os.path.join(ROOT, "slurm", "common.sh")], check=True)
 
 

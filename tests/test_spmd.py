@@ -56,6 +56,9 @@ def test_sweep_every_placement_and_awkward_sizes(world, tiny_kit, tmp_path):
     assert p.returncode == 0, f"world {world} failed after {time.time() - t0:.0f}s:\n{p.stderr[-6000:]}"
     res = _results(tmp_path)
     _check_sweep(res, CASES[world])
+    if world == 1:  # dynamic filtering refilled the batch: more rounds where groups were filtered, none masked
+        r = res["w1_dynamic_filtering_refill"]
+        assert max(rounds for rounds, _ in r["refill"]) >= 2 and all(f == 0 for _, f in r["refill"]), r
     if world == 2:  # --freezing_actor_steps 1: no actor update in step 1; --save_value_network: the critic saved
         r = res["w2_gae_rm_colocated"]
         assert r["actor_updates"] == [False, True] and r["critic_exported"], r

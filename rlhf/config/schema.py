@@ -151,6 +151,7 @@ class AlgorithmConfig:
     max_invalid_reward_batches: int = opt(3, "stop after this many consecutive batches whose rewards are all invalid (NaN / failed); 0 = never stop")
     dynamic_filtering: bool = opt(False, "drop prompt groups whose mean score is outside the range (DAPO dynamic sampling)")
     dynamic_filtering_reward_range: Tuple[float, float] = opt((0.0, 1.0), "keep groups whose mean score lies strictly inside", nargs=2, flag_type=float)
+    dynamic_filtering_max_rounds: int = opt(8, "dynamic filtering: generate for more prompts, up to this many extra rounds per step, until --rollout_batch_size groups pass (0 = only mask the filtered groups; the batch shrinks)")
     beta: float = opt(0.1, "DPO beta")
     loss_type: str = opt("sigmoid", "DPO loss", choices=("sigmoid", "ipo", "hinge"))
     label_smoothing: float = opt(0.0, "conservative DPO label smoothing")

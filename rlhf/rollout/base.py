@@ -34,6 +34,13 @@ class RolloutBatch:
     def response_len(self) -> torch.Tensor:
         return self.action_mask.sum(1)
 
+    def select(self, rows) -> "RolloutBatch":
+        """These rows (a view of the same padded widths)."""
+        pick = lambda t: None if t is None else t[rows]  # noqa: E731
+        return RolloutBatch(self.sequences[rows], self.attention_mask[rows], self.action_mask[rows],
+                            self.rollout_logprobs[rows], self.prompt_len, pick(self.truncated), pick(self.rewards),
+                            pick(self.scores))
+
     @property
     def num_actions(self) -> int:
         return self.action_mask.size(1)

@@ -132,6 +132,57 @@ def reward_stage(tr, st: StepState) -> None:
     st.rewards = score_batch(tr, st.batch, st.labels)
 
 
+def _take(res: dict, rows: torch.Tensor) -> dict:
+    return {"rewards": res["rewards"][rows], "scores": res["scores"][rows], "valid": res["valid"][rows],
+            "extra_logs": {k: v[rows] for k, v in res["extra_logs"].items()}}
+
+
+def _cat(parts: List[dict]) -> dict:
+    keys = set.intersection(*(set(p["extra_logs"]) for p in parts))
+    return {"rewards": torch.cat([p["rewards"] for p in parts]), "scores": torch.cat([p["scores"] for p in parts]),
+            "valid": torch.cat([p["valid"] for p in parts]),
+            "extra_logs": {k: torch.cat([p["extra_logs"][k] for p in parts]) for k in sorted(keys)}}
+
+
+def refill_rollout_stage(tr, st: StepState) -> None:
+    """Dynamic sampling with refill (DAPO / OpenRLHF): generate and score; keep the prompt groups whose mean score
+    lies inside --dynamic_filtering_reward_range; while fewer than --rollout_batch_size groups passed, generate for
+    more prompts (as many as the observed pass rate says are needed), up to --dynamic_filtering_max_rounds extra
+    rounds.  The batch then holds the first rollout_batch_size kept groups; if it still is not full, filtered
+    groups fill it and stay masked out of the loss (counted in ``filtered_frac``).
+
+    Every decision reads gathered scores, the same on every rank, so every rank runs the same rounds."""
+    from rlhf.algorithms import dynamic_filter_mask, dynamic_filter_refill
+    from rlhf.rollout.base import merge_batches
+
+    a, n, target = tr.cfg.algorithm, st.n_samples, len(st.prompts)
+    pad = tr.tokenizer.pad_token_id
+    prompts, kept, spare = st.prompts, [], []   # (prompts, batch, rewards) pieces, one group each
+    rounds = seen = passed = 0
+    while True:
+        with tr.scheduler.phase("rollout", role="rollout"):
+            local = tr.roles.rollout.generate(prompts, tr.sampling(st.step, salt=rounds))
+            batch = tr.roles.rollout.gather(local, len(prompts), n, pad, with_rewards=tr.agent_mode)
+        with tr.scheduler.phase("reward", role="reward"):
+            res = score_batch(tr, batch, [p.label for p in prompts for _ in range(n)])
+        keep = dynamic_filter_mask(res["scores"], n, a.dynamic_filtering_reward_range, res["valid"]).view(-1, n)[:, 0]
+        for g, ok in enumerate(keep.tolist()):
+            rows = torch.arange(g * n, (g + 1) * n)
+            piece = (prompts[g], batch.select(rows), _take(res, rows))
+            (kept if ok else spare).append(piece)
+        seen, passed, rounds = seen + len(prompts), passed + int(keep.sum()), rounds + 1
+        if len(kept) >= target or rounds > a.dynamic_filtering_max_rounds:
+            break
+        extra = dynamic_filter_refill(len(kept), target, passed / seen, max_extra=4 * target)
+        prompts = tr.refill_prompts(st.step, rounds, extra)
+    chosen = (kept + spare)[:target]
+    st.prompts = [c[0] for c in chosen]
+    st.batch = merge_batches([c[1] for c in chosen], pad)
+    st.rewards = _cat([c[2] for c in chosen])
+    st.metrics.update({"dynamic_filter_rounds": float(rounds), "dynamic_filter_pass_rate": passed / seen,
+                       "dynamic_filter_generated_prompts": float(seen)})
+
+
 def ref_stage(tr, st: StepState) -> None:
     m = tr.cfg.model
     st.ref_logprobs = tr.roles.ref.logprobs(st.batch, logprob_temperature(tr.cfg), inference_rows(tr.cfg),
@@ -183,11 +234,18 @@ def weight_sync_stage(tr, st: StepState) -> None:
     tr.sync_weights()
 
 
+def refills(cfg) -> bool:
+    """Dynamic filtering refills the batch (synchronous rollouts only: async prefetches one fixed batch ahead)."""
+    a = cfg.algorithm
+    return a.dynamic_filtering and a.dynamic_filtering_max_rounds > 0 and not cfg.rollout.async_train
+
+
 def rl_stages(cfg, roles) -> List[Stage]:
     """The stages of one RL step, in order; ``applies`` reads only config and placement (shared by every rank)."""
     return [
-        Stage("rollout", rollout_stage, role="rollout"),
-        Stage("reward", reward_stage, role="reward"),
+        Stage("rollout", rollout_stage, role="rollout", applies=lambda tr: not refills(tr.cfg)),
+        Stage("reward", reward_stage, role="reward", applies=lambda tr: not refills(tr.cfg)),
+        Stage("rollout_refill", refill_rollout_stage, applies=lambda tr: refills(tr.cfg)),
         Stage("ref", ref_stage, role="ref", applies=lambda tr: tr.roles.ref is not None),
         Stage("values", values_stage, role="critic", applies=lambda tr: tr.roles.critic is not None),
         Stage("old_logprobs", old_logprobs_stage, role="actor",

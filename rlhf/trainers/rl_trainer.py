@@ -153,14 +153,21 @@ class RLTrainer:
         perm = torch.randperm(len(self.prompts), generator=g)[j * rb:(j + 1) * rb]
         return [self.prompts[i] for i in perm.tolist()]
 
-    def sampling(self, step: int, eval_mode: bool = False) -> SamplingParams:
+    def refill_prompts(self, step: int, round_: int, k: int):
+        """k more prompts for a dynamic-filtering refill: a seeded draw from the training prompts (every rank alike)."""
+        g = torch.Generator().manual_seed(self.cfg.optim.seed * 7919 + step * 131 + round_)
+        idx = torch.randint(len(self.prompts), (k,), generator=g)
+        return [self.prompts[i] for i in idx.tolist()]
+
+    def sampling(self, step: int, eval_mode: bool = False, salt: int = 0) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(n=r.eval_n_samples_per_prompt if eval_mode else r.n_samples_per_prompt,
                               temperature=r.eval_temperature if eval_mode else r.temperature,
                               top_p=r.top_p, top_k=r.top_k, max_new_tokens=self.cfg.data.generate_max_len,
                               stop_token_ids=(self.tokenizer.eos_token_id,),
                               # per engine, not per rank: the TP ranks of one vLLM engine must sample identically
-                              seed=self.cfg.optim.seed * 100003 + step * 97 + (self.roles.rollout.engine_index or 0))
+                              seed=(self.cfg.optim.seed * 100003 + step * 97 + (self.roles.rollout.engine_index or 0)
+                                    + salt * 1000003))
 
     # ---- phases ----------------------------------------------------------------------------------------------------
     def phase(self, stage: Stage):
