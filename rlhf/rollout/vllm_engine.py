@@ -79,6 +79,18 @@ def layer_key(name: str) -> str:
     return m.group(1) if m else name
 
 
+def _cap_len(model_path: str, max_model_len: int) -> int:
+    """prompt_max_len + generate_max_len, capped at the model's context (vLLM refuses a longer max_model_len;
+    prompts are truncated to prompt_max_len before they reach the engine)."""
+    try:
+        from transformers import AutoConfig
+
+        ctx = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    except Exception:  # a config transformers cannot read: let vLLM decide
+        ctx = None
+    return min(max_model_len, ctx) if ctx else max_model_len
+
+
 @contextlib.contextmanager
 def _env(set_: dict, drop: Sequence[str] = ()):
     saved = {k: os.environ.get(k) for k in list(set_) + list(drop)}
@@ -127,7 +139,7 @@ class VLLMEngine(RolloutEngine):
         self.llm = None
         if not self.driver:
             return
-        kw = dict(model=model_path, tensor_parallel_size=tp_size, max_model_len=max_model_len, seed=seed, dtype=dtype,
+        kw = dict(model=model_path, tensor_parallel_size=tp_size, max_model_len=_cap_len(model_path, max_model_len), seed=seed, dtype=dtype,
                   enforce_eager=enforce_eager, enable_prefix_caching=True, enable_sleep_mode=self.enable_sleep,
                   logprobs_mode="processed_logprobs", worker_extension_cls="rlhf.rollout.vllm_worker.WorkerExtension",
                   gpu_memory_utilization=gpu_memory_utilization)
@@ -144,6 +156,8 @@ class VLLMEngine(RolloutEngine):
             env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
             if device_ids is not None and on_cuda():
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, device_ids))
+            if not on_cuda() and tp_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # auto-binding wants a NUMA node per CPU worker
             # vLLM's processes start from this env: without the launcher's variables they rendezvous on their own
             with _env(env, drop=LAUNCHER_ENV):
                 self.llm = vllm.LLM(**kw)
@@ -253,10 +267,11 @@ class VLLMEngine(RolloutEngine):
             self._state = "awake" if full else "partial"
 
     def close(self) -> None:
-        """Stop vLLM's own processes (separate mode) now rather than at interpreter exit."""
-        llm, self.llm = self.llm, None
-        if llm is None:
+        """Stop vLLM's own processes (separate mode) now rather than at interpreter exit.  Colocated: nothing
+        (shutting the in-process engine down would also destroy the trainer's default process group)."""
+        if self.mode != "separate" or self.llm is None:
             return
+        llm, self.llm = self.llm, None
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
