@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import weakref
 from typing import List, Optional, Sequence
 
 import torch
@@ -107,6 +108,26 @@ def _env(set_: dict, drop: Sequence[str] = ()):
                 os.environ[k] = v
 
 
+def _shutdown_if_world(core):
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # vLLM's teardown destroys its groups: only while they still exist
+        try:
+            core.shutdown()
+        except Exception:  # exiting anyway
+            pass
+
+
+def _tolerant_exit(llm):
+    """In-process vLLM shuts down at exit and destroys its process groups; the trainer has usually destroyed the
+    default group by then, and vLLM's teardown would raise.  Replace its exit hook with one that checks first."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    fin = getattr(client, "_finalizer", None)
+    core = getattr(client, "engine_core", None)
+    if fin is not None and core is not None and fin.detach() is not None:
+        client._finalizer = weakref.finalize(client, _shutdown_if_world, core)
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, tp_size: int = 1, *, mode: str = "colocated", max_model_len: int = 1024,
                  seed: int = 0, pad_token_id: int = 0, eos_token_id: int = 2, dtype: str = "bfloat16",
@@ -151,6 +172,7 @@ class VLLMEngine(RolloutEngine):
             kw["distributed_executor_backend"] = "external_launcher"
             with _env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
                 self.llm = vllm.LLM(**kw)
+            _tolerant_exit(self.llm)
         else:
             kw["distributed_executor_backend"] = "mp" if tp_size > 1 else "uni"
             env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
