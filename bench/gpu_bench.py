@@ -70,8 +70,18 @@ def qwen05_dir() -> str:
 PROMPTS, NEW = (8, 8) if SMOKE else (256, 256)
 
 
+def vllm_kit_dir() -> str:
+    """--smoke with vLLM installed: a tiny kit vLLM's CPU attention runs (head_dim 32)."""
+    from rlhf.tools.make_tiny import VLLM_KIT, make_tiny
+
+    path = os.path.join(tempfile.gettempdir(), "rlhf-gpu-bench-smoke-vllm-kit")
+    return path if os.path.isfile(os.path.join(path, "config.json")) else make_tiny(path, arch="qwen2", **VLLM_KIT)
+
+
 @section("rollout")
 def rollout(path):
+    """vLLM (when installed): our engine vs bare vLLM tokens/s, weight sync into the engine (GB/s, and the engine's
+    greedy output equal to the synced model's), memory freed by sleep.  Without vLLM: the HF engine vs generate()."""
     prompts = [[5 + (i % 50), 7, 9, 11] * 8 for i in range(PROMPTS)]
     from rlhf.rollout.base import SamplingParams
 
@@ -80,27 +90,52 @@ def rollout(path):
         import vllm  # noqa: F401
     except ImportError:
         vllm = None
-    if vllm is not None and not SMOKE:
+    if vllm is not None:
+        from transformers import AutoModelForCausalLM
+
+        from rlhf.distributed.weight_sync import WeightSync
         from rlhf.rollout.vllm_engine import VLLMEngine
 
-        eng = VLLMEngine(path, 1, 0.5, True, 4096, 0, 0, 2)
+        if SMOKE:
+            path = vllm_kit_dir()
+        dtype = torch.float32 if SMOKE else torch.bfloat16
+        eng = VLLMEngine(path, 1, mode="colocated", max_model_len=1024, dtype=str(dtype).split(".")[1],
+                         gpu_memory_utilization=0.5, enable_sleep=True, enforce_eager=SMOKE)
         llm = eng.llm
         sp = vllm.SamplingParams(max_tokens=NEW, temperature=1.0, ignore_eos=True, seed=0)
-        llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in prompts[:8]], sp, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], sp, use_tqdm=False)
         t0 = time.perf_counter()
-        outs = llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         bare_t = time.perf_counter() - t0
         bare_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)
         t0 = time.perf_counter()
         b = eng.generate(prompts, params)
         ours_t = time.perf_counter() - t0
-        free0 = torch.cuda.mem_get_info()[0]
-        eng.sleep()
-        free1 = torch.cuda.mem_get_info()[0]
-        eng.wake()
-        return {"engine": "vllm", "bare_tokens_per_s": bare_tok / bare_t,
-                "ours_tokens_per_s": int(b.action_mask.sum()) / ours_t,
-                "sleep_frees_gb": (free1 - free0) / 2**30}
+        # weight sync: a changed model into the engine, bucket by bucket; then greedy must follow it
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(DEV)
+        with torch.no_grad():
+            for p_ in model.parameters():
+                p_.mul_(1.01)
+        ws = WeightSync(None, eng, bucket_mb=512, dtype=dtype)
+        sync()
+        t0 = time.perf_counter()
+        nbytes = ws.sync_colocated(model)
+        sync()
+        sync_t = time.perf_counter() - t0
+        g = eng.generate(prompts[:4], SamplingParams(n=1, temperature=0.0, max_new_tokens=8, stop_token_ids=(0,)))
+        ids = g.sequences[:, :g.prompt_len].to(DEV)
+        want = model.generate(input_ids=ids, attention_mask=g.attention_mask[:, :g.prompt_len].to(DEV),
+                              max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+        agree = float((want[:, g.prompt_len:].cpu() == g.sequences[:, g.prompt_len:]).float().mean())
+        res = {"engine": f"vllm {vllm.__version__}", "bare_tokens_per_s": bare_tok / bare_t,
+               "ours_tokens_per_s": int(b.action_mask.sum()) / ours_t, "weight_sync_gb": nbytes / 2**30,
+               "weight_sync_gb_per_s": nbytes / sync_t / 2**30, "greedy_agrees_with_synced_model": agree}
+        if DEV.type == "cuda":
+            free0 = torch.cuda.mem_get_info()[0]
+            eng.sleep()
+            res["sleep_frees_gb"] = (torch.cuda.mem_get_info()[0] - free0) / 2**30
+            eng.wake()
+        return res
     from transformers import AutoModelForCausalLM
 
     from rlhf.data.formatting import pad_batch

@@ -51,3 +51,11 @@ def sft_model(tiny_kit, tmp_path_factory):
     return str(work / "sft")
 
 
+
+
+@pytest.fixture(scope="session")
+def vllm_kit(tmp_path_factory):
+    """A kit vLLM runs on CPU (head_dim 32: hidden 128, 4 heads); same tokenizer and task data as tiny_kit."""
+    from rlhf.tools.make_tiny import VLLM_KIT, make_tiny
+
+    return make_tiny(str(tmp_path_factory.mktemp("vkit") / "tiny"), **VLLM_KIT)

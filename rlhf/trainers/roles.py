@@ -273,6 +273,9 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
 
 
 def build_rollout_engine(cfg, path: str, groups: Groups, device):
+    """The rollout engine of this rank.  vLLM: inside the trainer's process when every rank of the job holds an
+    engine (hybrid engine), else (rollout ranks of their own, or other roles on ranks of their own) in vLLM's own
+    processes, started by each engine's first rank (its other ranks lend their devices and build nothing)."""
     r, t = cfg.rollout, cfg.topology
     kind = r.rollout_engine
     if kind == "auto":
@@ -281,10 +284,19 @@ def build_rollout_engine(cfg, path: str, groups: Groups, device):
     if kind == "vllm":
         from rlhf.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(path, t.vllm_tensor_parallel_size, r.vllm_gpu_memory_utilization, t.vllm_enable_sleep,
-                          cfg.data.prompt_max_len + cfg.data.generate_max_len, cfg.optim.seed, tok.pad_token_id,
-                          tok.eos_token_id, "bfloat16" if cfg.model.bf16 else "float32", r.enforce_eager,
-                          r.vllm_sleep_level)
+        plan = groups.plan
+        ranks = plan.engines[plan.engine_of(groups.rank)]
+        # in-process vLLM takes the whole default group as its world: only when every rank holds an engine
+        separate = plan.roles["rollout"] != list(range(plan.world_size))
+        return VLLMEngine(path, t.vllm_tensor_parallel_size, mode="separate" if separate else "colocated",
+                          max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len, seed=cfg.optim.seed,
+                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                          dtype="bfloat16" if cfg.model.bf16 else "float32",
+                          gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep=t.vllm_enable_sleep,
+                          sleep_level=r.vllm_sleep_level, enforce_eager=r.enforce_eager or device.type == "cpu",
+                          tp_group=groups.tp_group, tp_src=ranks[0], driver=groups.rank == ranks[0],
+                          device_ids=[k % plan.gpus_per_node for k in ranks],
+                          log=print if groups.rank == ranks[0] else (lambda *_: None))
     model = load_causal_lm(path)
     model.config.use_cache = True
     return HFEngine(model, tok, device, micro_batch_size=r.micro_rollout_batch_size * r.n_samples_per_prompt)
