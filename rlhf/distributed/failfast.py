@@ -184,7 +184,10 @@ def describe(e: BaseException) -> str:
 
 
 def guarded(main: Callable[[], object]):
-    """Run a rank's program; any exception ends the whole job (see module docstring)."""
+    """Run a rank's program; any exception ends the whole job (see module docstring).  A job of one process has
+    no peer to release: the exception propagates as usual (tests and notebooks see it)."""
+    if _world() == 1:
+        return main()
     try:
         return main()
     except SystemExit as e:

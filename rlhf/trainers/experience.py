@@ -175,6 +175,11 @@ def refill_rollout_stage(tr, st: StepState) -> None:
             break
         extra = dynamic_filter_refill(len(kept), target, passed / seen, max_extra=4 * target)
         prompts = tr.refill_prompts(st.step, rounds, extra)
+    if len(kept) < target:
+        tr.log(f"[dynamic filtering] step {st.step + 1}: {len(kept)} of {target} prompt groups passed "
+               f"--dynamic_filtering_reward_range {tuple(a.dynamic_filtering_reward_range)} after {rounds} rounds "
+               f"({seen} prompts); the other {target - len(kept)} train nothing (masked). If this repeats, widen the "
+               f"range or raise --dynamic_filtering_max_rounds")
     chosen = (kept + spare)[:target]
     st.prompts = [c[0] for c in chosen]
     st.batch = merge_batches([c[1] for c in chosen], pad)

@@ -145,6 +145,10 @@ class RLTrainer:
                                     config=cfg.to_dict())
         self.cadence = Cadence(cfg, self.logger, StopSignal(comm_device=self.comm_device))
 
+    @staticmethod
+    def log(msg: str) -> None:
+        log0(msg)
+
     # ---- data ------------------------------------------------------------------------------------------------------
     def prompts_for(self, step: int):
         rb = self.cfg.rollout.rollout_batch_size
