@@ -26,6 +26,28 @@ class EngineSpec:
     offload: bool = False          # sleep/wake offloads training state
 
 
+def spec_from_config(cfg, lr: float, total_steps: int, trainable: bool = True, group_size: int = 1) -> EngineSpec:
+    """The engine spec of one model from the config (every trainer builds its engines' specs here).  A frozen
+    model (trainable=False) runs inference micro-batches only: its batch is one micro-batch per rank."""
+    m, o, t = cfg.model, cfg.optim, cfg.topology
+    spec = EngineSpec(lr=lr if trainable else 0.0, train_batch_size=o.train_batch_size,
+                      micro_batch_size=o.micro_train_batch_size, total_steps=max(1, total_steps), trainable=trainable,
+                      bf16=m.bf16, zero_stage=t.zero_stage, max_norm=o.max_norm, weight_decay=o.weight_decay,
+                      betas=o.adam_betas, warmup_ratio=o.lr_warmup_ratio, scheduler=o.lr_scheduler,
+                      offload=t.deepspeed_enable_sleep)
+    if not trainable:
+        spec.train_batch_size = spec.micro_batch_size * group_size
+    return spec
+
+
+def loads_on_rank0_only(backend: str, group, world_size: int) -> bool:
+    """FSDP2 over the whole world: only global rank 0 reads the weights; the others build the model on the meta
+    device and receive their shards by broadcast (one host copy of the model per node, not one per rank)."""
+    import torch.distributed as dist
+
+    return backend == "fsdp2" and world_size > 1 and (group is None or group is dist.group.WORLD)
+
+
 def lr_lambda(kind: str, total: int, warmup: int, min_ratio: float = 0.1):
     """Linear warmup, then constant / linear / cosine (to 0 or to min_ratio)."""
     def f(step: int) -> float:

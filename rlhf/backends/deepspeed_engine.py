@@ -5,7 +5,6 @@ offload_states / reload_states (ZeRO-3).
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, Optional
 
 import torch

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from rlhf.backends.base import EngineSpec, TrainEngine, make_engine
+from rlhf.backends.base import TrainEngine, loads_on_rank0_only, make_engine, spec_from_config
 from rlhf.distributed import Groups
 from rlhf.distributed.sharding import gather_max, gather_rows, micro_plan, run_micro, shard_rows
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
@@ -204,40 +204,28 @@ class Roles:
         return {k: v for k, v in self.all().items() if v.engine is not None}
 
 
-def meta_init(topo, groups: Groups, role: str) -> bool:
-    """Load real weights on rank 0 only when the role spans the whole world under FSDP2 (hybrid engine)."""
-    return topo.backend == "fsdp2" and groups.group(role) is dist.group.WORLD and groups.plan.world_size > 1
-
-
 def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     """Role objects on every rank from the plan; engines built on the members only."""
     m, o, t = cfg.model, cfg.optim, cfg.topology
     plan, rank = groups.plan, groups.rank
     comm = device if dist.is_initialized() and dist.get_backend() == "nccl" else None
     path = resolve_pretrain(m.pretrain)
-    spec_common = dict(train_batch_size=o.train_batch_size, micro_batch_size=o.micro_train_batch_size,
-                       total_steps=max(1, total_steps), bf16=m.bf16, zero_stage=t.zero_stage, max_norm=o.max_norm,
-                       weight_decay=o.weight_decay, betas=o.adam_betas, warmup_ratio=o.lr_warmup_ratio,
-                       scheduler=o.lr_scheduler, offload=t.deepspeed_enable_sleep)
-
     def model_role(name, spec_fn, load) -> Optional[ModelRole]:
         members = plan.roles.get(name) or []
         if not members:
             return None
         role = ModelRole(name, members, groups.group(name), rank, comm)
         if role.is_member:
-            meta = meta_init(t, groups, name)
+            meta = loads_on_rank0_only(t.backend, role.group, plan.world_size)
             role.engine = make_engine(t.backend, load(meta and rank != 0), spec_fn(role), group=role.group,
                                       device=device, broadcast_from_rank0=meta)
         return role
 
     def trainable(lr):
-        return lambda role: EngineSpec(lr=lr, **spec_common)
+        return lambda role: spec_from_config(cfg, lr, total_steps)
 
     def frozen(role):
-        spec = EngineSpec(lr=0.0, trainable=False, **spec_common)
-        spec.train_batch_size = spec.micro_batch_size * role.size
-        return spec
+        return spec_from_config(cfg, 0.0, total_steps, trainable=False, group_size=role.size)
 
     actor = model_role("actor", trainable(o.actor_learning_rate), lambda on_meta: load_causal_lm(
         path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha, m.target_modules,

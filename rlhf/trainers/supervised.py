@@ -12,7 +12,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from rlhf.backends.base import EngineSpec, make_engine
+from rlhf.backends.base import EngineSpec, loads_on_rank0_only, make_engine, spec_from_config
 from rlhf.config.preflight import preflight
 from rlhf.data.loading import load_rows, split_eval
 from rlhf.data.screen import screen_rows
@@ -88,13 +88,8 @@ class SupervisedTrainer:
         self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
                                  deadlines={"load": t.watchdog_slow_timeout_s, "save": t.watchdog_slow_timeout_s})
         torch.manual_seed(o.seed)
-        m = cfg.model
-        spec = EngineSpec(lr=o.learning_rate, train_batch_size=o.train_batch_size,
-                          micro_batch_size=o.micro_train_batch_size, total_steps=self.total_steps, bf16=m.bf16,
-                          zero_stage=t.zero_stage, max_norm=o.max_norm, weight_decay=o.weight_decay, betas=o.adam_betas,
-                          warmup_ratio=o.lr_warmup_ratio, scheduler=o.lr_scheduler)
-        # FSDP2 on several ranks: real weights on rank 0 only, shards broadcast (one host copy per node, not per rank)
-        self.meta = t.backend == "fsdp2" and self.world > 1
+        spec = spec_from_config(cfg, o.learning_rate, self.total_steps)
+        self.meta = loads_on_rank0_only(t.backend, None, self.world)
         self.engine = make_engine(t.backend, self.task.build_model(self.path, on_meta=self.meta and self.rank != 0),
                                   spec, device=self.device, broadcast_from_rank0=self.meta)
         self.task.setup(self, spec)
