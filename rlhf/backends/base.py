@@ -1,6 +1,7 @@
 """The one interface trainers use for a trainable (or frozen) model, whatever the backend."""
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -71,25 +72,41 @@ def make_optimizer(model: torch.nn.Module, spec: EngineSpec, fused: bool = False
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec.scheduler, spec.total_steps, warm))
 
 
-class TrainEngine:
-    """model, micro-batch backward with accumulation, step, checkpoint, full weights, sleep/wake."""
+class TrainEngine(abc.ABC):
+    """model, micro-batch backward with accumulation, step, checkpoint, full weights, sleep/wake.
+
+    An abstract base: a backend that leaves a method out fails when it is built, not later with a silent None."""
 
     model: torch.nn.Module
     accum_steps: int
 
-    def backward(self, loss: torch.Tensor, micro_step: int) -> None: ...
+    @abc.abstractmethod
+    def backward(self, loss: torch.Tensor, micro_step: int) -> None:
+        """Accumulate the gradient of one micro-batch's loss (already scaled by the caller's normalisation)."""
 
-    def step(self) -> Dict[str, float]: ...
+    @abc.abstractmethod
+    def step(self) -> Dict[str, float]:
+        """Clip, step the optimizer and the schedule, zero the gradients; returns grad_norm and lr."""
 
-    def save_checkpoint(self, path: str) -> None: ...
+    @abc.abstractmethod
+    def save_checkpoint(self, path: str) -> None:
+        """Collective over the engine's group: model and optimizer shards, scheduler."""
 
-    def load_checkpoint(self, path: str) -> None: ...
+    @abc.abstractmethod
+    def load_checkpoint(self, path: str) -> None:
+        """Collective: the inverse of save_checkpoint."""
 
-    def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]: ...
+    @abc.abstractmethod
+    def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        """Collective: the full weights on the group's first rank (None elsewhere)."""
 
-    def sleep(self) -> None: ...
+    @abc.abstractmethod
+    def sleep(self) -> None:
+        """Release device memory (offload parameters / optimizer state) until wake."""
 
-    def wake(self, tags=None) -> None: ...
+    @abc.abstractmethod
+    def wake(self, tags=None) -> None:
+        """Bring back what sleep released."""
 
 
 def make_engine(backend: str, model: torch.nn.Module, spec: EngineSpec, group=None, device=None,
