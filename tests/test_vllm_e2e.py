@@ -70,4 +70,4 @@ def test_grpo_vllm_separate_rollout_rank_async(vllm_kit, tmp_path):
     # step 1 was generated with the weights it trains; steps 2-3 by weights one update old (async)
     assert gaps[0] < 1e-4, gaps
     assert all(g > 1e-3 for g in gaps[1:]), gaps
-    assert all(r["time_sync"] > 0 for r in train)
+    assert all(r["time_weight_sync"] > 0 for r in train)
