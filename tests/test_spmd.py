@@ -126,7 +126,8 @@ def test_rank_killed_mid_step_ends_job(tiny_kit, tmp_path):
     assert after < 60, f"the job took {after:.0f}s to end after rank 1 was killed"
     assert "Signal 9 (SIGKILL)" in p.stderr or "exitcode  : -9" in p.stderr, p.stderr[-3000:]
     lines = _rank_lines(p.stderr)
-    assert any("lost a peer rank" in ln for ln in lines), "\n".join(lines[:20])
+    assert lines[0].startswith("[rank 0] lost a peer rank"), "\n".join(lines[:20])
+    assert not any("Traceback" in ln for ln in lines), "a survivor's traceback would point at the wrong rank"
 
 
 def test_blocking_reward_function_is_caught_by_the_watchdog(tiny_kit, tmp_path):

@@ -202,6 +202,8 @@ def guarded(main: Callable[[], object]):
             started = dist.is_available() and dist.is_initialized()
             die(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500], f"error: {e}",
                 code=EXIT_FAILED if started else 2)
+        if any(p in str(e) for p in PEER_LOST):  # not this rank's fault: its traceback would mislead
+            die(describe(e), f"{describe(e)} (in {type(e).__name__})")
         die(describe(e), traceback.format_exc())
 
 
