@@ -172,7 +172,3 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     else:
         loss, frac = 0.5 * err, 0.0
     return aggregate(loss, mask, agg_mode, None, totals), {"vf_clip_frac": frac}
-
-
-def policy_loss(name: str, *args, **kwargs):
-    return POLICY_LOSSES.get_fn(name)(*args, **kwargs)

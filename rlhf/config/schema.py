@@ -140,7 +140,6 @@ class AlgorithmConfig:
     loss_agg_mode: str = opt("token-mean", "loss aggregation, normalised over the whole optimizer step (all micro-batches and data-parallel ranks)", choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
     entropy_loss_coef: float = opt(0.0, "entropy bonus coefficient (token-mean; negative values penalise entropy; 0 logs it only)")
     aux_loss_coef: float = opt(0.0, "MoE load-balancing loss coefficient (reads the model's aux_loss; 0 = off)")
-    vf_coef: float = opt(0.5, "value loss coefficient (when critic and actor share a step)")
     enable_is_correction: bool = opt(False, "importance-sampling correction for the rollout engine's vs the trainer's log-probs")
     is_correction_type: str = opt("tis", "tis: clamp w to [low, high]; icepop: drop tokens with w outside; seq-mask-tis: drop sequences whose geometric-mean w is outside", choices=("tis", "icepop", "seq-mask-tis"))
     is_truncated_threshold: float = opt(5.0, "upper bound (high) of the importance-weight band")
