@@ -113,3 +113,18 @@ def split_eval(rows: List[Dict], frac: float, seed: int):
     n_eval = max(1, int(len(rows) * frac))
     ev = set(idx[:n_eval])
     return [r for i, r in enumerate(rows) if i not in ev], [rows[i] for i in sorted(ev)]
+
+
+def load_train_eval(cfg_data, keys: Dict[str, Optional[str]], train: Optional[str], train_probs: Optional[str],
+                    kit_files: Optional[tuple], missing: str, seed: int):
+    """(train rows, eval rows) for every trainer: ``train`` (files / dirs / hub names) with --eval_dataset or a
+    --eval_split of it; without ``train``, the built-in kit's (train, eval) files; else DataError(missing)."""
+    d = cfg_data
+    if train:
+        rows = load_rows(train, keys, train_probs, d.max_samples, seed)
+        if d.eval_dataset:
+            return rows, load_rows(d.eval_dataset, keys, None, d.max_samples, seed)
+        return split_eval(rows, d.eval_split, seed)
+    if kit_files is None:
+        raise DataError(missing)
+    return load_rows(kit_files[0], keys, None, d.max_samples), load_rows(kit_files[1], keys, None, d.max_samples)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from rlhf.algorithms import ADVANTAGE_ESTIMATORS, RunningMeanStd, make_kl_controller
 from rlhf.config.preflight import preflight
 from rlhf.data.formatting import build_prompts
-from rlhf.data.loading import load_rows, split_eval
+from rlhf.data.loading import load_train_eval
 from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, init_distributed, make_plan, nnodes_from_env
 from rlhf.distributed.failfast import Watchdog, guarded
 from rlhf.distributed.sharding import all_gather_objects
@@ -40,20 +40,11 @@ class InputError(ValueError):
 
 def load_prompt_sets(cfg, tokenizer, kit_dir: Optional[str]):
     d = cfg.data
-    keys = {"input_key": d.input_key, "label_key": d.label_key}
-    if d.prompt_data:
-        rows = load_rows(d.prompt_data, keys, d.prompt_data_probs, d.max_samples, cfg.optim.seed)
-        if d.eval_dataset:
-            ev = load_rows(d.eval_dataset, keys, None, d.max_samples, cfg.optim.seed)
-        else:
-            rows, ev = split_eval(rows, d.eval_split, cfg.optim.seed)
-    else:  # built-in arithmetic task of the tiny kit
-        if kit_dir is None:
-            raise InputError("--prompt_data is required with --pretrain (the built-in task comes with the built-in "
-                             "kit); e.g. --prompt_data prompts.jsonl --input_key input --label_key label")
-        data = os.path.join(kit_dir, "data")
-        rows = load_rows(os.path.join(data, "prompts_train.jsonl"), keys, None, d.max_samples)
-        ev = load_rows(os.path.join(data, "prompts_eval.jsonl"), keys, None, d.max_samples)
+    kit = None if kit_dir is None else tuple(os.path.join(kit_dir, "data", f"prompts_{s}.jsonl") for s in ("train", "eval"))
+    rows, ev = load_train_eval(d, {"input_key": d.input_key, "label_key": d.label_key}, d.prompt_data,
+                               d.prompt_data_probs, kit, "--prompt_data is required with --pretrain (the built-in task "
+                               "comes with the built-in kit); e.g. --prompt_data prompts.jsonl --input_key input "
+                               "--label_key label", cfg.optim.seed)
     return build_prompts(rows, tokenizer, d), build_prompts(ev, tokenizer, d)
 
 

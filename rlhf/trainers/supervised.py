@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from rlhf.backends.base import EngineSpec, loads_on_rank0_only, make_engine, spec_from_config
 from rlhf.config.preflight import preflight
-from rlhf.data.loading import load_rows, split_eval
+from rlhf.data.loading import load_train_eval
 from rlhf.data.screen import screen_rows
 from rlhf.distributed import init_distributed, micro_plan, shard_rows
 from rlhf.distributed.failfast import Watchdog, guarded
@@ -60,17 +60,10 @@ class SupervisedTrainer:
         self.tokenizer = load_tokenizer(self.path, padding_side="right")
         self.task = task_cls(cfg, self.tokenizer)
         keys = {k: getattr(d, k) for k in self.task.required_keys}
-        if d.dataset:
-            rows = load_rows(d.dataset, keys, d.dataset_probs, d.max_samples, o.seed)
-            if d.eval_dataset:
-                ev = load_rows(d.eval_dataset, keys, None, d.max_samples, o.seed)
-            else:
-                rows, ev = split_eval(rows, d.eval_split, o.seed)
-        elif cfg.model.pretrain is None:
-            tr, te = default_data(cfg, self.path, data_kind)
-            rows, ev = load_rows(tr, keys, None, d.max_samples), load_rows(te, keys, None, d.max_samples)
-        else:
-            raise ValueError("--dataset is required with --pretrain (the built-in task goes with the built-in kit)")
+        rows, ev = load_train_eval(d, keys, d.dataset, d.dataset_probs,
+                                   None if cfg.model.pretrain else default_data(cfg, self.path, data_kind),
+                                   "--dataset is required with --pretrain (the built-in task goes with the built-in "
+                                   "kit)", o.seed)
         rows, self.data_report = screen_rows(rows, self.tokenizer, cfg, self.task.name, "train")
         ev, _ = screen_rows(ev, self.tokenizer, cfg, self.task.name, "eval")
         self.train_samples = [self.task.make_sample(r) for r in rows]
