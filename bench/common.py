@@ -5,9 +5,11 @@ How a comparison runs (robust on a shared, noisy machine):
 - a side runs ``warmup`` steps (not timed), then pauses (``Gate``) and waits for the parent's "go";
 - the parent lets the sides run alternately, ``block`` steps at a time, for ``rounds`` rounds in the order
   A B | B A | A B ...; a block is a few seconds, so a slow spell of the machine hits both sides of a round;
-- each round gives one paired speed-up (TRL block s/step / rlhf block s/step); the result is the median over
-  rounds with its spread (half the inter-quartile range, relative to the median).  A run whose spread is over
-  ``MAX_SPREAD`` is flagged UNSTABLE and must not be quoted as a result;
+- each round gives one paired speed-up (TRL block s/step / rlhf block s/step), in wall time and in process CPU
+  time (user + sys); the result is the median over rounds with its spread (half the inter-quartile range,
+  relative to the median).  A speed-up whose spread is over ``MAX_SPREAD`` is flagged UNSTABLE and must not be
+  quoted as a result.  With one thread per side (the default here) CPU time is the work done and wall time adds
+  the waits for a core that other tenants hold: on a shared machine the CPU-time ratio is the reproducible one;
 - each side reports its peak RSS (the process's high-water mark, imports and model loading included).
 """
 from __future__ import annotations
@@ -192,13 +194,15 @@ def table(name: str, rows: Dict[str, Dict], settings: Dict, ratios: List[float])
               f"{ours['peak_rss_mb'] / peer['peak_rss_mb']:>11.2f}x   (speed-ups: medians of the per-round paired "
               "ratios, trl / rlhf; memory: rlhf / trl)",
               f"{'rounds':8} {len(ratios):>10d}   wall speed-up per round: " + " ".join(f"{x:.2f}x" for x in ratios)]
-    if v["stable"]:
-        lines.append(f"spread   +-{100 * v['spread']:.1f}% (half IQR / median of the wall speed-ups, limit "
-                     f"{100 * MAX_SPREAD:.0f}%): stable")
-    else:
-        sp = "n/a" if v["spread"] is None else f"+-{100 * v['spread']:.1f}%"
-        lines.append(f"UNSTABLE: wall spread {sp} over the limit {100 * MAX_SPREAD:.0f}% (or too few rounds); the machine "
-                     "was too noisy for this to be a result: rerun with more --rounds or on a quieter machine")
+    lines.append(f"{'':8} {'':>10} {'':>11}   CPU speed-up per round: " + " ".join(f"{x:.2f}x" for x in cpu_ratios(rows)))
+    for what, x in (("wall", v), ("CPU", vc)):
+        if x["stable"]:
+            lines.append(f"{what} spread +-{100 * x['spread']:.1f}% (half IQR / median, limit {100 * MAX_SPREAD:.0f}%): "
+                         "stable")
+        else:
+            sp = "n/a" if x["spread"] is None else f"+-{100 * x['spread']:.1f}%"
+            lines.append(f"UNSTABLE {what}: spread {sp} over the limit {100 * MAX_SPREAD:.0f}% (or too few rounds): the "
+                         f"machine was too noisy for the {what} speed-up to be a result; rerun with more --rounds")
     return "\n".join(lines)
 
 

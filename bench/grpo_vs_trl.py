@@ -56,7 +56,7 @@ def side_trl(path, gate, prompts, n, max_new, lr, trl_vllm):
 
     extra = {}
     if trl_vllm != "none":
-        extra = dict(use_vllm=True, vllm_mode=trl_vllm, vllm_gpu_memory_utilization=0.05, vllm_enable_sleep_mode=False)
+        extra = dict(use_vllm=True, vllm_mode=trl_vllm, vllm_gpu_memory_utilization=0.15, vllm_enable_sleep_mode=False)
     cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=prompts * n, num_generations=n,
                      max_completion_length=max_new, learning_rate=lr, max_steps=gate.total, logging_steps=1,
                      beta=0.001, use_cpu=True, report_to="none", save_strategy="no", temperature=1.0,
