@@ -1,98 +1,141 @@
-"""DPO step throughput: rlhf.train_dpo vs TRL's DPOTrainer, same tiny model, pairs, batch, lengths.
+"""DPO step time and peak memory: rlhf.train_dpo vs TRL's DPOTrainer, same model, pairs, batch, lengths.
 
-    pip install -e ".[bench]" && python bench/dpo_vs_trl.py [--steps 40 --batch 32 --rounds 3]
+    pip install -e ".[bench]"
+    python bench/dpo_vs_trl.py --size tiny                       # 32 pairs, the kit's 1-2 token answers
+    python bench/dpo_vs_trl.py --size medium --resp_tokens 128   # 32k vocab, 8 pairs, 64-128 token responses
+    python bench/dpo_vs_trl.py --size medium --resp_tokens 512
 
-Single process on the CPU, sigmoid loss, beta 0.1, frozen reference model
-computed on the fly on both sides.  Writes bench/results/dpo_vs_trl.json.
+Single process on the CPU, sigmoid loss, beta 0.1, the frozen reference model computed on the fly on both sides,
+padded batches on both sides.  ``--resp_tokens L`` writes pairs whose chosen and rejected responses are the
+answer followed by a digit string, L/2..L tokens in all (digits are single tokens in the kits' tokenizer), so
+lengths vary within a batch as real data does.  The two sides alternate in short blocks (bench/common.py);
+writes bench/results/dpo_<size>_<resp_tokens>.json.
 """
 from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import tempfile
-import time
 
 import click
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import kit, run_rounds, save, summarize, table  # noqa: E402
+from common import Gate, gate_rlhf_logger, run_interleaved, save, set_threads, table  # noqa: E402
+from kits import build_kit, kit_settings  # noqa: E402
 
-WARMUP = 5  # steps left out of the timing on both sides (a CPU here needs ~1 s of load to reach full speed)
-TOKENS_PER_PAIR = 2 * 7.0  # chosen + rejected, each prompt (4) + answer (1-2) + eos; same data both sides
+SIZES = {  # defaults per kit size: pairs per step, response tokens (0: the kit's own pairs), warm-up, block
+    "tiny": dict(batch=32, resp_tokens=0, warmup=5, block=5),
+    "medium": dict(batch=8, resp_tokens=128, warmup=2, block=2),
+}
 
 
-def side_trl(path, steps, batch, lr):
+def pairs_file(path: str, resp_tokens: int) -> str:
+    """The kit's preference pairs, or (resp_tokens > 0) long-response pairs derived from them."""
+    src = os.path.join(path, "data", "pref_train.jsonl")
+    if resp_tokens <= 0:
+        return src
+    out = os.path.join(path, "data", f"pref_long_{resp_tokens}.jsonl")
+    if not os.path.isfile(out):
+        rng = random.Random(0)
+        rows = [json.loads(line) for line in open(src)][:512]
+        tmp = out + f".{os.getpid()}"
+        with open(tmp, "w") as fh:
+            for r in rows:
+                pad = lambda a: a + " " + "".join(rng.choice("0123456789")  # noqa: E731
+                                                 for _ in range(max(0, rng.randint(resp_tokens // 2, resp_tokens)
+                                                                    - len(a) - 2)))
+                fh.write(json.dumps(dict(r, chosen=pad(r["chosen"]), rejected=pad(r["rejected"]))) + "\n")
+        os.replace(tmp, out)
+    return out
+
+
+def tokens_per_pair(path: str, data: str) -> float:
+    """Mean tokens of a pair (prompt + chosen + eos, prompt + rejected + eos) over the file: the same on both sides."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    rows = [json.loads(line) for line in open(data)]
+    n = sum(len(tok(r["input"] + r["chosen"])["input_ids"]) + len(tok(r["input"] + r["rejected"])["input_ids"]) + 2
+            for r in rows)
+    return n / len(rows)
+
+
+def side_trl(path, data, gate, batch, lr, max_len, per_step_tokens):
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     torch.manual_seed(0)
-    ds = load_dataset("json", data_files=os.path.join(path, "data", "pref_train.jsonl"), split="train")
+    ds = load_dataset("json", data_files=data, split="train")
     ds = ds.rename_column("input", "prompt").remove_columns(["label"])
     tok = AutoTokenizer.from_pretrained(path)
-    times = []
 
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
+    class Step(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                gate.step(per_step_tokens)
 
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-
-    cfg = DPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=steps,
+    cfg = DPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=gate.total,
                     learning_rate=lr, beta=0.1, loss_type=["sigmoid"], use_cpu=True, report_to="none",
-                    save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, max_length=64,
+                    save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, max_length=max_len,
                     dataloader_num_workers=0)
     tr = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), ref_model=AutoModelForCausalLM.from_pretrained(path),
-                    args=cfg, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
+                    args=cfg, train_dataset=ds, processing_class=tok, callbacks=[Step()])
     tr.train()
-    return summarize(times, [batch * TOKENS_PER_PAIR] * len(times), warmup=WARMUP)
 
 
-def side_rlhf(path, steps, batch, lr):
+def side_rlhf(path, data, gate, batch, lr, max_len, per_step_tokens):
     from rlhf.config import parse
     from rlhf.trainers.supervised import run_supervised
     from rlhf.trainers.tasks import DPOTask
-    from rlhf.utils.logging import read_metrics
 
     log = tempfile.mkdtemp()
-    d = os.path.join(path, "data")
-    cfg = parse("dpo", ["--pretrain", path, "--dataset", f"{d}/pref_train.jsonl", "--eval_split", "0",
+    cfg = parse("dpo", ["--pretrain", path, "--dataset", data, "--eval_split", "0",
                         "--train_batch_size", str(batch), "--micro_train_batch_size", str(batch),
-                        "--max_global_steps", str(steps), "--learning_rate", str(lr), "--beta", "0.1",
-                        "--log_dir", log, "--save_path", os.path.join(log, "m"), "--no_progress_bar",
-                        "--max_len", "64"])
+                        "--max_global_steps", str(gate.total), "--learning_rate", str(lr), "--beta", "0.1",
+                        "--logging_steps", "1", "--log_dir", log, "--save_path", os.path.join(log, "m"),
+                        "--no_progress_bar", "--max_len", str(max_len)])
+    gate_rlhf_logger(gate, lambda m: per_step_tokens)
     run_supervised(cfg, DPOTask, "pref")
-    rows = [r for r in read_metrics(os.path.join(log, "metrics.jsonl")) if r["split"] == "train"]
-    times = [b["time_s"] - a["time_s"] for a, b in zip(rows, rows[1:])]
-    # times are differences of log stamps, so the first is step 2's: one fewer to leave out
-    return summarize(times, [batch * TOKENS_PER_PAIR] * len(times), warmup=WARMUP - 1)
 
 
 @click.command()
+@click.option("--size", type=click.Choice(["tiny", "medium"]), default="tiny", help="bench kit (bench/kits.py)")
 @click.option("--side", type=click.Choice(["both", "trl", "rlhf"]), default="both")
-@click.option("--steps", default=40)
-@click.option("--batch", default=32)
+@click.option("--batch", type=int, default=None, help="pairs per step [size default]")
+@click.option("--resp_tokens", type=int, default=None, help="response length (0: the kit's pairs) [size default]")
+@click.option("--warmup", type=int, default=None, help="untimed steps per side before the first block")
+@click.option("--block", type=int, default=None, help="steps per timed block")
+@click.option("--rounds", default=8, help="rounds of one block per side, alternating which goes first")
 @click.option("--lr", default=5e-5)
-@click.option("--rounds", default=3, help="runs of each side, alternating order; medians are reported")
-@click.option("--kit_dir", default=os.path.join(tempfile.gettempdir(), "rlhf-bench-kit"))
-def main(side, steps, batch, lr, rounds, kit_dir):
-    path = kit(kit_dir)
-    args = ["--steps", str(steps), "--batch", str(batch), "--lr", str(lr), "--kit_dir", kit_dir]
+@click.option("--kit_dir", default=None, help="where the kit is built [/tmp/rlhf-bench-kit-<size>]")
+def main(size, side, batch, resp_tokens, warmup, block, rounds, lr, kit_dir):
+    d = SIZES[size]
+    batch = batch or d["batch"]
+    resp_tokens = d["resp_tokens"] if resp_tokens is None else resp_tokens
+    warmup, block = warmup or d["warmup"], block or d["block"]
+    kit_dir = kit_dir or os.path.join(tempfile.gettempdir(), f"rlhf-bench-kit-{size}")
+    path = build_kit(size, kit_dir)
+    data = pairs_file(path, resp_tokens)
+    max_len = max(64, resp_tokens + 32)  # never truncates: prompt (4) + response (<= resp_tokens) + eos
     if side != "both":
-        import torch
-
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+        set_threads()
+        gate = Gate(warmup, block, rounds)
         fn = side_trl if side == "trl" else side_rlhf
-        print("RESULT " + json.dumps(fn(path, steps, batch, lr)))
+        fn(path, data, gate, batch, lr, max_len, batch * tokens_per_pair(path, data))
         return
-    rows, ratios = run_rounds(__file__, args, rounds)
-    settings = {"model": "qwen2 2L h64", "pairs_per_step": batch, "steps": steps,
-                "threads": os.environ.get("OMP_NUM_THREADS", "2"), "rounds": rounds}
+    args = ["--size", size, "--batch", str(batch), "--resp_tokens", str(resp_tokens), "--warmup", str(warmup),
+            "--block", str(block), "--rounds", str(rounds), "--lr", str(lr), "--kit_dir", kit_dir]
+    settings = {**kit_settings(path), "pairs_per_step": batch, "resp_tokens": resp_tokens or "kit",
+                "tokens_per_pair": round(tokens_per_pair(path, data), 1),
+                "threads": os.environ.get("OMP_NUM_THREADS", "1"), "warmup": warmup, "block": block, "rounds": rounds}
+    print("DPO step: " + json.dumps(settings), flush=True)
+    rows, ratios = run_interleaved(__file__, args, rounds)
     print(table("DPO step", rows, settings, ratios))
-    print("wrote", save("dpo_vs_trl", rows, settings, ratios))
+    print("wrote", save(f"dpo_{size}_{resp_tokens}", rows, settings, ratios))
 
 
 if __name__ == "__main__":

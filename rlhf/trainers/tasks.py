@@ -9,6 +9,7 @@ import torch
 from rlhf.algorithms import logprobs_from_logits
 from rlhf.algorithms.preference import REWARD_MODEL_LOSSES, dpo_loss, sft_token_loss
 from rlhf.data.formatting import collate_packed, collate_supervised, format_prompt, pad_batch, tokenize_pair
+from rlhf.models.lm_head import fusable_head, head_logprobs, head_removed
 from rlhf.models.load import RM_NORM_FILE, attn_implementation, from_pretrained_or_meta, load_causal_lm
 
 from .supervised import Task
@@ -19,13 +20,24 @@ def _prompt(cfg, tok, row):
     return format_prompt(row[d.input_key], tok, d.apply_chat_template, d.input_template)
 
 
-def token_logprobs(model, batch, chunk: int):
-    """Per-token log p(x_{t+1} | x_<=t) aligned with loss_mask[:, 1:] (padded or packed batch)."""
+def token_logprobs(model, batch, chunk: int, fused: bool = True):
+    """Per-token log p(x_{t+1} | x_<=t) aligned with loss_mask[:, 1:] (padded or packed batch).
+
+    With a plain-Linear LM head only the loss_mask positions are computed, fused and chunked (no (B, T, V)
+    logits; rlhf.models.lm_head) and the other positions are 0; otherwise every position from full logits.
+    """
     kw = {"input_ids": batch["input_ids"]}
     if "position_ids" in batch:
         kw["position_ids"] = batch["position_ids"]
     else:
         kw["attention_mask"] = batch["attention_mask"]
+    head = fusable_head(model) if fused else None
+    if head is not None:
+        with head_removed(model, head):
+            hs = model(**kw, use_cache=False).logits[:, :-1]
+        keep = batch["loss_mask"][:, 1:].bool()
+        lp, _ = head_logprobs(hs[keep], head.weight, head.bias, batch["input_ids"][:, 1:][keep], 1.0, chunk)
+        return torch.zeros(keep.shape, dtype=lp.dtype, device=lp.device).masked_scatter(keep, lp)
     logits = model(**kw, use_cache=False).logits[:, :-1]
     return logprobs_from_logits(logits, batch["input_ids"][:, 1:], chunk)
 
