@@ -62,6 +62,44 @@ def check_vllm():
     return vllm
 
 
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU attention kernels
+CPU_VLLM_MIN_PARAMS = 5_000_000  # measured crossover on CPU (README, "vLLM"): below it the HF engine is as fast
+
+
+def estimate_params(cfg) -> int:
+    h, n = cfg.hidden_size, cfg.num_hidden_layers
+    inter = getattr(cfg, "intermediate_size", 4 * h)
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    hd = getattr(cfg, "head_dim", None) or h // heads
+    per_layer = h * hd * (2 * heads + 2 * kv) + 3 * h * inter
+    return n * per_layer + 2 * cfg.vocab_size * h
+
+
+def auto_engine(model_path: str, cuda: bool) -> tuple:
+    """``--rollout_engine auto``: (engine, reason).  The same answer on every rank (config and installed
+    packages only), which colocated vLLM needs: every rank builds one or none does."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "hf", "vLLM is not installed"
+    if not cuda:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(model_path)
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if hd not in CPU_HEAD_DIMS:
+            return "hf", f"head_dim {hd} is not one vLLM's CPU attention supports {CPU_HEAD_DIMS}"
+        n = estimate_params(cfg)
+        if n < CPU_VLLM_MIN_PARAMS:
+            return "hf", f"~{n / 1e6:.1f}M parameters: on CPU the HF engine is as fast below {CPU_VLLM_MIN_PARAMS / 1e6:.0f}M and starts 10+ s sooner"
+    try:
+        check_vllm()
+    except RuntimeError as e:
+        return "hf", str(e).split(":")[0]
+    return "vllm", "CUDA" if cuda else "CPU, a model large enough for vLLM to pay off"
+
+
 def sleep_available() -> bool:
     from vllm.platforms import current_platform
 
