@@ -80,7 +80,8 @@ def test_version_range_is_checked(monkeypatch):
         vllm_engine.check_vllm()  # accepted
     for bad in ("0.12.0", "0.29.9", "0.35.0", "1.0.0"):
         monkeypatch.setattr(vllm, "__version__", bad)
-        with pytest.raises(RuntimeError, match=r"outside the supported range 0\.30\.0 <= v < 0\.35\.0.*--rollout_engine hf"):
+        with pytest.raises(RuntimeError, match=r"outside the supported range 0\.30\.0 <= v < 0\.35\.0.*"
+                                               r"--rollout_engine hf"):
             vllm_engine.check_vllm()
 
 

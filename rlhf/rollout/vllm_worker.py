@@ -15,7 +15,8 @@ from typing import List, Sequence
 import torch
 
 # the in-place reloader warns once per layer that a bucket did not contain: expected with bucketed loading
-_NOISY_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+_NOISY_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                  "vllm.model_executor.model_loader.reload.inplace")
 
 
 def pack(named_tensors) -> List[list]:
