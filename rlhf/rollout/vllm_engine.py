@@ -25,7 +25,7 @@ import torch
 
 from .base import RolloutBatch, RolloutEngine, SamplingParams
 
-SUPPORTED = ((0, 30, 0), (0, 35, 0))  # [min, max): the vLLM releases whose APIs this file was checked against
+SUPPORTED = ((0, 30, 0), (0, 35, 0))  # [min, max): APIs used here checked in the 0.30, 0.32 (run) and 0.34 sources
 CPU_KV_CACHE_BYTES = 256 << 20
 MODES = ("colocated", "separate")
 # env a torchrun / SLURM launch sets; vLLM's own processes must not see them in separate mode
