@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 SIZES = {"task": dict(hidden=128, heads=4, kv_heads=2, layers=2),
+         "medium": dict(hidden=512, heads=8, kv_heads=2, layers=4),
          "large": dict(hidden=1024, heads=16, kv_heads=4, layers=8)}
 
 

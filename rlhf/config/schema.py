@@ -94,7 +94,9 @@ class TopologyConfig:
 
 @dataclass
 class RolloutConfig:
-    rollout_engine: str = opt("auto", "generation engine (auto = vllm with CUDA, else hf)", choices=("auto", "hf", "vllm"))
+    rollout_engine: str = opt("auto", "generation engine; auto = vllm on CUDA when installed, on CPU when installed and "
+                                      "the model has >= ~5M parameters and a head_dim vLLM's CPU attention supports, "
+                                      "else hf (measured: README, vLLM section)", choices=("auto", "hf", "vllm"))
     rollout_batch_size: int = opt(8, "prompts per RL step (global)")
     micro_rollout_batch_size: int = opt(4, "prompts per generation / inference micro batch per rank")
     n_samples_per_prompt: int = opt(1, "responses sampled per prompt")

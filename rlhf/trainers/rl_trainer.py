@@ -308,6 +308,9 @@ class RLTrainer:
     def close(self):
         """After a successful run only (a failure never gets here: see failfast.guarded)."""
         self.watchdog.stop()
+        engine = self.roles.rollout.engine
+        if engine is not None and hasattr(engine, "close"):  # vLLM's own processes (separate rollout ranks)
+            engine.close()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -267,7 +267,11 @@ def build_rollout_engine(cfg, path: str, groups: Groups, device):
     r, t = cfg.rollout, cfg.topology
     kind = r.rollout_engine
     if kind == "auto":
-        kind = "vllm" if torch.cuda.is_available() else "hf"
+        from rlhf.rollout.vllm_engine import auto_engine
+
+        kind, why = auto_engine(path, torch.cuda.is_available())
+        if groups.rank == 0:
+            print(f"[rollout] --rollout_engine auto -> {kind} ({why})", flush=True)
     tok = load_tokenizer(path)
     if kind == "vllm":
         from rlhf.rollout.vllm_engine import VLLMEngine
