@@ -173,7 +173,7 @@ def sync_and_sleep(path):
 
     from rlhf.backends.base import EngineSpec
     from rlhf.backends.fsdp2 import FSDP2Engine
-    from rlhf.distributed import build_groups, make_plan
+    from rlhf.distributed import build_groups, make_placement
     from rlhf.distributed.weight_sync import WeightSync, full_tensor
     from rlhf.config.schema import TopologyConfig
 
@@ -203,7 +203,7 @@ def sync_and_sleep(path):
         def reset_prefix_cache(self):
             pass
 
-    plan = make_plan(TopologyConfig(colocate_all_models=True), 1)
+    plan = make_placement(TopologyConfig(colocate_all_models=True), 1)
     sink = Sink()
     ws = WeightSync(build_groups(plan, 0), sink, bucket_mb=512, dtype=torch.bfloat16, device=dev)
     ws.sync(actor.model)

@@ -33,7 +33,7 @@ SIZES = {  # defaults per kit size: prompts, samples per prompt, new tokens, war
 
 
 def reward_trl(prompts, completions, label, **kwargs):
-    from rlhf.data.tasks import arithmetic_score
+    from rlhf.data.arithmetic import arithmetic_score
 
     return [arithmetic_score(c, l) for c, l in zip(completions, label)]
 

@@ -4,7 +4,7 @@
         --agent_func_path examples/agent_arithmetic.py --max_steps 2
 """
 from rlhf.agents.base import AgentInstanceBase
-from rlhf.data.tasks import arithmetic_score, extract_answer
+from rlhf.data.arithmetic import arithmetic_score, extract_answer
 
 
 class AgentInstance(AgentInstanceBase):

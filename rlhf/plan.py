@@ -15,7 +15,7 @@ import click
 
 from rlhf.algorithms import ADVANTAGE_ESTIMATORS
 from rlhf.config import make_command
-from rlhf.distributed.plan import TopologyError, make_plan, required_world_size
+from rlhf.distributed.placement import TopologyError, make_placement, required_world_size
 
 
 def needs(cfg) -> dict:
@@ -35,7 +35,7 @@ def plan_for(cfg, world_size: Optional[int], nnodes: Optional[int]):
         nnodes = t.actor_num_nodes if t.colocate_all_models else max(1, t.nnodes_hint or 1)
         if world_size % nnodes:
             nnodes = 1
-    return make_plan(t, world_size, nnodes, **needs(cfg))
+    return make_placement(t, world_size, nnodes, **needs(cfg))
 
 
 def main(argv=None):

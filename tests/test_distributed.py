@@ -41,11 +41,11 @@ def _topology_worker(rank, world, out_dir):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.device_mesh import DeviceMesh
 
-    from rlhf.distributed import (Ledger, PhaseScheduler, WeightSync, build_groups, gather_max, gather_rows, make_plan,
+    from rlhf.distributed import (Ledger, PhaseScheduler, WeightSync, build_groups, gather_max, gather_rows, make_placement,
                                   shard_rows)
 
     # --- separate roles: actor 0-1, ref 2, rollout 3 ---
-    plan = make_plan(_topo(actor_num_gpus_per_node=2, ref_num_gpus_per_node=1, vllm_num_engines=1), world)
+    plan = make_placement(_topo(actor_num_gpus_per_node=2, ref_num_gpus_per_node=1, vllm_num_engines=1), world)
     g = build_groups(plan, rank)
     expect = {"actor": [0, 1], "ref": [2], "rollout": [3]}
     for role, ranks in expect.items():
@@ -84,9 +84,9 @@ def _topology_worker(rank, world, out_dir):
     y = gather_rows(local, sl, n, w)
     assert w == 3 and y.tolist() == [[1, 0, 0], [2, 2, 0], [3, 3, 3]], y
     # --- colocated: phase protocol keeps one heavy role awake per rank ---
-    plan = make_plan(_topo(colocate_all_models=True), world)
+    plan = make_placement(_topo(colocate_all_models=True), world)
     g = build_groups(plan, rank)
-    assert g.group("actor") is dist.group.WORLD and plan.engines == [[0], [1], [2], [3]]
+    assert g.group("actor") is dist.group.WORLD and plan.engine_ranks == [[0], [1], [2], [3]]
 
     class Role:
         def __init__(self):

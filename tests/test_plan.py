@@ -2,7 +2,7 @@
 import pytest
 
 from rlhf.config import TopologyConfig
-from rlhf.distributed.plan import TopologyError, make_plan
+from rlhf.distributed.placement import TopologyError, make_placement
 from rlhf.plan import main as plan_main
 
 
@@ -14,43 +14,43 @@ def topo(**kw):
 
 
 def test_colocated_engines_tp():
-    p = make_plan(topo(colocate_all_models=True, vllm_num_engines=4, vllm_tensor_parallel_size=2), 8)
-    assert p.colocated and p.roles["actor"] == list(range(8)) == p.roles["rollout"] == p.roles["ref"]
-    assert p.engines == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert p.roles["critic"] == [] and not p.separate_rollout
+    p = make_placement(topo(colocate_all_models=True, vllm_num_engines=4, vllm_tensor_parallel_size=2), 8)
+    assert p.colocated and p.ranks["actor"] == list(range(8)) == p.ranks["rollout"] == p.ranks["ref"]
+    assert p.engine_ranks == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert p.ranks["critic"] == [] and not p.separate_rollout
 
 
 def test_colocated_mismatch_says_what_fits():
     with pytest.raises(TopologyError, match="use --vllm_num_engines 4"):
-        make_plan(topo(colocate_all_models=True, vllm_num_engines=3), 4)
+        make_placement(topo(colocate_all_models=True, vllm_num_engines=3), 4)
     with pytest.raises(TopologyError, match="must equal the world size 4"):
-        make_plan(topo(colocate_all_models=True, actor_num_gpus_per_node=2), 4)
+        make_placement(topo(colocate_all_models=True, actor_num_gpus_per_node=2), 4)
 
 
 def test_separate_roles_layout():
-    p = make_plan(topo(actor_num_gpus_per_node=2, ref_num_gpus_per_node=1, reward_num_gpus_per_node=1,
+    p = make_placement(topo(actor_num_gpus_per_node=2, ref_num_gpus_per_node=1, reward_num_gpus_per_node=1,
                        critic_num_gpus_per_node=2, vllm_num_engines=1, vllm_tensor_parallel_size=2), 8,
                   need_critic=True, need_reward_model=True)
-    assert p.roles["actor"] == [0, 1] and p.roles["ref"] == [2] and p.roles["critic"] == [3, 4]
-    assert p.roles["reward"] == [5] and p.roles["rollout"] == [6, 7] and p.engines == [[6, 7]]
+    assert p.ranks["actor"] == [0, 1] and p.ranks["ref"] == [2] and p.ranks["critic"] == [3, 4]
+    assert p.ranks["reward"] == [5] and p.ranks["rollout"] == [6, 7] and p.engine_ranks == [[6, 7]]
     assert p.separate_rollout and p.sync_ranks == [0, 6, 7]
 
 
 def test_colocate_actor_ref_and_critic_reward():
-    p = make_plan(topo(colocate_actor_ref=True, ref_num_gpus_per_node=2, critic_num_gpus_per_node=2,
+    p = make_placement(topo(colocate_actor_ref=True, ref_num_gpus_per_node=2, critic_num_gpus_per_node=2,
                        colocate_critic_reward=True, reward_num_gpus_per_node=2), 4, need_critic=True,
                   need_reward_model=True)
-    assert p.roles["ref"] == p.roles["actor"] == [0, 1]
-    assert p.roles["reward"] == p.roles["critic"] == [2, 3]
+    assert p.ranks["ref"] == p.ranks["actor"] == [0, 1]
+    assert p.ranks["reward"] == p.ranks["critic"] == [2, 3]
 
 
 def test_world_size_mismatch_and_node_boundaries():
     with pytest.raises(TopologyError, match=r"2 actor \+ 1 ref \+ 2 rollout = 5 ranks but the world size is 4"):
-        make_plan(topo(actor_num_gpus_per_node=2, ref_num_gpus_per_node=1, vllm_num_engines=2), 4)
+        make_placement(topo(actor_num_gpus_per_node=2, ref_num_gpus_per_node=1, vllm_num_engines=2), 4)
     with pytest.raises(TopologyError, match="node boundary"):
-        make_plan(topo(vllm_tensor_parallel_size=4), 4, nnodes=2)
+        make_placement(topo(vllm_tensor_parallel_size=4), 4, nnodes=2)
     with pytest.raises(TopologyError, match="straddles a node boundary"):
-        make_plan(topo(actor_num_gpus_per_node=3, ref_num_gpus_per_node=1, vllm_num_engines=0), 4, nnodes=2)
+        make_placement(topo(actor_num_gpus_per_node=3, ref_num_gpus_per_node=1, vllm_num_engines=0), 4, nnodes=2)
 
 
 def test_plan_cli_prints_table(capsys):

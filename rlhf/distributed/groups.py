@@ -1,4 +1,4 @@
-"""Process groups for a Plan.  Every rank creates every group in the same order (SPMD)."""
+"""Process groups for a Placement.  Every rank creates every group in the same order (SPMD)."""
 from __future__ import annotations
 
 import datetime
@@ -9,7 +9,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .plan import ROLES, Plan
+from .placement import ROLES, Placement
 
 
 def default_backend() -> str:
@@ -50,7 +50,7 @@ def nnodes_from_env() -> int:
 @dataclass
 class Groups:
     """This rank's process groups: one per role it holds, its rollout engine's TP group, the weight-sync group."""
-    plan: Plan
+    plan: Placement
     rank: int
     role_groups: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)  # None where not a member
     tp_group: Optional[dist.ProcessGroup] = None    # this rank's rollout engine's TP ranks
@@ -60,7 +60,7 @@ class Groups:
         return self.role_groups.get(role)
 
 
-def build_groups(plan: Plan, rank: int) -> Groups:
+def build_groups(plan: Placement, rank: int) -> Groups:
     """new_group for each role, each engine and the sync group, called identically on all ranks."""
     g = Groups(plan, rank)
     world = list(range(plan.world_size))
@@ -73,10 +73,10 @@ def build_groups(plan: Plan, rank: int) -> Groups:
         return cache[key]
 
     for role in ROLES:
-        ranks = plan.roles.get(role) or []
+        ranks = plan.ranks.get(role) or []
         grp = make(ranks) if ranks else None
         g.role_groups[role] = grp if rank in ranks else None
-    for e in plan.engines:
+    for e in plan.engine_ranks:
         grp = make(e)
         if rank in e:
             g.tp_group = grp

@@ -212,6 +212,6 @@ def make_reward_source(spec: Optional[str], timeout_s: float = 120.0, log=print,
 
 
 def builtin_reward_source(log=print) -> RewardSource:
-    from rlhf.data.tasks import arithmetic_reward
+    from rlhf.data.arithmetic import arithmetic_reward
 
     return RewardSource(arithmetic_reward, "builtin:arithmetic", log=log)

@@ -27,7 +27,7 @@ def build_tokenizer(vocab_size: int = 160):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from rlhf.data.tasks import corpus
+    from rlhf.data.arithmetic import corpus
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
@@ -63,7 +63,7 @@ def make_tiny(out: str, arch: str = "llama", layers: int = 2, hidden: int = 64, 
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from rlhf.data import tasks
+    from rlhf.data import arithmetic as tasks
 
     torch.manual_seed(seed)
     parent = os.path.dirname(os.path.abspath(out)) or "."

@@ -18,7 +18,7 @@ from rlhf.algorithms import ADVANTAGE_ESTIMATORS, RunningMeanStd, make_kl_contro
 from rlhf.config.preflight import preflight
 from rlhf.data.formatting import build_prompts
 from rlhf.data.loading import load_train_eval
-from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, init_distributed, make_plan, nnodes_from_env
+from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, init_distributed, make_placement, nnodes_from_env
 from rlhf.distributed.failfast import Watchdog, guarded
 from rlhf.distributed.sharding import all_gather_objects
 from rlhf.models.load import load_tokenizer, resolve_pretrain
@@ -52,7 +52,7 @@ def check_batch_sizes(cfg, plan) -> None:
     """Batch shapes the roles' engines need, checked against the placement before any process group."""
     o = cfg.optim
     for role, lr_flag in (("actor", "actor"), ("critic", "critic")):
-        n = len(plan.roles.get(role) or [])
+        n = len(plan.ranks.get(role) or [])
         if n and o.train_batch_size % (o.micro_train_batch_size * n):
             per = o.micro_train_batch_size * n
             raise InputError(f"--train_batch_size {o.train_batch_size} must be a multiple of --micro_train_batch_size "
@@ -70,7 +70,7 @@ class RLTrainer:
         # --- everything that can fail on bad input, before any process group exists ---
         world = int(os.environ.get("WORLD_SIZE", "1"))
         preflight(cfg, "ppo", world)  # model kinds, writable paths, resume
-        self.plan = make_plan(t, world, t.nnodes_hint or nnodes_from_env(), a.init_kl_coef > 0 or a.use_kl_loss,
+        self.plan = make_placement(t, world, t.nnodes_hint or nnodes_from_env(), a.init_kl_coef > 0 or a.use_kl_loss,
                               spec.needs_critic, cfg.model.reward_pretrain is not None)
         if r.async_train and not self.plan.separate_rollout:
             raise InputError("--async_train needs rollout ranks of their own: set --vllm_num_engines > 0 and give "

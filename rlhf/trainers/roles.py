@@ -1,6 +1,6 @@
 """Roles as objects: each owns its member ranks, its process group and (on its members) its engine.
 
-The placement (``rlhf.distributed.plan.Plan``) is the one place that decides which
+The placement (``rlhf.distributed.placement.Placement``) is the one place that decides which
 roles exist and where.  ``build_roles`` turns it into objects on *every* rank: a role
 that exists has an object everywhere (``is_member`` says whether this rank holds
 it), a role that does not exist is ``None`` everywhere.  So "does this role exist"
@@ -110,23 +110,23 @@ class ModelRole(Role):
 
 
 class RolloutRole(Role):
-    """The rollout engines: ``engines`` lists each engine's TP ranks; prompts are split over engines, every
+    """The rollout engines: ``engine_ranks`` lists each engine's TP ranks; prompts are split over engines, every
     TP rank of an engine gets the same prompts, and the engine's first rank reports its rows."""
 
-    def __init__(self, name, members, group, rank, engines: List[List[int]], comm_device=None):
+    def __init__(self, name, members, group, rank, engine_ranks: List[List[int]], comm_device=None):
         super().__init__(name, members, group, rank, comm_device)
-        self.engines = engines
+        self.engine_ranks = engine_ranks
         self.agent = None  # AgentExecutor driving the engine (--agent_func_path)
 
     @property
     def engine_index(self) -> Optional[int]:
-        for i, e in enumerate(self.engines):
+        for i, e in enumerate(self.engine_ranks):
             if self.rank in e:
                 return i
         return None
 
     def prompt_rows(self, n_prompts: int, engine: int) -> slice:
-        return shard_rows(n_prompts, engine, len(self.engines))
+        return shard_rows(n_prompts, engine, len(self.engine_ranks))
 
     def generate(self, prompts, params: SamplingParams) -> Optional[RolloutBatch]:
         """This rank's engine generates for its engine's prompts (no world collective: the rollout ranks may
@@ -141,7 +141,7 @@ class RolloutRole(Role):
             batch = self.agent.run([p.ids for p in mine], [p.prompt for p in mine], [p.label for p in mine], params)
         else:
             batch = self.engine.generate([p.ids for p in mine], params)
-        return batch if self.engines[e][0] == self.rank else None
+        return batch if self.engine_ranks[e][0] == self.rank else None
 
     def gather(self, local: Optional[RolloutBatch], n_prompts: int, n_samples: int, pad_id: int,
                with_rewards: bool = False) -> RolloutBatch:
@@ -211,7 +211,7 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     comm = device if dist.is_initialized() and dist.get_backend() == "nccl" else None
     path = resolve_pretrain(m.pretrain)
     def model_role(name, spec_fn, load) -> Optional[ModelRole]:
-        members = plan.roles.get(name) or []
+        members = plan.ranks.get(name) or []
         if not members:
             return None
         role = ModelRole(name, members, groups.group(name), rank, comm)
@@ -247,7 +247,7 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
         return rm
 
     reward = model_role("reward", frozen, load_rm)
-    rollout = RolloutRole("rollout", plan.roles["rollout"], groups.group("rollout"), rank, plan.engines, comm)
+    rollout = RolloutRole("rollout", plan.ranks["rollout"], groups.group("rollout"), rank, plan.engine_ranks, comm)
     if rollout.is_member:
         rollout.engine = build_rollout_engine(cfg, path, groups, device)
         if cfg.rollout.agent_func_path:
@@ -277,9 +277,9 @@ def build_rollout_engine(cfg, path: str, groups: Groups, device):
         from rlhf.rollout.vllm_engine import VLLMEngine
 
         plan = groups.plan
-        ranks = plan.engines[plan.engine_of(groups.rank)]
+        ranks = plan.engine_ranks[plan.engine_of(groups.rank)]
         # in-process vLLM takes the whole default group as its world: only when every rank holds an engine
-        separate = plan.roles["rollout"] != list(range(plan.world_size))
+        separate = plan.ranks["rollout"] != list(range(plan.world_size))
         return VLLMEngine(path, t.vllm_tensor_parallel_size, mode="separate" if separate else "colocated",
                           max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len, seed=cfg.optim.seed,
                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,

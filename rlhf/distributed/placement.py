@@ -1,4 +1,4 @@
-"""Placement plan: which ranks hold which roles, computed from the topology flags alone.
+"""The placement: which ranks hold which roles, computed from the topology flags alone.
 
 Pure Python (no torch.distributed): it runs, and fails, before any process group
 exists.  Ranks are laid out in blocks in this order when roles are separate:
@@ -19,20 +19,20 @@ class TopologyError(ValueError):
 
 
 @dataclass
-class Plan:
+class Placement:
     world_size: int
     gpus_per_node: int
-    roles: Dict[str, List[int]]            # role -> ranks (empty list: role not used)
-    engines: List[List[int]]               # rollout engines' TP groups
+    ranks: Dict[str, List[int]]            # role -> its ranks (empty list: the role does not exist)
+    engine_ranks: List[List[int]]          # each rollout engine's TP ranks
     colocated: bool                        # every role on every rank (hybrid engine)
     separate_rollout: bool                 # rollout ranks hold no actor shard
     sync_ranks: List[int] = field(default_factory=list)  # actor rank 0 + rollout ranks (broadcast weight sync)
 
     def roles_of(self, rank: int) -> List[str]:
-        return [r for r in ROLES if rank in self.roles.get(r, [])]
+        return [r for r in ROLES if rank in self.ranks.get(r, [])]
 
     def engine_of(self, rank: int) -> Optional[int]:
-        for i, e in enumerate(self.engines):
+        for i, e in enumerate(self.engine_ranks):
             if rank in e:
                 return i
         return None
@@ -47,10 +47,10 @@ class Plan:
                 roles.append(f"rollout[engine {self.engine_of(rank)}]" if r == "rollout" else r)
             rows.append(f"{rank:>4}  {rank // self.gpus_per_node:>4}  {', '.join(roles) or '-'}")
         for name in ROLES:
-            if self.roles.get(name):
-                rows.append(f"{name:>8}: ranks {_ranges(self.roles[name])}")
-        rows.append(f" engines: {len(self.engines)} x TP {len(self.engines[0]) if self.engines else 0}: "
-                    + "; ".join(_ranges(e) for e in self.engines))
+            if self.ranks.get(name):
+                rows.append(f"{name:>8}: ranks {_ranges(self.ranks[name])}")
+        rows.append(f" engines: {len(self.engine_ranks)} x TP {len(self.engine_ranks[0]) if self.engine_ranks else 0}: "
+                    + "; ".join(_ranges(e) for e in self.engine_ranks))
         rows.append(f"weights:  {'in-process (colocated)' if not self.separate_rollout else 'broadcast over ranks ' + _ranges(self.sync_ranks)}")
         return "\n".join(rows)
 
@@ -100,8 +100,8 @@ def required_world_size(topo, need_ref: bool = True, need_critic: bool = False,
     return total
 
 
-def make_plan(topo, world_size: int, nnodes: int = 1, need_ref: bool = True, need_critic: bool = False,
-              need_reward_model: bool = False) -> Plan:
+def make_placement(topo, world_size: int, nnodes: int = 1, need_ref: bool = True, need_critic: bool = False,
+              need_reward_model: bool = False) -> Placement:
     """Compute and validate the placement.  Raises TopologyError naming the numbers that disagree."""
     if world_size < 1:
         raise TopologyError(f"world size must be >= 1, got {world_size}")
@@ -132,15 +132,15 @@ def make_plan(topo, world_size: int, nnodes: int = 1, need_ref: bool = True, nee
         ranks = list(range(world_size))
         roles = {"actor": ranks, "rollout": ranks, "ref": ranks if need_ref else [],
                  "critic": ranks if need_critic else [], "reward": ranks if need_reward_model else []}
-        return Plan(world_size, gpn, roles, [ranks[i * tp:(i + 1) * tp] for i in range(engines)], True, False)
+        return Placement(world_size, gpn, roles, [ranks[i * tp:(i + 1) * tp] for i in range(engines)], True, False)
 
     blocks: List[Tuple[str, int]] = []
-    sizes = {}
+    ranks_of = {}
     cursor = 0
 
     def take(name, n):
         nonlocal cursor
-        sizes[name] = list(range(cursor, cursor + n))
+        ranks_of[name] = list(range(cursor, cursor + n))
         blocks.append((name, n))
         cursor += n
 
@@ -162,19 +162,19 @@ def make_plan(topo, world_size: int, nnodes: int = 1, need_ref: bool = True, nee
         if topo.ref_num_gpus_per_node and not topo.colocate_actor_ref:
             take("ref", _block("ref", topo.ref_num_nodes, topo.ref_num_gpus_per_node, gpn))
         else:
-            sizes["ref"] = sizes["actor"]
+            ranks_of["ref"] = ranks_of["actor"]
     if need_critic:
         if topo.critic_num_gpus_per_node:
             take("critic", _block("critic", topo.critic_num_nodes, topo.critic_num_gpus_per_node, gpn))
         else:
-            sizes["critic"] = sizes["actor"]
+            ranks_of["critic"] = ranks_of["actor"]
     if need_reward_model:
         if topo.colocate_critic_reward and need_critic:
-            sizes["reward"] = sizes["critic"]
+            ranks_of["reward"] = ranks_of["critic"]
         elif topo.reward_num_gpus_per_node:
             take("reward", _block("reward", topo.reward_num_nodes, topo.reward_num_gpus_per_node, gpn))
         else:
-            sizes["reward"] = sizes["actor"]
+            ranks_of["reward"] = ranks_of["actor"]
     separate = topo.vllm_num_engines > 0
     if separate:
         take("rollout", rollout_n)
@@ -182,7 +182,7 @@ def make_plan(topo, world_size: int, nnodes: int = 1, need_ref: bool = True, nee
         if n_actor % tp:
             raise TopologyError(f"rollout on the actor ranks: actor ranks {n_actor} are not a multiple of "
                                 f"--vllm_tensor_parallel_size {tp}")
-        sizes["rollout"] = sizes["actor"]
+        ranks_of["rollout"] = ranks_of["actor"]
     if cursor != world_size:
         detail = " + ".join(f"{n} {name}" for name, n in blocks)
         raise TopologyError(f"the roles need {detail} = {cursor} ranks but the world size is {world_size}; "
@@ -190,17 +190,17 @@ def make_plan(topo, world_size: int, nnodes: int = 1, need_ref: bool = True, nee
                             f"--vllm_num_engines flags")
     # node boundaries: a block that does not fill whole nodes must sit inside one node
     for name, n in blocks:
-        ranks = sizes[name]
+        ranks = ranks_of[name]
         first, last = ranks[0] // gpn, ranks[-1] // gpn
         if first != last and (ranks[0] % gpn or n % gpn):
             raise TopologyError(f"role {name} (ranks {_ranges(ranks)}) straddles a node boundary with {gpn} ranks "
                                 f"per node; make its size a multiple of {gpn} or fit it in one node")
-    rollout = sizes["rollout"]
+    rollout = ranks_of["rollout"]
     engines = [rollout[i * tp:(i + 1) * tp] for i in range(len(rollout) // tp)]
     for e in engines:
         if e[0] // gpn != e[-1] // gpn:
             raise TopologyError(f"rollout engine on ranks {_ranges(e)} crosses a node boundary")
     for r in ROLES:
-        sizes.setdefault(r, [])
-    sync = [sizes["actor"][0]] + rollout if separate else []
-    return Plan(world_size, gpn, sizes, engines, False, separate, sync)
+        ranks_of.setdefault(r, [])
+    sync = [ranks_of["actor"][0]] + rollout if separate else []
+    return Placement(world_size, gpn, ranks_of, engines, False, separate, sync)
