@@ -53,14 +53,19 @@ def _collate(cfg, tok, samples):
     return collate_supervised(samples, tok.pad_token_id)
 
 
+def build_policy(cfg, path: str, on_meta: bool = False):
+    """The trainable causal LM of SFT and DPO (LoRA, bf16, flash-attention, checkpointing from the config)."""
+    m = cfg.model
+    return load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
+                          m.target_modules, on_meta=on_meta)
+
+
 class SFTTask(Task):
     name = "sft"
     required_keys = {"input_key": None, "output_key": None}
 
     def build_model(self, path, on_meta=False):
-        m = self.cfg.model
-        return load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
-                              m.target_modules, on_meta=on_meta)
+        return build_policy(self.cfg, path, on_meta)
 
     def make_sample(self, row):
         return tokenize_pair(self.tokenizer, _prompt(self.cfg, self.tokenizer, row), str(row[self.cfg.data.output_key]),
@@ -140,21 +145,14 @@ class RMTask(Task):
         """Save reward mean/std over the eval (or train) pairs so PPO can normalise scores."""
         import torch.distributed as dist
 
-        from rlhf.distributed import shard_rows
+        from rlhf.distributed import micro_plan
 
         samples = trainer.eval_samples or trainer.train_samples
-        mine = samples[shard_rows(len(samples), trainer.rank, trainer.world)]
         vals = []
-        mb = self.cfg.optim.micro_train_batch_size
         trainer.engine.model.eval()
-        n_local = (len(mine) + mb - 1) // mb
-        n_max = torch.tensor([n_local])
-        if dist.is_initialized():
-            dist.all_reduce(n_max, op=dist.ReduceOp.MAX)
-        for s in range(int(n_max)):
-            chunk = mine[s * mb:(s + 1) * mb]
-            c, r = self.scores(trainer.engine.model, chunk or samples[:1])
-            if chunk:
+        for part in micro_plan(len(samples), trainer.rank, trainer.world, self.cfg.optim.micro_train_batch_size):
+            c, r = self.scores(trainer.engine.model, samples[part] if part is not None else samples[:1])
+            if part is not None:  # the same number of forwards on every rank (FSDP collectives); dummies dropped
                 vals += c.tolist() + r.tolist()
         t = torch.tensor([sum(vals), sum(v * v for v in vals), len(vals)], dtype=torch.float64)
         if dist.is_initialized():
@@ -171,9 +169,7 @@ class DPOTask(Task):
     required_keys = {"input_key": None, "chosen_key": None, "rejected_key": None}
 
     def build_model(self, path, on_meta=False):
-        m = self.cfg.model
-        return load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
-                              m.target_modules, on_meta=on_meta)
+        return build_policy(self.cfg, path, on_meta)
 
     REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
