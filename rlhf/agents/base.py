@@ -14,11 +14,10 @@ import importlib.util
 import inspect
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
-import torch
 
-from rlhf.rollout.base import RolloutBatch, SamplingParams
+from rlhf.rollout.base import RolloutBatch, SamplingParams, batch_from_rows
 
 
 class AgentInstanceBase:
@@ -108,25 +107,10 @@ class AgentExecutorBase:
         return self.to_batch(eps)
 
     def to_batch(self, eps: List[Episode]) -> RolloutBatch:
-        pad = self.tokenizer.pad_token_id
-        P = max(len(e.prompt_ids) for e in eps)
-        R = max(1, max(len(e.response_ids) for e in eps))
-        B = len(eps)
-        seq = torch.full((B, P + R), pad, dtype=torch.long)
-        att = torch.zeros((B, P + R), dtype=torch.long)
-        am = torch.zeros((B, R), dtype=torch.long)
-        lp = torch.zeros((B, R))
-        for i, e in enumerate(eps):
-            seq[i, P - len(e.prompt_ids):P] = torch.tensor(e.prompt_ids)
-            att[i, P - len(e.prompt_ids):P] = 1
-            n = len(e.response_ids)
-            if n:
-                seq[i, P:P + n] = torch.tensor(e.response_ids)
-                att[i, P:P + n] = 1
-                am[i, :n] = torch.tensor(e.action_mask)
-                lp[i, :n] = torch.tensor(e.logprobs)
-        return RolloutBatch(seq, att, am, lp, P, torch.tensor([e.truncated for e in eps]),
-                            torch.tensor([e.reward for e in eps]), torch.tensor([e.score for e in eps]))
+        return batch_from_rows([e.prompt_ids for e in eps], [e.response_ids for e in eps], [e.logprobs for e in eps],
+                               [e.truncated for e in eps], self.tokenizer.pad_token_id,
+                               action_masks=[e.action_mask for e in eps], rewards=[e.reward for e in eps],
+                               scores=[e.score for e in eps])
 
 
 def load_agent(path: str):

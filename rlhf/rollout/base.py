@@ -1,7 +1,8 @@
 """Rollout-engine contract: prompts in, padded sequences + masks + sampling log-probs out."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import abc
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -30,10 +31,6 @@ class RolloutBatch:
     rewards: Optional[torch.Tensor] = None  # (B,) set by agent rollouts (the environment scores them)
     scores: Optional[torch.Tensor] = None
 
-    @property
-    def response_len(self) -> torch.Tensor:
-        return self.action_mask.sum(1)
-
     def select(self, rows) -> "RolloutBatch":
         """These rows (a view of the same padded widths)."""
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
@@ -46,16 +43,32 @@ class RolloutBatch:
         return self.action_mask.size(1)
 
 
-class RolloutEngine:
-    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> RolloutBatch: ...
+class RolloutEngine(abc.ABC):
+    """What the rollout role needs of an engine.  An abstract base: an engine missing a method fails when built."""
 
-    def load_weights(self, named_tensors) -> None: ...
+    @abc.abstractmethod
+    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Optional[RolloutBatch]:
+        """params.n samples per prompt, rows prompt-major; None on a rank that reports no rows (non-first TP rank
+        of an engine in its own processes)."""
 
-    def reset_prefix_cache(self) -> None: ...
+    @abc.abstractmethod
+    def load_weights(self, named_tensors) -> None:
+        """Load (engine name, full tensor) pairs, one bucket at a time."""
 
-    def sleep(self) -> None: ...
+    @abc.abstractmethod
+    def reset_prefix_cache(self) -> None:
+        """After the last bucket: cached prompts' KV came from the old weights."""
 
-    def wake(self, tags=None) -> None: ...
+    @abc.abstractmethod
+    def sleep(self) -> None:
+        """Release device memory until wake (a no-op where the platform cannot)."""
+
+    @abc.abstractmethod
+    def wake(self, tags=None) -> None:
+        """Bring back weights (tags ["weights"]) or everything (None)."""
+
+    def close(self) -> None:
+        """Stop processes the engine started (default: none)."""
 
 
 def response_mask(responses: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:
@@ -65,6 +78,32 @@ def response_mask(responses: torch.Tensor, stop_ids: Sequence[int]) -> torch.Ten
         is_stop |= responses == s
     after = (is_stop.long().cumsum(1) - is_stop.long()) > 0
     return (~after).long()
+
+
+def batch_from_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], logprobs, truncated,
+                    pad_id: int, action_masks=None, rewards=None, scores=None) -> RolloutBatch:
+    """The padded layout from per-row token lists: prompts left-padded to the longest, responses right-padded
+    (at least one slot).  ``action_masks`` defaults to 1 on every response token (agents pass theirs: only
+    model tokens are actions); ``logprobs`` are per response token."""
+    P = max(len(p) for p in prompts)
+    R = max(1, max(len(r) for r in responses))
+    B = len(prompts)
+    seq = torch.full((B, P + R), pad_id, dtype=torch.long)
+    att = torch.zeros((B, P + R), dtype=torch.long)
+    am = torch.zeros((B, R), dtype=torch.long)
+    lp = torch.zeros((B, R), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        seq[i, P - len(p):P] = torch.tensor(list(p), dtype=torch.long)
+        att[i, P - len(p):P] = 1
+        n = len(r)
+        if n:
+            seq[i, P:P + n] = torch.tensor(list(r), dtype=torch.long)
+            att[i, P:P + n] = 1
+            am[i, :n] = 1 if action_masks is None else torch.tensor(list(action_masks[i]), dtype=torch.long)
+            lp[i, :n] = torch.tensor(list(logprobs[i]), dtype=torch.float32)
+    as_t = lambda x, dt: None if x is None else torch.tensor(list(x), dtype=dt)  # noqa: E731
+    return RolloutBatch(seq, att, am, lp, P, as_t(truncated, torch.bool), as_t(rewards, torch.float32),
+                        as_t(scores, torch.float32))
 
 
 def merge_batches(batches: List[RolloutBatch], pad_id: int) -> RolloutBatch:

@@ -21,9 +21,7 @@ import re
 import weakref
 from typing import List, Optional, Sequence
 
-import torch
-
-from .base import RolloutBatch, RolloutEngine, SamplingParams
+from .base import RolloutBatch, RolloutEngine, SamplingParams, batch_from_rows
 
 SUPPORTED = ((0, 30, 0), (0, 35, 0))  # [min, max): APIs used here checked in the 0.30, 0.32 (run) and 0.34 sources
 CPU_KV_CACHE_BYTES = 256 << 20
@@ -259,26 +257,9 @@ class VLLMEngine(RolloutEngine):
 
     def _to_batch(self, outs) -> RolloutBatch:
         rows = [(list(o.prompt_token_ids), c) for o in outs for c in o.outputs]
-        P = max(len(p) for p, _ in rows)
-        R = max(1, max(len(c.token_ids) for _, c in rows))
-        B = len(rows)
-        seqs = torch.full((B, P + R), self.pad, dtype=torch.long)
-        att = torch.zeros((B, P + R), dtype=torch.long)
-        am = torch.zeros((B, R), dtype=torch.long)
-        lp = torch.zeros((B, R), dtype=torch.float32)
-        trunc = torch.zeros(B, dtype=torch.bool)
-        for i, (p, c) in enumerate(rows):
-            toks = list(c.token_ids)
-            k = len(toks)
-            seqs[i, P - len(p):P] = torch.tensor(p)
-            att[i, P - len(p):P] = 1
-            if k:
-                seqs[i, P:P + k] = torch.tensor(toks)
-                att[i, P:P + k] = 1
-                am[i, :k] = 1
-                lp[i, :k] = torch.tensor([d[t].logprob for t, d in zip(toks, c.logprobs)])
-            trunc[i] = c.finish_reason == "length"
-        return RolloutBatch(seqs, att, am, lp, P, trunc)
+        return batch_from_rows([p for p, _ in rows], [list(c.token_ids) for _, c in rows],
+                               [[d[t].logprob for t, d in zip(c.token_ids, c.logprobs)] for _, c in rows],
+                               [c.finish_reason == "length" for _, c in rows], self.pad)
 
     # ---- weights -----------------------------------------------------------------------------------------------
     def load_weights(self, named_tensors) -> None:

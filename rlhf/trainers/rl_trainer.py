@@ -309,7 +309,7 @@ class RLTrainer:
         """After a successful run only (a failure never gets here: see failfast.guarded)."""
         self.watchdog.stop()
         engine = self.roles.rollout.engine
-        if engine is not None and hasattr(engine, "close"):  # vLLM's own processes (separate rollout ranks)
+        if engine is not None:  # vLLM's own processes (separate rollout ranks)
             engine.close()
         if dist.is_initialized():
             dist.barrier()
