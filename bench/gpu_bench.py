@@ -140,8 +140,8 @@ def rollout(path):
     from transformers import AutoModelForCausalLM
 
     from rlhf.data.formatting import pad_batch
-    from rlhf.rollout.hf_engine import HFEngine
     from rlhf.models.load import load_tokenizer
+    from rlhf.rollout.hf_engine import HFEngine
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV)
     tok = load_tokenizer(path)
@@ -168,14 +168,13 @@ def rollout(path):
 
 @section("weight_sync_and_sleep")
 def sync_and_sleep(path):
-    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from rlhf.backends.base import EngineSpec
     from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.config.schema import TopologyConfig
     from rlhf.distributed import build_groups, make_placement
     from rlhf.distributed.weight_sync import WeightSync, full_tensor
-    from rlhf.config.schema import TopologyConfig
 
     dev = DEV
     actor = FSDP2Engine(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),

@@ -35,7 +35,7 @@ SIZES = {  # defaults per kit size: prompts, samples per prompt, new tokens, war
 def reward_trl(prompts, completions, label, **kwargs):
     from rlhf.data.arithmetic import arithmetic_score
 
-    return [arithmetic_score(c, l) for c, l in zip(completions, label)]
+    return [arithmetic_score(c, lab) for c, lab in zip(completions, label)]
 
 
 def side_trl(path, gate, prompts, n, max_new, lr, trl_vllm):

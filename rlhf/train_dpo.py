@@ -1,7 +1,6 @@
 """Direct preference optimisation (sigmoid / ipo / hinge).  torchrun -m rlhf.train_dpo [flags | --config configs/x.yaml]"""
 from rlhf.config import main_entry
 
-
 DEFAULTS = {"learning_rate": 1e-4, "train_batch_size": 32, "micro_train_batch_size": 8}
 
 

@@ -1,7 +1,6 @@
 """Supervised fine-tuning (loss on response tokens).  torchrun -m rlhf.train_sft [flags | --config configs/x.yaml]"""
 from rlhf.config import main_entry
 
-
 DEFAULTS = {"learning_rate": 1e-3, "train_batch_size": 32, "micro_train_batch_size": 8}
 
 

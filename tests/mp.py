@@ -3,7 +3,6 @@ import os
 import traceback
 
 import torch.multiprocessing as mp
-
 from conftest import free_port
 
 

@@ -4,10 +4,26 @@ import math
 import pytest
 import torch
 
-from rlhf.algorithms import (ADVANTAGE_ESTIMATORS, RunningMeanStd, aggregate, compute_advantages, compute_kl,
-                             dpo_loss, dynamic_filter_mask, entropy_from_logits, fold_kl_into_rewards,
-                             gae_advantages, importance_weights, logprobs_from_logits, overlong_penalty,
-                             return_to_go, sft_token_loss, value_loss, clip_rewards, masked_whiten)
+from rlhf.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    RunningMeanStd,
+    aggregate,
+    clip_rewards,
+    compute_advantages,
+    compute_kl,
+    dpo_loss,
+    dynamic_filter_mask,
+    entropy_from_logits,
+    fold_kl_into_rewards,
+    gae_advantages,
+    importance_weights,
+    logprobs_from_logits,
+    masked_whiten,
+    overlong_penalty,
+    return_to_go,
+    sft_token_loss,
+    value_loss,
+)
 from rlhf.algorithms.kl import AdaptiveKLController, FixedKLController, make_kl_controller
 from rlhf.algorithms.policy_loss import gspo_loss, ppo_clip_loss
 from rlhf.algorithms.preference import rm_logexp, rm_logsigmoid
@@ -190,12 +206,12 @@ def test_value_loss_clipped_by_hand():
 def test_dpo_family_by_hand():
     pc, pr, rc, rr = T([-1.0]), T([-2.0]), T([-1.5]), T([-1.5])
     sig = lambda x: -math.log(1 / (1 + math.exp(-x)))  # noqa: E731
-    l, cr, rj = dpo_loss("sigmoid", pc, pr, rc, rr, beta=0.1)
-    close(l, [sig(0.1)])
+    loss, cr, rj = dpo_loss("sigmoid", pc, pr, rc, rr, beta=0.1)
+    close(loss, [sig(0.1)])
     close(cr, [0.05])
     close(rj, [-0.05])
-    l, _, _ = dpo_loss("sigmoid", pc, pr, rc, rr, beta=0.1, label_smoothing=0.1)
-    close(l, [0.9 * sig(0.1) + 0.1 * sig(-0.1)])
+    loss, _, _ = dpo_loss("sigmoid", pc, pr, rc, rr, beta=0.1, label_smoothing=0.1)
+    close(loss, [0.9 * sig(0.1) + 0.1 * sig(-0.1)])
     close(dpo_loss("ipo", pc, pr, rc, rr, beta=0.1)[0], [16.0])
     close(dpo_loss("hinge", pc, pr, rc, rr, beta=0.1)[0], [0.9])
 

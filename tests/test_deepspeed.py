@@ -3,7 +3,6 @@ import os
 
 import pytest
 import torch
-
 from mp import spawn, train_side_by_side
 
 deepspeed = pytest.importorskip("deepspeed")

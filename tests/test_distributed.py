@@ -3,8 +3,8 @@ import os
 
 import pytest
 import torch
-
 from mp import spawn, train_side_by_side
+
 from rlhf.config import TopologyConfig
 
 
@@ -38,11 +38,19 @@ def _net(seed):
 
 def _topology_worker(rank, world, out_dir):
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
 
-    from rlhf.distributed import (Ledger, PhaseScheduler, WeightSync, build_groups, gather_max, gather_rows, make_placement,
-                                  shard_rows)
+    from rlhf.distributed import (
+        Ledger,
+        PhaseScheduler,
+        WeightSync,
+        build_groups,
+        gather_max,
+        gather_rows,
+        make_placement,
+        shard_rows,
+    )
 
     # --- separate roles: actor 0-1, ref 2, rollout 3 ---
     plan = make_placement(_topo(actor_num_gpus_per_node=2, ref_num_gpus_per_node=1, vllm_num_engines=1), world)

@@ -3,8 +3,7 @@ import os
 import shutil
 
 import pytest
-
-from e2e import ROOT, torchrun
+from e2e import torchrun
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,6 @@ import json
 import os
 
 import pytest
-
 from e2e import torchrun
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,6 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture()
 def single_rank_nccl(monkeypatch):
     import torch.distributed as dist
-
     from conftest import free_port
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -8,12 +8,25 @@ import warnings
 
 import pytest
 import torch
-
 from mp import spawn
-from rlhf.algorithms import (IS_CORRECTIONS, LossTotals, POLICY_LOSSES, aggregate, compute_advantages, compute_kl,
-                             dynamic_filter_mask, dynamic_filter_refill, dynamic_filter_select,
-                             fold_kl_into_rewards, importance_weights,
-                             kl_unbiased_gradient, masked_whiten, overlong_penalty, stop_properly_penalty)
+
+from rlhf.algorithms import (
+    IS_CORRECTIONS,
+    POLICY_LOSSES,
+    LossTotals,
+    aggregate,
+    compute_advantages,
+    compute_kl,
+    dynamic_filter_mask,
+    dynamic_filter_refill,
+    dynamic_filter_select,
+    fold_kl_into_rewards,
+    importance_weights,
+    kl_unbiased_gradient,
+    masked_whiten,
+    overlong_penalty,
+    stop_properly_penalty,
+)
 from rlhf.algorithms.preference import rm_logsigmoid
 from rlhf.config import TrainConfig
 
@@ -125,7 +138,7 @@ def test_reward_clip_after_baseline_default_range():
 
 
 def test_gamma_forced_to_one_for_group_estimators():
-    from rlhf.trainers.advantage_stage import StageInputs, advantage_stage
+    from rlhf.trainers.advantage_stage import advantage_stage
 
     cfg = _stage_cfg("rloo", gamma=0.5)
     x = _stage_inputs(T([1.0, 0.0]), valid=T([True, True]), mask=T([[1, 1], [1, 1]]))

@@ -69,7 +69,7 @@ def test_exception_and_timeout_and_nan(tmp_path):
     with pytest.raises(RewardError, match="did not return within 0.2s"):
         slow(["a"], [""], [0])
     logged = []
-    nan = RewardSource(lambda q, p, l: {"rewards": [1.0, math.nan, math.nan]}, "nanfn", log=logged.append)
+    nan = RewardSource(lambda q, p, labels: {"rewards": [1.0, math.nan, math.nan]}, "nanfn", log=logged.append)
     out = nan(["a", "b", "c"], ["", "", ""], [0, 0, 0])
     assert out["valid"].tolist() == [True, False, False] and out["rewards"].tolist() == [1.0, 0.0, 0.0]
     nan(["a", "b", "c"], ["", "", ""], [0, 0, 0])

@@ -83,7 +83,6 @@ class ScriptedEngine:
 
 
 def test_agent_episode_token_and_action_masks(tiny_kit):
-    import importlib.util
     import os
 
     from rlhf.agents.base import AgentExecutorBase, load_agent

@@ -20,7 +20,7 @@ def test_sync_reward_func_timeout_enforced(tmp_path):
     took = time.monotonic() - t0
     assert "did not return within 0.3s" in str(e.value) and "--reward_timeout_s" in str(e.value)
     assert took < 5, f"a blocking sync reward_func held the caller {took:.1f}s past its 0.3s deadline"
-    fast = RewardSource(lambda q, p, l: {"rewards": [2.0] * len(q)}, "fast", timeout_s=5)
+    fast = RewardSource(lambda q, p, labels: {"rewards": [2.0] * len(q)}, "fast", timeout_s=5)
     assert fast(["a", "b"], ["", ""], [0, 0])["rewards"].tolist() == [2.0, 2.0]
 
 

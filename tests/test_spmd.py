@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import free_port
 from e2e import ROOT
 

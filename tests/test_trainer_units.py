@@ -3,7 +3,6 @@ import os
 
 import pytest
 import torch
-
 from conftest import free_port
 
 

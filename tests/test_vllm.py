@@ -49,8 +49,8 @@ def perturbed(kit, seed, scale=0.05):
 def engine(vllm_kit):
     """One colocated engine (vLLM inside this process, a 1-rank gloo world) with sleep asked for: on CPU a no-op."""
     import torch.distributed as dist
-
     from conftest import free_port
+
     from rlhf.rollout.vllm_engine import VLLMEngine
 
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}

@@ -16,7 +16,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
-
 from rlhf.rollout.base import RolloutBatch, SamplingParams, batch_from_rows
 
 

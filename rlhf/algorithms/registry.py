@@ -1,7 +1,7 @@
 """Name -> function registries, so trainers look algorithms up instead of branching on names."""
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable
 
 
 class Registry(dict):

@@ -1,7 +1,18 @@
-from .schema import (GROUPS, AlgorithmConfig, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig,
-                     OptimConfig, RolloutConfig, TopologyConfig, TrainConfig, flag_index)
+from .cli import build_config, load_yaml, main_entry, make_command, parse
+from .schema import (
+                     GROUPS,
+                     AlgorithmConfig,
+                     CheckpointConfig,
+                     DataConfig,
+                     LoggingConfig,
+                     ModelConfig,
+                     OptimConfig,
+                     RolloutConfig,
+                     TopologyConfig,
+                     TrainConfig,
+                     flag_index,
+)
 from .validate import ConfigError, validate
-from .cli import build_config, load_yaml, make_command, parse, main_entry
 
 __all__ = ["GROUPS", "AlgorithmConfig", "CheckpointConfig", "DataConfig", "LoggingConfig", "ModelConfig",
            "OptimConfig", "RolloutConfig", "TopologyConfig", "TrainConfig", "flag_index", "ConfigError",

@@ -127,32 +127,48 @@ class AlgorithmConfig:
     kl_horizon: int = opt(10000, "horizon of the adaptive KL controller")
     use_kl_loss: bool = opt(False, "KL as a loss term instead of a per-token reward penalty")
     kl_estimator: str = opt("k1", "KL estimator (values clamped to [-10, 10])", choices=("k1", "k2", "k3"))
-    kl_unbiased_gradient: bool = opt(False, "KL loss: keep the estimator's value but back-propagate the importance-weighted reverse-KL gradient (OpenRLHF algo.kl.unbiased_gradient)")
+    kl_unbiased_gradient: bool = opt(False, "KL loss: keep the estimator's value but back-propagate the "
+                                            "importance-weighted reverse-KL gradient (OpenRLHF "
+                                            "algo.kl.unbiased_gradient)")
     normalize_reward: bool = opt(False, "normalise rewards with running mean/std")
-    no_advantage_std_norm: bool = opt(False, "subtract the mean only: no std in group_norm, and no std in the global whitening of gae / reinforce / reinforce_baseline")
-    scale_rewards: str = opt("group", "group_norm's std: the group's, the whole batch's (TRL scale_rewards=batch), or none", choices=("group", "batch", "none"))
+    no_advantage_std_norm: bool = opt(False, "subtract the mean only: no std in group_norm, and no std in the global "
+                                             "whitening of gae / reinforce / reinforce_baseline")
+    scale_rewards: str = opt("group", "group_norm's std: the group's, the whole batch's (TRL scale_rewards=batch), or "
+                                      "none", choices=("group", "batch", "none"))
     clip_eps_low: float = opt(0.2, "PPO clip lower epsilon")
     clip_eps_high: float = opt(0.2, "PPO clip upper epsilon")
     dual_clip: Optional[float] = opt(None, "dual-clip constant c > 1 (unset = off)")
     value_clip: float = opt(0.5, "value clip range")
-    reward_clip_range: Optional[Tuple[float, float]] = opt((-10.0, 10.0), "clamp the shaped reward (after penalties and group baseline, before KL) to [lo, hi]", nargs=2, flag_type=float)
-    policy_loss_type: str = opt("ppo", "policy loss (gspo and sapo aggregate seq-mean-token-mean whatever --loss_agg_mode says)", choices=("ppo", "gspo", "cispo", "sapo"))
+    reward_clip_range: Optional[Tuple[float, float]] = opt((-10.0, 10.0), "clamp the shaped reward (after penalties "
+                                                                          "and group baseline, before KL) to [lo, hi]",
+                                                           nargs=2, flag_type=float)
+    policy_loss_type: str = opt("ppo", "policy loss (gspo and sapo aggregate seq-mean-token-mean whatever "
+                                       "--loss_agg_mode says)", choices=("ppo", "gspo", "cispo", "sapo"))
     sapo_tau_pos: float = opt(1.0, "SAPO gate temperature for positive advantages")
     sapo_tau_neg: float = opt(1.05, "SAPO gate temperature for negative advantages")
-    loss_agg_mode: str = opt("token-mean", "loss aggregation, normalised over the whole optimizer step (all micro-batches and data-parallel ranks)", choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+    loss_agg_mode: str = opt("token-mean", "loss aggregation, normalised over the whole optimizer step (all "
+                                           "micro-batches and data-parallel ranks)",
+                             choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
     entropy_loss_coef: float = opt(0.0, "entropy bonus coefficient (token-mean; negative values penalise entropy; 0 logs it only)")
     aux_loss_coef: float = opt(0.0, "MoE load-balancing loss coefficient (reads the model's aux_loss; 0 = off)")
     enable_is_correction: bool = opt(False, "importance-sampling correction for the rollout engine's vs the trainer's log-probs")
-    is_correction_type: str = opt("tis", "tis: clamp w to [low, high]; icepop: drop tokens with w outside; seq-mask-tis: drop sequences whose geometric-mean w is outside", choices=("tis", "icepop", "seq-mask-tis"))
+    is_correction_type: str = opt("tis", "tis: clamp w to [low, high]; icepop: drop tokens with w outside; "
+                                         "seq-mask-tis: drop sequences whose geometric-mean w is outside",
+                                  choices=("tis", "icepop", "seq-mask-tis"))
     is_truncated_threshold: float = opt(5.0, "upper bound (high) of the importance-weight band")
     is_truncated_threshold_low: float = opt(0.5, "lower bound (low) of the importance-weight band (0 = none)")
     overlong_buffer_len: int = opt(0, "overlong penalty: soft buffer length in tokens (0 = off)")
     overlong_penalty_factor: float = opt(1.0, "overlong penalty: max penalty (the penalty never goes below -factor)")
-    stop_properly_penalty_coef: Optional[float] = opt(None, "ProRL: truncated samples' reward times c (c in [0, 1]) or set to c (c < 0); unset = off")
-    max_invalid_reward_batches: int = opt(3, "stop after this many consecutive batches whose rewards are all invalid (NaN / failed); 0 = never stop")
+    stop_properly_penalty_coef: Optional[float] = opt(None, "ProRL: truncated samples' reward times c (c in [0, 1]) or "
+                                                            "set to c (c < 0); unset = off")
+    max_invalid_reward_batches: int = opt(3, "stop after this many consecutive batches whose rewards are all invalid "
+                                             "(NaN / failed); 0 = never stop")
     dynamic_filtering: bool = opt(False, "drop prompt groups whose mean score is outside the range (DAPO dynamic sampling)")
-    dynamic_filtering_reward_range: Tuple[float, float] = opt((0.0, 1.0), "keep groups whose mean score lies strictly inside", nargs=2, flag_type=float)
-    dynamic_filtering_max_rounds: int = opt(8, "dynamic filtering: generate for more prompts, up to this many extra rounds per step, until --rollout_batch_size groups pass (0 = only mask the filtered groups; the batch shrinks)")
+    dynamic_filtering_reward_range: Tuple[float, float] = opt((0.0, 1.0), "keep groups whose mean score lies strictly "
+                                                                          "inside", nargs=2, flag_type=float)
+    dynamic_filtering_max_rounds: int = opt(8, "dynamic filtering: generate for more prompts, up to this many extra "
+                                               "rounds per step, until --rollout_batch_size groups pass (0 = only mask "
+                                               "the filtered groups; the batch shrinks)")
     beta: float = opt(0.1, "DPO beta")
     loss_type: str = opt("sigmoid", "DPO loss", choices=("sigmoid", "ipo", "hinge"))
     label_smoothing: float = opt(0.0, "conservative DPO label smoothing")

@@ -38,7 +38,7 @@ def _check(cond: bool, flag: str, message: str):
 
 
 def validate(cfg, kind: str) -> None:
-    o, r, a, d, t, m = cfg.optim, cfg.rollout, cfg.algorithm, cfg.data, cfg.topology, cfg.model
+    o, d, m = cfg.optim, cfg.data, cfg.model
     _check(o.micro_train_batch_size > 0, "micro_train_batch_size", "--micro_train_batch_size must be > 0")
     _check(o.train_batch_size % o.micro_train_batch_size == 0, "train_batch_size",
            f"--train_batch_size {o.train_batch_size} must be a multiple of --micro_train_batch_size {o.micro_train_batch_size}")

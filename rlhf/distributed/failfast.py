@@ -71,7 +71,7 @@ class AbortBoard:
         self.store = store
 
     @classmethod
-    def connect(cls, timeout_s: float = 10.0) -> "AbortBoard":
+    def connect(cls, timeout_s: float = 10.0) -> AbortBoard:
         """A fresh client of the rendezvous store (MASTER_ADDR/PORT, or torchrun's agent store)."""
         import torch.distributed as dist
 

@@ -51,7 +51,9 @@ class Placement:
                 rows.append(f"{name:>8}: ranks {_ranges(self.ranks[name])}")
         rows.append(f" engines: {len(self.engine_ranks)} x TP {len(self.engine_ranks[0]) if self.engine_ranks else 0}: "
                     + "; ".join(_ranges(e) for e in self.engine_ranks))
-        rows.append(f"weights:  {'in-process (colocated)' if not self.separate_rollout else 'broadcast over ranks ' + _ranges(self.sync_ranks)}")
+        weights = "in-process (colocated)" if not self.separate_rollout else "broadcast over ranks " + _ranges(
+            self.sync_ranks)
+        rows.append(f"weights:  {weights}")
         return "\n".join(rows)
 
 

@@ -9,7 +9,6 @@ import asyncio
 import importlib.util
 import inspect
 import json
-import math
 import os
 import socket
 import threading
@@ -185,7 +184,7 @@ def http_reward_func(url: str, timeout_s: float = 120.0, retries: int = 2) -> Ca
                     last = "connection refused (is the server running? python -m rlhf.serve_rm ...)"
                 else:
                     last = f"{type(reason).__name__}: {reason}"
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 last = f"no answer within {left:.3g}s"
             except (ConnectionError, OSError, ValueError) as e:
                 last = f"{type(e).__name__}: {e}"

@@ -31,7 +31,7 @@ class RolloutBatch:
     rewards: Optional[torch.Tensor] = None  # (B,) set by agent rollouts (the environment scores them)
     scores: Optional[torch.Tensor] = None
 
-    def select(self, rows) -> "RolloutBatch":
+    def select(self, rows) -> RolloutBatch:
         """These rows (a view of the same padded widths)."""
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return RolloutBatch(self.sequences[rows], self.attention_mask[rows], self.action_mask[rows],

@@ -203,7 +203,8 @@ class VLLMEngine(RolloutEngine):
             return
         kw = dict(model=model_path, tensor_parallel_size=tp_size, max_model_len=_cap_len(model_path, max_model_len),
                   seed=seed, dtype=dtype, enforce_eager=enforce_eager, enable_prefix_caching=True,
-                  enable_sleep_mode=self.enable_sleep, logprobs_mode="processed_logprobs", worker_extension_cls="rlhf.rollout.vllm_worker.WorkerExtension",
+                  enable_sleep_mode=self.enable_sleep, logprobs_mode="processed_logprobs",
+                  worker_extension_cls="rlhf.rollout.vllm_worker.WorkerExtension",
                   gpu_memory_utilization=gpu_memory_utilization)
         if kv_cache_memory_bytes is None and not on_cuda() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kv_cache_memory_bytes = CPU_KV_CACHE_BYTES  # CPU: gpu_memory_utilization is a share of the node's RAM

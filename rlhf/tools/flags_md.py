@@ -26,7 +26,7 @@ def render() -> str:
 
 def _dotted() -> list:
     """OpenRLHF's hierarchical names (rlhf/config/hierarchical.py) and what each becomes here."""
-    from rlhf.config.hierarchical import HIERARCHICAL, Choice, Fanout, Notice, Split, Switch
+    from rlhf.config.hierarchical import HIERARCHICAL, Choice, Fanout, Split, Switch
 
     def show(e):
         if isinstance(e, str):

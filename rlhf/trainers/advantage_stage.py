@@ -23,8 +23,15 @@ from typing import Dict, Optional
 
 import torch
 
-from rlhf.algorithms import (ADVANTAGE_ESTIMATORS, compute_advantages, compute_kl, dynamic_filter_mask, masked_mean,
-                             overlong_penalty, stop_properly_penalty)
+from rlhf.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantages,
+    compute_kl,
+    dynamic_filter_mask,
+    masked_mean,
+    overlong_penalty,
+    stop_properly_penalty,
+)
 
 
 @dataclass

@@ -36,7 +36,7 @@ class Experience:
     scores: torch.Tensor
     metrics: Dict[str, float] = field(default_factory=dict)
 
-    def rows(self, idx) -> "Experience":
+    def rows(self, idx) -> Experience:
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
         return Experience(*(pick(getattr(self, f)) for f in (
             "sequences", "attention_mask", "action_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs", "values",
