@@ -1,14 +1,13 @@
 """Load HF models and tokenizers from a local dir (or a hub name, when the machine can reach one)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Optional
 
 import torch
 import transformers
-
-transformers.utils.logging.disable_progress_bar()
 
 
 def resolve_pretrain(path: Optional[str]) -> str:
@@ -112,6 +111,24 @@ def load_tokenizer(path: str, padding_side: str = "left"):
 def from_pretrained_or_meta(auto_cls, path: str, on_meta: bool = False, config_kwargs=None, **kwargs):
     """``auto_cls.from_pretrained(path)``, or with on_meta the same architecture without weights (no host memory):
     the FSDP2 engine then fills the shards by broadcast from rank 0, so a node holds one copy, not one per rank."""
+    with quiet_progress():
+        return _from_pretrained_or_meta(auto_cls, path, on_meta, config_kwargs, **kwargs)
+
+
+@contextlib.contextmanager
+def quiet_progress():
+    """No "Loading checkpoint shards" bar from every rank while a model loads; the caller's setting comes back."""
+    hub = transformers.utils.logging
+    was = hub.is_progress_bar_enabled()
+    hub.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hub.enable_progress_bar()
+
+
+def _from_pretrained_or_meta(auto_cls, path, on_meta, config_kwargs, **kwargs):
     from transformers import AutoConfig
 
     if on_meta:
