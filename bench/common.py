@@ -190,19 +190,21 @@ def table(name: str, rows: Dict[str, Dict], settings: Dict, ratios: List[float])
     for side, r in (("trl", peer), ("rlhf", ours)):
         lines.append(f"{side:8} {r['s_per_step']:>10.4f} {r['cpu_s_per_step']:>11.4f} {r['tokens_per_s']:>10.1f} "
                      f"{r['peak_rss_mb']:>12.0f}")
-    lines += [f"{'ratio':8} {v['speedup']:>9.2f}x {vc['speedup']:>10.2f}x {ours['tokens_per_s'] / peer['tokens_per_s']:>9.2f}x "
+    tok_ratio = ours["tokens_per_s"] / peer["tokens_per_s"]
+    lines += [f"{'ratio':8} {v['speedup']:>9.2f}x {vc['speedup']:>10.2f}x {tok_ratio:>9.2f}x "
               f"{ours['peak_rss_mb'] / peer['peak_rss_mb']:>11.2f}x   (speed-ups: medians of the per-round paired "
               "ratios, trl / rlhf; memory: rlhf / trl)",
               f"{'rounds':8} {len(ratios):>10d}   wall speed-up per round: " + " ".join(f"{x:.2f}x" for x in ratios)]
-    lines.append(f"{'':8} {'':>10} {'':>11}   CPU speed-up per round: " + " ".join(f"{x:.2f}x" for x in cpu_ratios(rows)))
+    lines.append(f"{'':8} {'':>10} {'':>11}   CPU speed-up per round: "
+                 + " ".join(f"{x:.2f}x" for x in cpu_ratios(rows)))
     for what, x in (("wall", v), ("CPU", vc)):
         if x["stable"]:
-            lines.append(f"{what} spread +-{100 * x['spread']:.1f}% (half IQR / median, limit {100 * MAX_SPREAD:.0f}%): "
-                         "stable")
+            lines.append(f"{what} spread +-{100 * x['spread']:.1f}% (half IQR / median, "
+                         f"limit {100 * MAX_SPREAD:.0f}%): stable")
         else:
             sp = "n/a" if x["spread"] is None else f"+-{100 * x['spread']:.1f}%"
-            lines.append(f"UNSTABLE {what}: spread {sp} over the limit {100 * MAX_SPREAD:.0f}% (or too few rounds): the "
-                         f"machine was too noisy for the {what} speed-up to be a result; rerun with more --rounds")
+            lines.append(f"UNSTABLE {what}: spread {sp} over the limit {100 * MAX_SPREAD:.0f}% (or too few rounds): "
+                         f"the machine was too noisy for the {what} speed-up to be a result; rerun with more --rounds")
     return "\n".join(lines)
 
 

