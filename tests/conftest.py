@@ -59,3 +59,17 @@ def vllm_kit(tmp_path_factory):
     from rlhf.tools.make_tiny import VLLM_KIT, make_tiny
 
     return make_tiny(str(tmp_path_factory.mktemp("vkit") / "tiny"), **VLLM_KIT)
+
+
+def post_json(url: str, body: bytes, headers=None, timeout: float = 30):
+    """(status, decoded JSON) of a POST, HTTP errors included (the reward-server tests)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

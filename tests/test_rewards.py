@@ -7,6 +7,7 @@ import urllib.request
 
 import pytest
 import torch
+from conftest import post_json
 
 from rlhf.rewards.reward_func import RewardError, RewardSource, http_reward_func, load_reward_func, make_reward_source
 
@@ -99,12 +100,7 @@ def test_code_example_reward_sandboxed():
 
 
 def _post(url, body: bytes):
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(url, body)
 
 
 def test_rm_server_over_http(tiny_kit):

@@ -3,9 +3,9 @@ import json
 import socket
 import threading
 import time
-import urllib.request
 
 import pytest
+from conftest import post_json
 
 from rlhf.rewards.reward_func import RewardError, RewardSource, http_reward_func, make_reward_source
 
@@ -90,13 +90,7 @@ def rm_server(tiny_kit):
 
 
 def _post(port, body: bytes, headers=None):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/get_reward", data=body,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(f"http://127.0.0.1:{port}/get_reward", body, headers, timeout=10)
 
 
 def test_serve_rm_empty_query_is_400(rm_server):

