@@ -133,6 +133,6 @@ def test_sbatch_tiny_job_then_preempt_requeue_resume(tmp_path):
         subprocess.run(["scancel", job], capture_output=True)  # TERM: checkpoint and end, no requeue
         _wait_for(lambda: _state(job) not in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED"), 120)
     text = read()
-    step = int(re.search(r"checkpointing step (\d+)", text).group(1))
+    step = int(re.search(r"\[preempt\] stop file \S+: checkpoint of step (\d+) saved", text).group(1))
     assert f"[resume] from ./output/tiny_sft_ckpt/global_step_{step} at step {step}" in text
     assert "(restart 1)" in text
