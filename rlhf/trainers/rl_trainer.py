@@ -7,6 +7,7 @@ process groups, the role objects and the watchdog; then ``fit`` runs the stages 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import List, Optional
@@ -71,7 +72,7 @@ class RLTrainer:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         preflight(cfg, "ppo", world)  # model kinds, writable paths, resume
         self.plan = make_placement(t, world, t.nnodes_hint or nnodes_from_env(), a.init_kl_coef > 0 or a.use_kl_loss,
-                              spec.needs_critic, cfg.model.reward_pretrain is not None)
+                                   spec.needs_critic, cfg.model.reward_pretrain is not None)
         if r.async_train and not self.plan.separate_rollout:
             raise InputError("--async_train needs rollout ranks of their own: set --vllm_num_engines > 0 and give "
                              "the job those extra ranks")
@@ -167,8 +168,6 @@ class RLTrainer:
     # ---- phases ----------------------------------------------------------------------------------------------------
     def phase(self, stage: Stage):
         """The watchdog's deadline and, for colocated roles, the scheduler's sleep/wake around one stage."""
-        import contextlib
-
         stack = contextlib.ExitStack()
         stack.enter_context(self.watchdog.phase(stage.name))
         if stage.role is not None:
