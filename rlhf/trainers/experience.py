@@ -19,6 +19,7 @@ from rlhf.distributed.sharding import all_gather_objects, gather_rows, shard_row
 from rlhf.rollout.base import RolloutBatch
 
 from .advantage_stage import StageInputs, advantage_stage, needs_old_logprobs
+from .cadence import log0
 from .ppo_update import train_actor, train_critic
 
 
@@ -97,8 +98,13 @@ def logprob_temperature(cfg) -> float:
 # ---- stages ------------------------------------------------------------------------------------------------------
 def rollout_stage(tr, st: StepState) -> None:
     local = st.pending if tr.cfg.rollout.async_train else tr.roles.rollout.generate(st.prompts, tr.sampling(st.step))
-    st.batch = tr.roles.rollout.gather(local, len(st.prompts), st.n_samples, tr.tokenizer.pad_token_id,
-                                       with_rewards=tr.agent_mode)
+    st.batch = gathered_rollout(tr, local, st.prompts, st.n_samples)
+
+
+def gathered_rollout(tr, local: Optional[RolloutBatch], prompts: list, n_samples: int) -> RolloutBatch:
+    """The full batch of these prompts' samples on every rank, from this rank's generated rows (collective)."""
+    return tr.roles.rollout.gather(local, len(prompts), n_samples, tr.tokenizer.pad_token_id,
+                                   with_rewards=tr.agent_mode)
 
 
 def score_batch(tr, batch: RolloutBatch, labels: List) -> dict:
@@ -162,7 +168,7 @@ def refill_rollout_stage(tr, st: StepState) -> None:
     while True:
         with tr.scheduler.phase("rollout", role="rollout"):
             local = tr.roles.rollout.generate(prompts, tr.sampling(st.step, salt=rounds))
-            batch = tr.roles.rollout.gather(local, len(prompts), n, pad, with_rewards=tr.agent_mode)
+            batch = gathered_rollout(tr, local, prompts, n)
         with tr.scheduler.phase("reward", role="reward"):
             res = score_batch(tr, batch, [p.label for p in prompts for _ in range(n)])
         keep = dynamic_filter_mask(res["scores"], n, a.dynamic_filtering_reward_range, res["valid"]).view(-1, n)[:, 0]
@@ -176,7 +182,7 @@ def refill_rollout_stage(tr, st: StepState) -> None:
         extra = dynamic_filter_refill(len(kept), target, passed / seen, max_extra=4 * target)
         prompts = tr.refill_prompts(st.step, rounds, extra)
     if len(kept) < target:
-        tr.log(f"[dynamic filtering] step {st.step + 1}: {len(kept)} of {target} prompt groups passed "
+        log0(f"[dynamic filtering] step {st.step + 1}: {len(kept)} of {target} prompt groups passed "
                f"--dynamic_filtering_reward_range {tuple(a.dynamic_filtering_reward_range)} after {rounds} rounds "
                f"({seen} prompts); the other {target - len(kept)} train nothing (masked). If this repeats, widen the "
                f"range or raise --dynamic_filtering_max_rounds")
@@ -245,7 +251,7 @@ def refills(cfg) -> bool:
     return a.dynamic_filtering and a.dynamic_filtering_max_rounds > 0 and not cfg.rollout.async_train
 
 
-def rl_stages(cfg, roles) -> List[Stage]:
+def rl_stages() -> List[Stage]:
     """The stages of one RL step, in order; ``applies`` reads only config and placement (shared by every rank)."""
     return [
         Stage("rollout", rollout_stage, role="rollout", applies=lambda tr: not refills(tr.cfg)),

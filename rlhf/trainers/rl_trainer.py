@@ -31,7 +31,7 @@ from rlhf.utils.preempt import StopSignal
 
 from .advantage_stage import InvalidRewardGuard
 from .cadence import Cadence, log0
-from .experience import Stage, StepState, rl_stages, score_batch
+from .experience import Stage, StepState, gathered_rollout, rl_stages, score_batch
 from .roles import build_roles
 
 
@@ -128,7 +128,7 @@ class RLTrainer:
         self.kl_ctl = make_kl_controller(a.init_kl_coef, a.kl_target, a.kl_horizon)
         self.reward_norm = RunningMeanStd() if a.normalize_reward else None
         self.invalid_rewards = InvalidRewardGuard(a.max_invalid_reward_batches)
-        self.stages: List[Stage] = [s for s in rl_stages(cfg, self.roles) if s.applies(self)]
+        self.stages: List[Stage] = [s for s in rl_stages() if s.applies(self)]
         self.step = 0
         lg = cfg.logging
         self.logger = MetricsLogger(self.rank, lg.log_dir, total, run_name=lg.wandb_run_name or run_name,
@@ -136,10 +136,6 @@ class RLTrainer:
                                     use_tensorboard=lg.use_tensorboard, progress_bar=lg.progress_bar,
                                     config=cfg.to_dict())
         self.cadence = Cadence(cfg, self.logger, StopSignal(comm_device=self.comm_device))
-
-    @staticmethod
-    def log(msg: str) -> None:
-        log0(msg)
 
     # ---- data ------------------------------------------------------------------------------------------------------
     def prompts_for(self, step: int):
@@ -264,8 +260,7 @@ class RLTrainer:
         with self.watchdog.phase("eval"):
             with self.scheduler.phase("eval_rollout", role="rollout"):
                 local = self.roles.rollout.generate(self.eval_prompts, self.sampling(self.step, eval_mode=True))
-                batch = self.roles.rollout.gather(local, len(self.eval_prompts), n, self.tokenizer.pad_token_id,
-                                                  with_rewards=self.agent_mode)
+                batch = gathered_rollout(self, local, self.eval_prompts, n)
             with self.scheduler.phase("eval_reward", role="reward"):
                 res = score_batch(self, batch, st.labels)
         r, valid = res["rewards"], res["valid"]

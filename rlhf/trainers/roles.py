@@ -13,7 +13,7 @@ sequence whatever the shard sizes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -193,7 +193,6 @@ class Roles:
     critic: Optional[ModelRole] = None
     reward: Optional[ModelRole] = None          # sequence-classification reward model
     reward_stats: tuple = (0.0, 1.0)
-    extra: Dict[str, Role] = field(default_factory=dict)
 
     def all(self) -> Dict[str, Role]:
         return {k: v for k, v in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic),
