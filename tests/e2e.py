@@ -9,9 +9,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def torchrun(module: str, nproc: int, args, cwd, log_dir: str, timeout: int = 600):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module,
-           "--log_dir", log_dir, "--no_progress_bar", *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
+    """nproc 0: plain ``python -m module`` (one process, no torchrun and none of its environment variables)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    cmd = [sys.executable, *launcher, "-m", module, "--log_dir", log_dir, "--no_progress_bar", *map(str, args)]
+    env = {k: v for k, v in os.environ.items() if nproc or k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env = dict(env, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:

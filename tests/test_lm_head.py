@@ -15,8 +15,11 @@ def _plain(h, w, b, y, T):
     return lp.gather(-1, y[:, None]).squeeze(-1), -(lp.exp() * lp).sum(-1)
 
 
+@pytest.mark.parametrize("keep", [lm_head.KEEP_BYTES, 1000, 0], ids=["keep_all", "keep_first_chunk", "recompute"])
 @pytest.mark.parametrize("T,bias,chunk", [(1.0, False, 1024), (0.7, True, 5), (2.0, False, 1)])
-def test_head_logprobs_values_and_grads_equal_full_logits(T, bias, chunk):
+def test_head_logprobs_values_and_grads_equal_full_logits(T, bias, chunk, keep):
+    """keep: what forward may keep for backward (all chunks; 1000 bytes = the first 5-row float32 chunk only,
+    the rest recomputed; nothing)."""
     g = torch.Generator().manual_seed(0)
     N, H, V = 23, 8, 40
     h = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
@@ -24,7 +27,7 @@ def test_head_logprobs_values_and_grads_equal_full_logits(T, bias, chunk):
     b = torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
     y = torch.randint(0, V, (N,), generator=g)
     a, c = torch.randn(N, generator=g, dtype=torch.float64), torch.randn(N, generator=g, dtype=torch.float64)
-    lp, ent = head_logprobs(h, w, b, y, T, chunk, with_entropy=True)
+    lp, ent = head_logprobs(h, w, b, y, T, chunk, with_entropy=True, keep_bytes=keep)
     rlp, rent = _plain(h, w, b, y, T)
     assert torch.allclose(lp.double(), rlp, atol=1e-5), "log-probs differ from log_softmax of the full logits"
     assert torch.allclose(ent.double(), rent, atol=1e-5), "entropy differs from the full-logits entropy"
@@ -34,11 +37,12 @@ def test_head_logprobs_values_and_grads_equal_full_logits(T, bias, chunk):
     for name, x, r in zip(("hidden", "weight", "bias"), got, want):
         assert torch.allclose(x, r, atol=1e-4), f"gradient of {name} differs"
     # log-probs only, entropy as a metric: its gradient is not needed and not taken
-    lp2, none = head_logprobs(h, w, b, y, T, chunk)
+    lp2, none = head_logprobs(h, w, b, y, T, chunk, keep_bytes=keep)
     assert none is None
-    got2 = torch.autograd.grad((lp2.double() * a).sum(), params)
     want2 = torch.autograd.grad((_plain(h, w, b, y, T)[0] * a).sum(), params)
-    assert all(torch.allclose(x, r, atol=1e-4) for x, r in zip(got2, want2))
+    for attempt in ("first backward", "second backward (retain_graph: kept chunks are used once, then recomputed)"):
+        got2 = torch.autograd.grad((lp2.double() * a).sum(), params, retain_graph=True)
+        assert all(torch.allclose(x, r, atol=1e-4) for x, r in zip(got2, want2)), f"gradient differs, {attempt}"
 
 
 def test_chunk_rows_bounded_by_bytes(monkeypatch):
@@ -115,3 +119,31 @@ def test_fusable_head_refuses_what_it_cannot_stand_in_for():
     del m.lm_head.weight.ds_id
     m.lm_head = torch.nn.Sequential(torch.nn.Linear(16, 40, bias=False))
     assert fusable_head(m) is None
+
+
+def test_kept_chunks_arena_two_live_graphs_and_empty_rows():
+    """The CPU arena for kept chunks serves one graph at a time: a second forward while the first graph still
+    holds it gets fresh buffers, and both backwards give the full-logits gradients; the arena is free again
+    after backward (or once a graph is dropped unused).  Zero rows (an empty shard's dummy forward) work too."""
+    g = torch.Generator().manual_seed(1)
+    N, H, V = 12, 6, 30
+    w = torch.randn(V, H, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, V, (N,), generator=g)
+    h1 = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
+    h2 = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
+    lp1, _ = head_logprobs(h1, w, None, y, 1.0, 4)
+    assert lm_head._ARENA.busy, "the first graph should hold the arena"
+    lp2, _ = head_logprobs(h2, w, None, y, 1.0, 4)  # arena busy: its kept chunks are fresh tensors
+    for h, lp in ((h2, lp2), (h1, lp1)):
+        got = torch.autograd.grad(lp.double().sum(), (h, w))
+        want = torch.autograd.grad(_plain(h, w, None, y, 1.0)[0].sum(), (h, w))
+        assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(got, want)), "kept-chunk gradient differs"
+    assert not lm_head._ARENA.busy, "backward should hand the arena back"
+    lp3, _ = head_logprobs(h1, w, None, y, 1.0, 4)
+    assert lm_head._ARENA.busy
+    del lp3  # graph dropped without a backward
+    assert not lm_head._ARENA.busy, "a dropped graph should hand the arena back"
+    h0 = torch.zeros(0, H, dtype=torch.float64, requires_grad=True)
+    lp0, _ = head_logprobs(h0, w, None, y[:0], 1.0, 4)
+    (gh0, gw0) = torch.autograd.grad(lp0.sum(), (h0, w))
+    assert gh0.shape == (0, H) and float(gw0.abs().sum()) == 0.0

@@ -145,6 +145,37 @@ def test_inverse_cdf_sampler_frequencies_and_zero_mass():
     assert torch.equal(sample_inverse_cdf(p.expand(50, 4) * 7, g1), sample_inverse_cdf(p.expand(50, 4), g2))
 
 
+def test_two_level_sampler_is_the_single_level_inverse_cdf_over_many_blocks():
+    """V = 600: two full 256-token blocks and a short one, zero-mass tokens at block edges and a whole zero
+    block.  For the same uniforms the two-level draw is the index a plain cumsum + searchsorted gives, and the
+    sampled log-prob is log_softmax(z / T)[token]."""
+    from rlhf.rollout import sampling
+    from rlhf.rollout.sampling import next_tokens, sample_inverse_cdf
+
+    assert sampling.BLOCK == 256
+    g = torch.Generator().manual_seed(0)
+    B, V = 4000, 600
+    p = torch.rand(B, V, generator=g) ** 4
+    p[:, 255] = 0  # last of block 0
+    p[:, 256] = 0  # first of block 1
+    p[:, 512:] = 0  # the short last block holds nothing ...
+    p[:7, 599] = 1e4  # ... except in a few rows, where the vocabulary's last index holds ~99% of the mass
+    two = sample_inverse_cdf(p, torch.Generator().manual_seed(5)).squeeze(1)
+    u = torch.rand((B, 1), generator=torch.Generator().manual_seed(5))
+    cdf = p.double().cumsum(-1)
+    one = torch.searchsorted(cdf, u.double() * cdf[:, -1:], right=True).squeeze(1)
+    agree = (two == one).float().mean().item()
+    assert agree > 0.999, f"two-level and single-level inverse CDF agree on only {agree:.4f} of draws"
+    assert bool((p.gather(1, two[:, None]) > 0).all()), "a zero-mass token was drawn"
+    assert int((two[:7] == 599).sum()) >= 5 and int((two[7:] >= 512).sum()) == 0
+    # next_tokens: the log-prob of the drawn token under the full temperature-scaled distribution
+    z = torch.randn(64, V, generator=g) * 4
+    for T in (1.0, 0.7):
+        tok, lp = next_tokens(z, T, 0, 1.0, torch.Generator().manual_seed(1))
+        want = torch.log_softmax(z / T, -1).gather(1, tok).squeeze(1)
+        assert torch.allclose(lp, want, atol=1e-5), f"sampled log-probs differ from log_softmax at T={T}"
+
+
 def test_decode_loop_greedy_equals_hf_generate_and_stops_rows_early(sft_model):
     """Mixed prompt lengths (left padding), n > 1, rows stopping at different steps and leaving the batch."""
     from rlhf.data.formatting import pad_batch

@@ -60,6 +60,16 @@ def test_grpo_vllm_colocated_tp2(vllm_kit, tmp_path):
     assert max(_gaps(train)) < 1e-4, _gaps(train)
 
 
+def test_grpo_vllm_without_torchrun(vllm_kit, tmp_path):
+    """``python -m rlhf.train_grpo`` with no launcher: vLLM's external launcher reads RANK / LOCAL_RANK, which only
+    torchrun sets; the engine supplies them from the trainer's one-process group (it used to stop on KeyError)."""
+    args = _rl_args(vllm_kit, vllm_kit, max_global_steps=2, eval_steps=-1, rollout_engine="vllm",
+                    enable_is_correction=True, train_batch_size=16, save_path=tmp_path / "m")
+    train, _, _ = torchrun("rlhf.train_grpo", 0, args, tmp_path, str(tmp_path / "logs"))
+    assert [r["step"] for r in train] == [1, 2]
+    assert max(_gaps(train)) < 1e-4, _gaps(train)
+
+
 def test_grpo_vllm_separate_rollout_rank_async(vllm_kit, tmp_path):
     """actor on ranks 0-1, vLLM engine on rank 2 in its own processes; weights by broadcast; one-step async."""
     args = _rl_args(vllm_kit, vllm_kit, actor_num_gpus_per_node=2, vllm_num_engines=1, async_train=True,

@@ -41,6 +41,12 @@ class ModelConfig:
     lora_alpha: int = opt(16, "LoRA alpha")
     target_modules: str = opt("all-linear", "LoRA target modules (comma separated or all-linear)")
     logprob_chunk_size: int = opt(1024, "tokens per chunk when computing log-probs (bounds the vocab-sized buffer)")
+    lm_head_keep_mb: int = opt(1024, "MiB of softmax probabilities the fused LM head may keep from forward for "
+                                     "backward instead of recomputing the logits (0 = always recompute)")
+
+    @property
+    def lm_head_keep_bytes(self) -> int:
+        return max(0, int(self.lm_head_keep_mb)) << 20
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 
 from rlhf.algorithms.logprob import entropy_chunked, logprobs_from_logits
 
-from .lm_head import fusable_head, head_logprobs, head_removed
+from .lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_removed
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -28,9 +28,10 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def action_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int,
                     temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-                    entropy_grad: bool = True, fused: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                    entropy_grad: bool = True, fused: bool = True,
+                    keep_bytes: int = KEEP_BYTES) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """log pi(a_t | s_<t) for the last num_actions tokens: (B, num_actions) float32, and entropy if asked
-    (without a graph when entropy_grad is False: a metric only)."""
+    (without a graph when entropy_grad is False: a metric only).  keep_bytes: lm_head.head_logprobs."""
     head = fusable_head(model) if fused else None
     labels = sequences[:, -num_actions:]
     if head is not None:
@@ -39,7 +40,7 @@ def action_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor
                        position_ids=position_ids_from_mask(attention_mask), logits_to_keep=num_actions + 1,
                        use_cache=False).logits[:, :-1]
         lp, ent = head_logprobs(hs.reshape(-1, hs.size(-1)), head.weight, head.bias, labels.reshape(-1),
-                                _temp(temperature), chunk_size, with_entropy)
+                                _temp(temperature), chunk_size, with_entropy, keep_bytes)
         if ent is not None:
             ent = (ent if entropy_grad else ent.detach()).view(labels.shape)
         return lp.view(labels.shape), ent
@@ -71,7 +72,7 @@ def pack(sequences: torch.Tensor, attention_mask: torch.Tensor):
 
 def packed_action_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor,
                            temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-                           entropy_grad: bool = True, fused: bool = True):
+                           entropy_grad: bool = True, fused: bool = True, keep_bytes: int = KEEP_BYTES):
     """Same contract as action_logprobs, computed on one packed row (no padding FLOPs).
     Returns log-probs, or (log-probs, entropy) with with_entropy.
 
@@ -82,7 +83,7 @@ def packed_action_logprobs(model, sequences: torch.Tensor, attention_mask: torch
     head = fusable_head(model) if fused else None
     if head is not None:
         return _packed_fused(model, head, ids, pos, lengths, attention_mask, action_mask.size(1), temperature,
-                             chunk_size, with_entropy, entropy_grad)
+                             chunk_size, with_entropy, entropy_grad, keep_bytes)
     logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
@@ -106,7 +107,7 @@ def packed_action_logprobs(model, sequences: torch.Tensor, attention_mask: torch
 
 
 def _packed_fused(model, head, ids, pos, lengths, attention_mask, num_actions, temperature, chunk_size, with_entropy,
-                  entropy_grad):
+                  entropy_grad, keep_bytes):
     """packed_action_logprobs over the hidden states: one head_logprobs call over every sample's response rows."""
     with head_removed(model, head):
         hs = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
@@ -116,7 +117,7 @@ def _packed_fused(model, head, ids, pos, lengths, attention_mask, num_actions, t
     col = torch.cat([torch.arange(int(r), device=ids.device) for r in resp.tolist()])
     tgt = (ends - resp)[row] + col  # packed position of each response token; its logits sit one before
     lp, ent = head_logprobs(hs[tgt - 1], head.weight, head.bias, ids[0, tgt], _temp(temperature), chunk_size,
-                            with_entropy)
+                            with_entropy, keep_bytes)
     B = lengths.numel()
     out = torch.zeros((B, num_actions), dtype=lp.dtype, device=lp.device).index_put((row, col), lp)
     if not with_entropy:

@@ -12,16 +12,23 @@ batches on CPU (measured in bench/grpo_vs_trl.py):
 - rows that hit a stop token leave the batch (the cache is compacted), like a
   continuous-batching engine, so later steps run on the live rows only;
 - the sampled token's log-prob comes from the logits already computed, instead
-  of keeping every step's full logits for a second pass.
+  of keeping every step's full logits for a second pass;
+- sampling is two-level (block sums, then one block), three passes over the vocabulary;
+- on CPU the LM head multiplies by a transposed, contiguous copy of its weight, made
+  once per call: with a few rows per step MKL is ~30% faster on that layout (measured
+  16 x 256 by 256 x 32000: 6.5 ms against 9.1 ms for ``F.linear``).
 
 Greedy decoding is token-identical to ``model.generate`` (tested).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Optional, Sequence, Tuple
 
 import torch
+
+from rlhf.models.lm_head import fusable_head, head_removed
 
 Tensor = torch.Tensor
 
@@ -44,22 +51,50 @@ def top_k_top_p_filter(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Te
     return logits
 
 
-def sample_inverse_cdf(probs: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
+BLOCK = 256  # vocabulary block of the two-level sampler
+
+
+def sample_inverse_cdf(probs: Tensor, generator: Optional[torch.Generator] = None,
+                       block_sums: Optional[Tensor] = None) -> Tensor:
     """One draw per row from categorical(probs): the first index i with cumsum(probs)_i > u * sum(probs).
 
-    probs (B, V) non-negative, need not be normalised -> (B, 1) long.
+    probs (B, V) non-negative, need not be normalised -> (B, 1) long; never an index of zero mass.
+    Two levels, so no pass over the vocabulary is sequential: the cumsum of the BLOCK-sized block sums picks
+    the block holding u * sum, the cumsum inside that one block picks the index (``block_sums``: the (B, nblocks)
+    sums when the caller has them).
     """
-    cdf = probs.cumsum(-1)
-    u = torch.rand((probs.size(0), 1), generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)
+    B, V = probs.shape
+    nb = -(-V // BLOCK)
+    bs = _block_sums(probs) if block_sums is None else block_sums
+    cb = bs.cumsum(-1)
+    u = torch.rand((B, 1), generator=generator, device=probs.device, dtype=cb.dtype) * cb[:, -1:]
+    j = torch.searchsorted(cb, u, right=True).clamp_(max=nb - 1)  # block: first with cumulative mass > u
+    rem = (u - (cb.gather(1, j) - bs.gather(1, j))).clamp_(min=0)  # mass still to cover inside block j
+    idx = j * BLOCK + torch.arange(BLOCK, device=probs.device)
+    inside = idx < V
+    vals = probs.gather(1, idx.clamp(max=V - 1)) * inside
+    k = torch.searchsorted(vals.cumsum(-1), rem, right=True)
+    # float rounding can put rem at or past the block's own total: take the block's last index of non-zero mass
+    last = torch.where(vals > 0, torch.arange(BLOCK, device=probs.device), -1).amax(-1, keepdim=True)
+    return j * BLOCK + torch.minimum(k, last.clamp_(min=0))
+
+
+def _block_sums(w: Tensor) -> Tensor:
+    """(B, V) -> (B, ceil(V / BLOCK)) sums of consecutive BLOCK-sized slices (the last one may be short)."""
+    B, V = w.shape
+    full = V // BLOCK
+    bs = w[:, :full * BLOCK].reshape(B, full, BLOCK).sum(-1)
+    return bs if full * BLOCK == V else torch.cat([bs, w[:, full * BLOCK:].sum(-1, keepdim=True)], 1)
 
 
 def next_tokens(logits: Tensor, temperature: float, top_k: int, top_p: float,
                 generator: Optional[torch.Generator] = None) -> Tuple[Tensor, Tensor]:
     """Sample (or argmax when temperature == 0) and return (tokens (B, 1), log-probs (B,)).
 
-    The log-prob is log softmax(z / T)[token] of the full temperature-scaled
-    distribution (what the trainer recomputes), not of the truncated one.
+    The log-prob is log softmax(z / T)[token] = z[token] / T - logsumexp(z / T) of the full temperature-scaled
+    distribution (what the trainer recomputes), not of the truncated one.  Without top-k / top-p the
+    weights are e = exp(z / T - max), and the sampler's block sums give logsumexp = max + log(sum e): three
+    passes over the vocabulary (max, exp, block sums), no full log-softmax, cumsum or normalisation.
     """
     z = logits.float()
     if temperature == 0:
@@ -67,10 +102,16 @@ def next_tokens(logits: Tensor, temperature: float, top_k: int, top_p: float,
         return tok, torch.log_softmax(z, -1).gather(1, tok).squeeze(1)
     if temperature != 1.0:
         z = z / temperature
-    lp = torch.log_softmax(z, -1)
-    filt = top_k_top_p_filter(lp, top_k, top_p) if (top_k > 0 or top_p < 1.0) else lp
-    tok = sample_inverse_cdf(filt.exp(), generator)
-    return tok, lp.gather(1, tok).squeeze(1)
+    if top_k > 0 or top_p < 1.0:
+        lp = torch.log_softmax(z, -1)
+        tok = sample_inverse_cdf(top_k_top_p_filter(lp, top_k, top_p).exp(), generator)
+        return tok, lp.gather(1, tok).squeeze(1)
+    m = z.amax(-1, keepdim=True)
+    e = (z - m).exp_()
+    bs = _block_sums(e)
+    tok = sample_inverse_cdf(e, generator, bs)
+    lse = m.squeeze(1) + bs.sum(-1).log()
+    return tok, z.gather(1, tok).squeeze(1) - lse
 
 
 def _new_cache(model):
@@ -95,6 +136,27 @@ def decode(model, prompt_ids: Tensor, prompt_mask: Tensor, n: int, max_new_token
     number of decode steps taken (<= max_new_tokens: the loop ends once every row stopped).
     Rows are prompt-major: row i*n + j is sample j of prompt i.
     """
+    with _cpu_head(model) as head:
+        return _decode(model, head, prompt_ids, prompt_mask, n, max_new_tokens, stop_ids, pad_id, temperature,
+                       top_k, top_p, generator)
+
+
+@contextlib.contextmanager
+def _cpu_head(model):
+    """On CPU with a plain Linear head: the model without its head (its outputs are hidden states) and a
+    function from the last hidden state to logits through the transposed weight.  Elsewhere: the model as it
+    is and the identity (on GPU the copy would cost memory and gain nothing)."""
+    head = fusable_head(model)
+    if head is None or head.weight.device.type != "cpu":
+        yield lambda x: x
+        return
+    wt, b = head.weight.detach().t().contiguous(), head.bias
+    with head_removed(model, head):
+        yield (lambda x: x @ wt) if b is None else (lambda x: torch.addmm(b.detach(), x, wt))
+
+
+def _decode(model, head, prompt_ids, prompt_mask, n, max_new_tokens, stop_ids, pad_id, temperature, top_k, top_p,
+            generator):
     dev = prompt_ids.device
     kw, cache = _new_cache(model)
     Bp, P = prompt_ids.shape
@@ -105,7 +167,7 @@ def decode(model, prompt_ids: Tensor, prompt_mask: Tensor, n: int, max_new_token
     pos = (prompt_mask.long().cumsum(1) - 1).clamp_(min=0)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask if padded else None, position_ids=pos,
                 use_cache=True, logits_to_keep=1, **{kw: cache})
-    logits = out.logits[:, -1]
+    logits = head(out.logits[:, -1])
     last = pos[:, -1:]
     if n > 1:
         cache.batch_repeat_interleave(n)
@@ -132,5 +194,5 @@ def decode(model, prompt_ids: Tensor, prompt_mask: Tensor, n: int, max_new_token
         last = last + 1
         out = model(input_ids=tok, attention_mask=mask_buf[:, :P + t + 1] if padded else None, position_ids=last,
                     use_cache=True, **{kw: cache})
-        logits = out.logits[:, -1]
+        logits = head(out.logits[:, -1])
     return tokens[:, :steps], logps[:, :steps]

@@ -145,6 +145,18 @@ def _env(set_: dict, drop: Sequence[str] = ()):
                 os.environ[k] = v
 
 
+def _launcher_env() -> dict:
+    """What vLLM's external launcher reads (RANK, LOCAL_RANK) and a plain ``python -m rlhf.train_grpo``
+    without torchrun does not set: taken from the process group the trainer already made (vLLM reuses it)."""
+    import torch.distributed as dist
+
+    if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
+        return {}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return {"RANK": rank, "LOCAL_RANK": os.environ.get("LOCAL_RANK", rank), "WORLD_SIZE": world}
+
+
 def _shutdown_if_world(core):
     import torch.distributed as dist
 
@@ -212,7 +224,7 @@ class VLLMEngine(RolloutEngine):
             kw["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         if mode == "colocated":
             kw["distributed_executor_backend"] = "external_launcher"
-            with _env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
+            with _env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **_launcher_env()}):
                 self.llm = vllm.LLM(**kw)
             _tolerant_exit(self.llm)
         else:

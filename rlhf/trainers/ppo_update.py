@@ -105,11 +105,13 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
                     if m.packing_samples:  # one packed row, no padding FLOPs
                         logp, ent = packed_action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev),
                                                            mb.action_mask.to(dev), temp, m.logprob_chunk_size,
-                                                           with_entropy=True, entropy_grad=ent_grad)
+                                                           with_entropy=True, entropy_grad=ent_grad,
+                                                           keep_bytes=m.lm_head_keep_bytes)
                     else:
                         logp, ent = action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev),
                                                     mb.action_mask.size(1), temp, m.logprob_chunk_size,
-                                                    with_entropy=True, entropy_grad=ent_grad)
+                                                    with_entropy=True, entropy_grad=ent_grad,
+                                                    keep_bytes=m.lm_head_keep_bytes)
                     old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs.to(dev)
                     ratio_base, is_w = old, None
                     if a.enable_is_correction:

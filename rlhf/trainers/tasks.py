@@ -9,7 +9,7 @@ import torch
 from rlhf.algorithms import logprobs_from_logits
 from rlhf.algorithms.preference import REWARD_MODEL_LOSSES, dpo_loss, sft_token_loss
 from rlhf.data.formatting import collate_packed, collate_supervised, format_prompt, pad_batch, tokenize_pair
-from rlhf.models.lm_head import fusable_head, head_logprobs, head_removed
+from rlhf.models.lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_removed
 from rlhf.models.load import RM_NORM_FILE, attn_implementation, from_pretrained_or_meta, load_causal_lm
 
 from .supervised import Task
@@ -20,7 +20,7 @@ def _prompt(cfg, tok, row):
     return format_prompt(row[d.input_key], tok, d.apply_chat_template, d.input_template)
 
 
-def token_logprobs(model, batch, chunk: int, fused: bool = True):
+def token_logprobs(model, batch, chunk: int, fused: bool = True, keep_bytes: int = KEEP_BYTES):
     """Per-token log p(x_{t+1} | x_<=t) aligned with loss_mask[:, 1:] (padded or packed batch).
 
     With a plain-Linear LM head only the loss_mask positions are computed, fused and chunked (no (B, T, V)
@@ -36,7 +36,8 @@ def token_logprobs(model, batch, chunk: int, fused: bool = True):
         with head_removed(model, head):
             hs = model(**kw, use_cache=False).logits[:, :-1]
         keep = batch["loss_mask"][:, 1:].bool()
-        lp, _ = head_logprobs(hs[keep], head.weight, head.bias, batch["input_ids"][:, 1:][keep], 1.0, chunk)
+        lp, _ = head_logprobs(hs[keep], head.weight, head.bias, batch["input_ids"][:, 1:][keep], 1.0, chunk,
+                              keep_bytes=keep_bytes)
         return torch.zeros(keep.shape, dtype=lp.dtype, device=lp.device).masked_scatter(keep, lp)
     logits = model(**kw, use_cache=False).logits[:, :-1]
     return logprobs_from_logits(logits, batch["input_ids"][:, 1:], chunk)
@@ -73,7 +74,7 @@ class SFTTask(Task):
 
     def loss(self, model, samples):
         b = _collate(self.cfg, self.tokenizer, samples)
-        lp = token_logprobs(model, b, self.cfg.model.logprob_chunk_size)
+        lp = token_logprobs(model, b, self.cfg.model.logprob_chunk_size, keep_bytes=self.cfg.model.lm_head_keep_bytes)
         loss = sft_token_loss(lp, b["loss_mask"][:, 1:])
         return loss, {"loss": float(loss.detach())}
 
@@ -201,7 +202,7 @@ class DPOTask(Task):
 
     def batch_logps(self, model, b, n: int):
         """Summed response log-probs of a collated batch of n pairs: (chosen, rejected, chosen token counts)."""
-        lp = token_logprobs(model, b, self.cfg.model.logprob_chunk_size)
+        lp = token_logprobs(model, b, self.cfg.model.logprob_chunk_size, keep_bytes=self.cfg.model.lm_head_keep_bytes)
         mask = b["loss_mask"][:, 1:].float()
         if "segment_ids" in b:
             seg = b["segment_ids"][0, 1:]
