@@ -146,20 +146,20 @@ def test_inverse_cdf_sampler_frequencies_and_zero_mass():
 
 
 def test_two_level_sampler_is_the_single_level_inverse_cdf_over_many_blocks():
-    """V = 600: two full 256-token blocks and a short one, zero-mass tokens at block edges and a whole zero
-    block.  For the same uniforms the two-level draw is the index a plain cumsum + searchsorted gives, and the
-    sampled log-prob is log_softmax(z / T)[token]."""
+    """V = 1300 (past SMALL_VOCAB, where one level is used): five full 256-token blocks and a short one,
+    zero-mass tokens at block edges and whole zero blocks.  For the same uniforms the two-level draw is the index
+    a plain cumsum + searchsorted gives, and the sampled log-prob is log_softmax(z / T)[token]."""
     from rlhf.rollout import sampling
     from rlhf.rollout.sampling import next_tokens, sample_inverse_cdf
 
-    assert sampling.BLOCK == 256
+    assert sampling.BLOCK == 256 and sampling.SMALL_VOCAB < 1300
     g = torch.Generator().manual_seed(0)
-    B, V = 4000, 600
+    B, V = 4000, 1300
     p = torch.rand(B, V, generator=g) ** 4
     p[:, 255] = 0  # last of block 0
     p[:, 256] = 0  # first of block 1
-    p[:, 512:] = 0  # the short last block holds nothing ...
-    p[:7, 599] = 1e4  # ... except in a few rows, where the vocabulary's last index holds ~99% of the mass
+    p[:, 1024:] = 0  # the last full block and the short one hold nothing ...
+    p[:7, 1299] = 1e4  # ... except in a few rows, where the vocabulary's last index holds ~99% of the mass
     two = sample_inverse_cdf(p, torch.Generator().manual_seed(5)).squeeze(1)
     u = torch.rand((B, 1), generator=torch.Generator().manual_seed(5))
     cdf = p.double().cumsum(-1)
@@ -167,7 +167,7 @@ def test_two_level_sampler_is_the_single_level_inverse_cdf_over_many_blocks():
     agree = (two == one).float().mean().item()
     assert agree > 0.999, f"two-level and single-level inverse CDF agree on only {agree:.4f} of draws"
     assert bool((p.gather(1, two[:, None]) > 0).all()), "a zero-mass token was drawn"
-    assert int((two[:7] == 599).sum()) >= 5 and int((two[7:] >= 512).sum()) == 0
+    assert int((two[:7] == 1299).sum()) >= 5 and int((two[7:] >= 1024).sum()) == 0
     # next_tokens: the log-prob of the drawn token under the full temperature-scaled distribution
     z = torch.randn(64, V, generator=g) * 4
     for T in (1.0, 0.7):

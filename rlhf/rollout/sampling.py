@@ -52,6 +52,7 @@ def top_k_top_p_filter(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Te
 
 
 BLOCK = 256  # vocabulary block of the two-level sampler
+SMALL_VOCAB = 4 * BLOCK  # up to this size one cumsum is cheaper than the two levels' extra small ops
 
 
 def sample_inverse_cdf(probs: Tensor, generator: Optional[torch.Generator] = None,
@@ -64,6 +65,10 @@ def sample_inverse_cdf(probs: Tensor, generator: Optional[torch.Generator] = Non
     sums when the caller has them).
     """
     B, V = probs.shape
+    if V <= SMALL_VOCAB:  # one level: fewer small ops, which is what a small vocabulary's step costs
+        cdf = probs.cumsum(-1)
+        u = torch.rand((B, 1), generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+        return torch.searchsorted(cdf, u, right=True).clamp_(max=V - 1)
     nb = -(-V // BLOCK)
     bs = _block_sums(probs) if block_sums is None else block_sums
     cb = bs.cumsum(-1)
@@ -108,9 +113,9 @@ def next_tokens(logits: Tensor, temperature: float, top_k: int, top_p: float,
         return tok, lp.gather(1, tok).squeeze(1)
     m = z.amax(-1, keepdim=True)
     e = (z - m).exp_()
-    bs = _block_sums(e)
+    bs = _block_sums(e) if e.size(-1) > SMALL_VOCAB else None
     tok = sample_inverse_cdf(e, generator, bs)
-    lse = m.squeeze(1) + bs.sum(-1).log()
+    lse = m.squeeze(1) + (e.sum(-1) if bs is None else bs.sum(-1)).log()
     return tok, z.gather(1, tok).squeeze(1) - lse
 
 
@@ -141,13 +146,16 @@ def decode(model, prompt_ids: Tensor, prompt_mask: Tensor, n: int, max_new_token
                        top_k, top_p, generator)
 
 
+SMALL_HEAD = 1 << 20  # below this many head weights the copy and the module swap cost more than they save
+
+
 @contextlib.contextmanager
 def _cpu_head(model):
     """On CPU with a plain Linear head: the model without its head (its outputs are hidden states) and a
     function from the last hidden state to logits through the transposed weight.  Elsewhere: the model as it
     is and the identity (on GPU the copy would cost memory and gain nothing)."""
     head = fusable_head(model)
-    if head is None or head.weight.device.type != "cpu":
+    if head is None or head.weight.device.type != "cpu" or head.weight.numel() < SMALL_HEAD:
         yield lambda x: x
         return
     wt, b = head.weight.detach().t().contiguous(), head.bias
