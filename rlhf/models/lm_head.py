@@ -59,7 +59,7 @@ class _KeepArena:
         if device.type != "cpu" or self.busy or numel <= 0:
             return None
         if self.buf is None or self.buf.numel() < numel:
-            self.buf = None
+            self.buf = None  # free the smaller buffer before allocating the larger one (peak: one of them)
             self.buf = torch.empty(numel, dtype=torch.float32)
         self.busy = True
         return _Lease(self)

@@ -8,7 +8,7 @@ import torch
 from rlhf.data.formatting import pad_batch
 
 from .base import RolloutBatch, RolloutEngine, SamplingParams, merge_batches, response_mask
-from .sampling import decode
+from .sampling import decode_with_head, logits_head
 
 
 class HFEngine(RolloutEngine):
@@ -31,16 +31,18 @@ class HFEngine(RolloutEngine):
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
-        for s in range(0, len(prompt_ids), per):
-            outs.append(self._generate_chunk(prompt_ids[s:s + per], params, stop, gen))
+        with logits_head(self.model) as head:  # one head copy for every chunk of this call
+            for s in range(0, len(prompt_ids), per):
+                outs.append(self._generate_chunk(prompt_ids[s:s + per], params, stop, gen, head))
         return merge_batches(outs, self.tokenizer.pad_token_id)
 
-    def _generate_chunk(self, prompts, params: SamplingParams, stop, gen) -> RolloutBatch:
+    def _generate_chunk(self, prompts, params: SamplingParams, stop, gen, head) -> RolloutBatch:
         pad = self.tokenizer.pad_token_id
         ids, att = pad_batch(prompts, pad, side="left")
         ids, att = ids.to(self.device), att.to(self.device)
-        resp, lp = decode(self.model, ids, att, params.n, params.max_new_tokens, stop, pad,
-                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=gen)
+        resp, lp = decode_with_head(self.model, head, ids, att, params.n, params.max_new_tokens, stop, pad,
+                                    temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                    generator=gen)
         ids, att = ids.repeat_interleave(params.n, 0), att.repeat_interleave(params.n, 0)
         am = response_mask(resp, stop)
         truncated = ~(torch.isin(resp, torch.tensor(stop, device=resp.device)).any(1))

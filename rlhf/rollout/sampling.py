@@ -141,19 +141,20 @@ def decode(model, prompt_ids: Tensor, prompt_mask: Tensor, n: int, max_new_token
     number of decode steps taken (<= max_new_tokens: the loop ends once every row stopped).
     Rows are prompt-major: row i*n + j is sample j of prompt i.
     """
-    with _cpu_head(model) as head:
-        return _decode(model, head, prompt_ids, prompt_mask, n, max_new_tokens, stop_ids, pad_id, temperature,
-                       top_k, top_p, generator)
+    with logits_head(model) as head:
+        return decode_with_head(model, head, prompt_ids, prompt_mask, n, max_new_tokens, stop_ids, pad_id,
+                                temperature, top_k, top_p, generator)
 
 
 SMALL_HEAD = 1 << 20  # below this many head weights the copy and the module swap cost more than they save
 
 
 @contextlib.contextmanager
-def _cpu_head(model):
+def logits_head(model):
     """On CPU with a plain Linear head: the model without its head (its outputs are hidden states) and a
-    function from the last hidden state to logits through the transposed weight.  Elsewhere: the model as it
-    is and the identity (on GPU the copy would cost memory and gain nothing)."""
+    function from the last hidden state to logits through the transposed weight, copied once for the block (enter
+    it once per batch of decode calls over the same weights).  Elsewhere: the model as it is and the identity (on
+    GPU the copy would cost memory and gain nothing)."""
     head = fusable_head(model)
     if head is None or head.weight.device.type != "cpu" or head.weight.numel() < SMALL_HEAD:
         yield lambda x: x
@@ -163,8 +164,9 @@ def _cpu_head(model):
         yield (lambda x: x @ wt) if b is None else (lambda x: torch.addmm(b.detach(), x, wt))
 
 
-def _decode(model, head, prompt_ids, prompt_mask, n, max_new_tokens, stop_ids, pad_id, temperature, top_k, top_p,
-            generator):
+def decode_with_head(model, head, prompt_ids, prompt_mask, n, max_new_tokens, stop_ids, pad_id, temperature=1.0,
+                     top_k=0, top_p=1.0, generator=None):
+    """decode inside a ``logits_head(model)`` block: ``head`` is what the block yielded."""
     dev = prompt_ids.device
     kw, cache = _new_cache(model)
     Bp, P = prompt_ids.shape
