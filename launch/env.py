@@ -7,18 +7,39 @@ import shlex
 import subprocess
 from typing import Dict, List, Optional, Sequence
 
+# Why each default (the user's own export wins over every one of them; see job_env / shell_exports):
 NCCL_DEFAULTS = {
-    "NCCL_IB_DISABLE": "0",              # use InfiniBand
+    # InfiniBand between nodes: NCCL docs, "Environment Variables" (NCCL_IB_*, NCCL_SOCKET_IFNAME, NCCL_CROSS_NIC).
+    "NCCL_IB_DISABLE": "0",              # use InfiniBand (NCCL falls back to TCP sockets when set to 1)
     "NCCL_IB_HCA": "mlx5",               # all mlx5 HCAs; narrow with e.g. mlx5_0,mlx5_1
-    "NCCL_SOCKET_IFNAME": "^lo,docker",  # bootstrap over any non-loopback interface
-    "NCCL_IB_TIMEOUT": "22",
-    "NCCL_IB_RETRY_CNT": "10",
-    "NCCL_CROSS_NIC": "1",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-    "TORCH_NCCL_BLOCKING_WAIT": "0",
+    "NCCL_SOCKET_IFNAME": "^lo,docker",  # bootstrap over any non-loopback, non-container interface
+    "NCCL_IB_TIMEOUT": "22",             # IB verbs timeout 4.096us * 2^22 ~ 17 s: rides out a switch hiccup
+    "NCCL_IB_RETRY_CNT": "10",           # retries before a transient IB error becomes a failed collective
+    "NCCL_CROSS_NIC": "1",               # rings may cross NICs: rail-optimised and non-rail fabrics both work
+    # NVLink SHARP (NVLS, in-switch reductions on NVSwitch systems, Hopper+) is on by default where supported; it
+    # reserves extra device memory per communicator and its buffers are not released by vLLM's / our sleep, which
+    # hurts colocated rollout + training; NCCL docs: "NCCL_NVLS_ENABLE ... Enable the use of NVLink SHARP".  Off.
     "NCCL_NVLS_ENABLE": "0",
-    "OMP_NUM_THREADS": "8",
-    "TOKENIZERS_PARALLELISM": "false",
+    # PyTorch's NCCL watchdog (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp): 3 = SkipCleanUp, tear the process
+    # down on a collective error/timeout without aborting the communicators first -- the mode the flight recorder
+    # needs to finish its dump (1 = TearDown aborts the work it would record; torchtitan's
+    # torchtitan/distributed/utils.py init_distributed sets 3 for this reason, pytorch/pytorch#121055).
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    "TORCH_NCCL_BLOCKING_WAIT": "0",     # wait() does not block the CPU; the watchdog thread enforces timeouts
+    # Flight recorder: a ring buffer of the last collectives of every group, dumped per rank when a collective times
+    # out (TORCH_NCCL_DUMP_ON_TIMEOUT=1, ProcessGroupNCCL.hpp) -- and by our own watchdog (failfast.py) when a phase
+    # deadline ends a stuck job first.  Read the dumps with `python -m torch.distributed.flight_recorder.fr_trace`.
+    # Buffer size: TORCH_FR_BUFFER_SIZE (torch >= 2.9, FlightRecorder.hpp), TORCH_NCCL_TRACE_BUFFER_SIZE before it
+    # (still read as an alias); 2000 entries is torch's own default, set so it does not depend on the version.
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_FR_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    # Where the dumps go: <prefix><rank>, under the job's output (torch's default /tmp is node-local and lost with
+    # the node); the new name and the pre-2.9 one.  slurm/common.sh creates the folder.
+    "TORCH_FR_DUMP_TEMP_FILE": "output/flight_recorder/rank_",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "output/flight_recorder/rank_",
+    "OMP_NUM_THREADS": "8",              # torch's default is every core per rank: 8 ranks x 64 threads thrash
+    "TOKENIZERS_PARALLELISM": "false",   # the Rust tokenizer's threads deadlock after fork (data workers)
 }
 
 

@@ -10,14 +10,15 @@ eval "$(cd "$RLHF_HOME" && python -m launch.env --exports)"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
 export TOKENIZERS_PARALLELISM=false
 export RLHF_STOP_FILE="${RLHF_STOP_FILE:-$PWD/output/slurm-$SLURM_JOB_ID.stop}"
-mkdir -p output
+mkdir -p output "$(dirname "$TORCH_FR_DUMP_TEMP_FILE")"   # NCCL flight-recorder dumps land there on a hang
 rm -f "$RLHF_STOP_FILE"
 echo "[slurm] job $SLURM_JOB_ID: $SLURM_NNODES node(s) x $GPUS_PER_NODE ranks, rendezvous $MASTER_ADDR:$MASTER_PORT" \
      "(restart ${SLURM_RESTART_COUNT:-0})"
 
 SRUN_PID=""
-# USR1 comes from --signal=B:USR1@300 before the time limit (or from `scancel --signal=USR1 --batch`):
-# checkpoint, then requeue ourselves; the restart resumes with --load_checkpoint.
+# USR1 comes from --signal=B:USR1@$RLHF_SIGNAL_LEAD_S before the time limit (or `scancel --signal=USR1 --batch`):
+# finish the step, checkpoint, then requeue ourselves; the restart resumes with --load_checkpoint. The lead time is
+# sized per script from the model and recipe (launch/sbatch.py signal_lead_s; README, SLURM).
 on_usr1() {
   echo "[slurm] USR1 (time limit or preemption notice): asking the trainers to checkpoint"
   touch "$RLHF_STOP_FILE"

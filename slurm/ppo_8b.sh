@@ -7,10 +7,12 @@
 #SBATCH --time=24:00:00
 #SBATCH --output=%x-%j.out
 #SBATCH --open-mode=append
-#SBATCH --signal=B:USR1@300
+#SBATCH --signal=B:USR1@1620
 #SBATCH --requeue
 
 # ppo-8b: 1 node(s) x 8 ranks. Extra flags after the script name
 # override the config, e.g.  sbatch slurm/<this>.sh --actor_learning_rate 1e-6
+# USR1 1620s before the time limit (finish the step, save, requeue): 1.5 x (step ~839s + save ~224s) rounded up to minutes, floor 300s; 8.0B params from the name 'OpenRLHF/Llama-3-8b-sft-mixture'; 224 GB of checkpoint over 1 node(s) at 1 GB/s each
+export RLHF_SIGNAL_LEAD_S=1620
 source "${RLHF_HOME:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"
 rlhf_run rlhf.train_ppo --config "$RLHF_HOME/configs/ppo_llama3_8b.yaml" --load_checkpoint --start_fresh_if_no_checkpoint "$@"

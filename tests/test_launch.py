@@ -9,7 +9,7 @@ import time
 import pytest
 
 from launch.env import expand_nodelist, job_env, master_port, torchrun_cmd, with_resume
-from launch.sbatch import ROOT, SHIPPED, Job, render
+from launch.sbatch import LEAD_FLOOR_S, ROOT, SHIPPED, Job, model_params, params_from_hf_config, render, signal_lead_s
 
 
 def test_expand_nodelist():
@@ -40,7 +40,9 @@ def test_torchrun_cmd():
 def test_render_and_shipped_scripts_in_sync():
     text = render(Job("j", "rlhf.train_dpo", ["--config", "configs/dpo_llama3_8b.yaml", "--beta", "0.2"], nodes=2,
                       partition="gpu"))
-    for needle in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "--signal=B:USR1@300",
+    lead = signal_lead_s("rlhf.train_dpo", ["--config", "configs/dpo_llama3_8b.yaml", "--beta", "0.2"], 2, 8)[0]
+    for needle in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
+                   f"--signal=B:USR1@{lead}\n", f"export RLHF_SIGNAL_LEAD_S={lead}\n",
                    "#SBATCH --requeue", 'source "${RLHF_HOME:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"',
                    'rlhf_run rlhf.train_dpo --config "$RLHF_HOME/configs/dpo_llama3_8b.yaml" --beta 0.2 --load_checkpoint '
                    '--start_fresh_if_no_checkpoint "$@"'):
@@ -50,6 +52,7 @@ def test_render_and_shipped_scripts_in_sync():
             assert fh.read() == render(job), f"slurm/{name} is stale: python -m launch.sbatch --write_shipped"
         if job.args[:1] == ["--config"]:
             assert os.path.isfile(os.path.join(ROOT, job.args[1]))
+    assert "#SBATCH --signal=B:USR1@300\n" not in open(os.path.join(ROOT, "slurm", "ppo_70b.sh")).read()
     common = open(os.path.join(ROOT, "slurm", "common.sh")).read()
     for needle in ("scontrol show hostnames", "python -m launch.env --exports", "scontrol requeue",
                    "--rdzv_backend c10d", "trap on_usr1 USR1", "trap on_term TERM", "RLHF_STOP_FILE"):
@@ -60,7 +63,46 @@ def test_render_and_shipped_scripts_in_sync():
     out = subprocess.run(["bash", "-c", 'export NCCL_IB_HCA=mine; eval "$(python -m launch.env --exports)"; env'],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "NCCL_IB_HCA=mine" in out and f"NCCL_SOCKET_IFNAME={NCCL_DEFAULTS['NCCL_SOCKET_IFNAME']}" in out
+    # a hang leaves a flight-recorder trace: dump on NCCL timeout, a ring buffer (new and pre-2.9 names), and the
+    # error-handling mode that lets the dump finish (3 = SkipCleanUp)
+    for k, v in (("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"), ("TORCH_FR_BUFFER_SIZE", "2000"),
+                 ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"),
+                 ("NCCL_NVLS_ENABLE", "0")):
+        assert f"{k}={v}\n" in out, f"{k} is not {v} in the job env"
+    assert "output/flight_recorder/rank_" in out and 'mkdir -p output "$(dirname "$TORCH_FR_DUMP_TEMP_FILE")"' in common
     subprocess.run(["bash", "-n", os.path.join(ROOT, "slurm", "common.sh")], check=True)
+
+
+def test_param_count_from_config_and_from_name(tmp_path):
+    llama3_8b = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, vocab_size=128256,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
+    assert abs(params_from_hf_config(llama3_8b) / 8.03e9 - 1) < 0.01, params_from_hf_config(llama3_8b)
+    qwen_05b = dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864, vocab_size=151936,
+                    num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+    assert abs(params_from_hf_config(qwen_05b) / 0.494e9 - 1) < 0.01, params_from_hf_config(qwen_05b)
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(llama3_8b))
+    assert model_params(str(tmp_path)) == (params_from_hf_config(llama3_8b), str(tmp_path / "config.json"))
+    assert model_params("meta-llama/Meta-Llama-3-70B-Instruct")[0] == 70 * 10 ** 9
+    assert model_params("Qwen/Qwen2.5-0.5B")[0] == 5 * 10 ** 8
+    assert model_params("org/no-size-here")[0] is None and model_params(None)[0] is None
+
+
+def test_signal_lead_time_follows_model_size_nodes_and_override():
+    ppo70 = ["--config", "configs/ppo_llama3_70b_hybrid.yaml"]
+    lead70, why = signal_lead_s("rlhf.train_ppo", ppo70, 4, 8)
+    lead8, _ = signal_lead_s("rlhf.train_ppo", ["--config", "configs/ppo_llama3_8b.yaml"], 1, 8)
+    # 70B PPO: actor + critic, 2 x 70e9 x 14 B = 1960 GB over 4 nodes at 1 GB/s = 490 s of saving alone
+    assert "save ~490s" in why and lead70 >= 1.5 * 490 and lead70 % 60 == 0, why
+    assert lead70 > lead8 > LEAD_FLOOR_S
+    assert signal_lead_s("rlhf.train_ppo", ppo70, 8, 8)[0] < lead70          # more nodes: smaller shards, faster
+    assert signal_lead_s("rlhf.train_sft", ["--config", "configs/sft_tiny.yaml"], 1, 2)[0] == LEAD_FLOOR_S
+    assert Job("x", "rlhf.train_ppo", ppo70, nodes=4, signal_lead_s=900).lead() == (900, "--signal_lead_s, as given")
+    import click
+
+    with pytest.raises(click.UsageError, match="over half of --time 00:30:00"):
+        render(Job("x", "rlhf.train_ppo", ppo70, nodes=4, time="00:30:00"))
 
 
 @pytest.mark.slow
@@ -136,3 +178,97 @@ def test_sbatch_tiny_job_then_preempt_requeue_resume(tmp_path):
     step = int(re.search(r"\[preempt\] stop file \S+: checkpoint of step (\d+) saved", text).group(1))
     assert f"[resume] from ./output/tiny_sft_ckpt/global_step_{step} at step {step}" in text
     assert "(restart 1)" in text
+
+
+# ---- the fail-fast watchdog a launched job relies on (rlhf/distributed/failfast.py) -------------------------------
+class _Board:
+    """AbortBoard's interface without a store: records what each rank's board would show."""
+
+    def __init__(self):
+        self.shown = []
+
+    def set_phase(self, rank, name):
+        self.shown.append(name)
+
+    def aborted(self):
+        return None
+
+    def phases(self, world):
+        return {0: self.shown[-1] if self.shown else "not started"}
+
+
+def _dog(**kw):
+    from rlhf.distributed.failfast import Watchdog
+
+    return Watchdog(board_=_Board(), start=False, **kw)
+
+
+def test_watchdog_waiting_rank_reports_role_and_is_held_to_that_phase_plus_what_it_owes():
+    dog = _dog(default_s=0.2, slow_s=0.2, deadlines={"actor_update": 0.3})
+    with dog.phase("actor_update", waits_for="actor"):
+        assert dog.current() == ("waiting for actor (actor_update)", 0.3)
+        assert dog.board.shown[-1] == "waiting for actor (actor_update)"
+    # the actor ranks may still be updating while this rank already waits in weight_sync's collective
+    with dog.phase("weight_sync"):
+        label, limit = dog.current()
+        assert (label, round(limit, 6)) == ("weight_sync", 0.5), "the wait for actor_update was not carried"
+        time.sleep(0.3)
+        assert dog.overdue() is None, "a rank waiting for the actor tripped on weight_sync's own deadline"
+        time.sleep(0.25)
+        report = dog.overdue()
+        assert report is not None and "phase 'weight_sync' exceeded its deadline" in report
+    with dog.phase("weight_sync"):  # own work ended: nothing owed any more
+        assert round(dog.current()[1], 6) == 0.2
+    with dog.phase("ref", waits_for="ref"):
+        time.sleep(0.25)
+        report = dog.overdue()
+        assert "phase 'waiting for ref (ref)'" in report and "the ranks of that role are stuck" in report
+
+
+def test_watchdog_nested_phases_and_explicit_deadline_leave_the_owed_wait_alone():
+    dog = _dog(default_s=1.0, slow_s=2.0)
+    with dog.phase("critic_update", waits_for="critic"):       # first run: the slow deadline
+        assert dog.current()[1] == 2.0
+    with dog.phase("rollout_refill", deadline_s=30.0):
+        assert dog.current() == ("rollout_refill", 32.0)
+        with dog.phase("rollout_refill round 1", deadline_s=3.0):
+            assert dog.current() == ("rollout_refill round 1", 3.0)   # a round: its own deadline only
+        assert dog.current() == ("rollout_refill", 32.0)
+    assert dog.current() is None and dog._owed == 0.0
+
+
+def test_refill_deadline_scales_with_rounds():
+    from rlhf.distributed.failfast import refill_deadlines
+
+    assert refill_deadlines(600.0, 1200.0, 8) == (1800.0, 1800.0 * 9)
+    assert refill_deadlines(600.0, 1200.0, 0) == (1800.0, 1800.0)
+
+
+def test_rl_trainer_waits_for_only_roles_it_does_not_hold():
+    from types import SimpleNamespace as NS
+
+    from rlhf.trainers.experience import Stage
+    from rlhf.trainers.rl_trainer import RLTrainer
+
+    roles = {"actor": NS(is_member=False), "rollout": NS(is_member=True), "critic": NS(is_member=False)}
+    tr = NS(roles=NS(all=lambda: roles))
+    wf = lambda stage: RLTrainer.waits_for(tr, stage)  # noqa: E731
+    assert wf(Stage("actor_update", None, role="actor")) == "actor"
+    assert wf(Stage("weight_sync", None, role="rollout", share="actor")) is None   # a member of rollout
+    assert wf(Stage("advantages", None)) is None                                  # no role: every rank works
+    assert wf(Stage("reward", None, role="reward")) is None                       # no such role (a function)
+    roles["actor"] = NS(is_member=True)
+    assert wf(Stage("actor_update", None, role="actor")) is None
+
+
+def test_watchdog_thread_ends_a_stuck_rank_and_leaves_a_flight_recorder_dump(tmp_path):
+    code = ("import time\nfrom rlhf.distributed.failfast import Watchdog, AbortBoard\n"
+            "d = Watchdog(default_s=0.3, poll_s=0.05, board_=AbortBoard(None))\n"
+            "with d.phase('values', waits_for='critic'):\n    time.sleep(20)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT, TORCH_FR_DUMP_TEMP_FILE=str(tmp_path / "fr" / "rank_"),
+               WORLD_SIZE="1", RANK="0")
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and time.time() - t0 < 15, (p.returncode, p.stderr)
+    assert "phase 'waiting for critic (values)' exceeded its deadline of 0s" in p.stderr, p.stderr
+    assert os.path.getsize(tmp_path / "fr" / "rank_0") > 0 and "flight recorder of rank 0" in p.stderr, p.stderr

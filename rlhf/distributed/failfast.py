@@ -226,15 +226,64 @@ class PhaseTimeout(RuntimeError):
     pass
 
 
+FR_DUMP_ENV = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # new name first (torch >= 2.9)
+
+
+def dump_flight_recorder(rank: int) -> Optional[str]:
+    """Write PyTorch's flight-recorder ring buffer (the last collectives of every group on this rank) to
+    ``$TORCH_FR_DUMP_TEMP_FILE<rank>`` before the watchdog ends a stuck job; returns the path, or None.
+
+    NCCL's own watchdog dumps only when *its* collective timeout (``--dist_timeout_s``) fires first
+    (``TORCH_NCCL_DUMP_ON_TIMEOUT``); our phase deadline is usually shorter, so without this a phase timeout
+    would leave no trace.  Reads the dump with ``torch._C._distributed_c10d._dump_fr_trace`` (torch >= 2.6; older:
+    ``_dump_nccl_trace``), the call torch's own dump-on-timeout makes.  Never raises."""
+    prefix = next((os.environ[k] for k in FR_DUMP_ENV if os.environ.get(k)), None)
+    if not prefix:
+        return None
+    try:
+        import torch._C._distributed_c10d as c10d
+
+        dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+        if dump is None:
+            return None
+        data = dump()
+        path = f"{prefix}{rank}"
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "wb") as fh:
+            fh.write(data if isinstance(data, bytes) else str(data).encode())
+        return path
+    except Exception:  # reporting must never raise over the hang being reported
+        return None
+
+
+def refill_deadlines(default_s: float, slow_s: float, max_rounds: int) -> tuple:
+    """(one round, the whole stage) deadlines of a dynamic-filtering refill: a round generates (a slow phase) and
+    scores (an ordinary one); the stage runs up to ``max_rounds + 1`` rounds (--dynamic_filtering_max_rounds)."""
+    round_s = slow_s + default_s
+    return round_s, round_s * (max_rounds + 1)
+
+
 class Watchdog:
     """Per-phase deadlines and the abort poll (a daemon thread; see module docstring).
 
     ``deadlines``: phase name -> seconds; ``default_s`` for the others; ``slow_s`` for
     the first time each phase runs (compilation, allocator warm-up, vLLM graphs).
-    """
+
+    Waiting for another role: in a placement with ranks of their own per role, a rank that is not a member of
+    a stage's role only waits (in the stage's gather, or, where the stage has no collective for it, in the next
+    one it takes part in).  ``phase(name, waits_for=role)`` says so: the board reads ``waiting for <role>
+    (<name>)`` and the phase is held to ``name``'s own deadline.  Its deadline is *owed* onward: the next
+    top-level phase this rank enters gets its own deadline plus what the waiting phases before it owed, because
+    the members may still be working through those phases while this rank already waits in the next collective.
+    The members themselves keep the tight deadline of what they run; a waiting rank never trips before them.
+    A top-level phase entered without ``waits_for`` (this rank's own work) clears what was owed when it ends.
+
+    ``deadline_s`` overrides one phase's deadline (a refill round).  ``start=False`` runs no thread (tests call
+    ``overdue()``)."""
 
     def __init__(self, default_s: float = 600.0, deadlines: Optional[Dict[str, float]] = None,
-                 slow_s: Optional[float] = None, poll_s: float = 1.0, board_: Optional[AbortBoard] = None):
+                 slow_s: Optional[float] = None, poll_s: float = 1.0, board_: Optional[AbortBoard] = None,
+                 start: bool = True):
         self.default_s = default_s
         self.deadlines = dict(deadlines or {})
         self.slow_s = slow_s or default_s
@@ -242,44 +291,74 @@ class Watchdog:
         self.board = board_ or board()
         self.rank, self.world = _rank(), _world()
         self._seen = set()
+        self._owed = 0.0                        # deadlines of waiting phases not yet matched by own work
         self._lock = threading.Lock()
-        self._current: Optional[tuple] = None   # (name, start, deadline)
+        self._current: Optional[tuple] = None   # (label, start, deadline)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rlhf-watchdog", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
 
     def deadline_of(self, name: str) -> float:
         d = self.deadlines.get(name, self.default_s)
         return max(d, self.slow_s) if name not in self._seen else d
 
+    @staticmethod
+    def label(name: str, waits_for: Optional[str]) -> str:
+        """What the board shows for a phase: ``name``, or ``waiting for <role> (<name>)``."""
+        return f"waiting for {waits_for} ({name})" if waits_for else name
+
     @contextlib.contextmanager
-    def phase(self, name: str):
+    def phase(self, name: str, waits_for: Optional[str] = None, deadline_s: Optional[float] = None):
+        """Enter phase ``name`` (see the class docstring for ``waits_for`` and ``deadline_s``)."""
+        label = self.label(name, waits_for)
         with self._lock:
             outer = self._current
-            self._current = (name, time.monotonic(), self.deadline_of(name))
-        self.board.set_phase(self.rank, name)
+            own = deadline_s if deadline_s is not None else self.deadline_of(name)
+            top = outer is None
+            self._current = (label, time.monotonic(), own + (self._owed if top else 0.0))
+        self.board.set_phase(self.rank, label)
         try:
             yield
         finally:
             with self._lock:
                 self._seen.add(name)
                 self._current = outer
+                if top:
+                    self._owed = self._owed + own if waits_for else 0.0
             self.board.set_phase(self.rank, outer[0] if outer else "between phases")
+
+    def overdue(self) -> Optional[str]:
+        """The report if the current phase ran past its deadline, else None (the watchdog thread dies with it)."""
+        with self._lock:
+            cur = self._current
+        if cur is None or time.monotonic() - cur[1] <= cur[2]:
+            return None
+        label, t0, limit = cur
+        where = self.board.phases(self.world)
+        table = "\n".join(f"  rank {r}: {p}" for r, p in sorted(where.items())) or "  (no phase board)"
+        who = ("the ranks of that role are stuck or slower than the deadline; their own report names the phase"
+               if label.startswith("waiting for ") else
+               "a rank is stuck: crashed peer, blocked reward function or collective")
+        return (f"phase '{label}' exceeded its deadline of {limit:.0f}s ({who}); phases of every rank:\n{table}\n"
+                f"raise the deadline with --watchdog_timeout_s / --watchdog_slow_timeout_s if this phase is "
+                f"legitimately slow")
+
+    def current(self) -> Optional[tuple]:
+        """(label, deadline in seconds) of the phase this rank is in, or None between phases."""
+        with self._lock:
+            return None if self._current is None else (self._current[0], self._current[2])
 
     def _loop(self):
         while not self._stop.wait(self.poll_s):
             first = self.board.aborted()
             if first is not None:
                 die(first)
-            with self._lock:
-                cur = self._current
-            if cur is not None and time.monotonic() - cur[1] > cur[2]:
-                name, t0, limit = cur
-                where = self.board.phases(self.world)
-                table = "\n".join(f"  rank {r}: {p}" for r, p in sorted(where.items())) or "  (no phase board)"
-                die(f"phase '{name}' exceeded its deadline of {limit:.0f}s (a rank is stuck: crashed peer, "
-                    f"blocked reward function or collective); phases of every rank:\n{table}\nraise the deadline "
-                    f"with --watchdog_timeout_s / --watchdog_slow_timeout_s if this phase is legitimately slow")
+            report = self.overdue()
+            if report is not None:
+                path = dump_flight_recorder(self.rank)
+                die(report + (f"\nflight recorder of rank {self.rank}: {path} (read it with "
+                              f"`python -m torch.distributed.flight_recorder.fr_trace`)" if path else ""))
 
     def stop(self):
         self._stop.set()

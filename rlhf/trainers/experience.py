@@ -166,11 +166,13 @@ def refill_rollout_stage(tr, st: StepState) -> None:
     prompts, kept, spare = st.prompts, [], []   # (prompts, batch, rewards) pieces, one group each
     rounds = seen = passed = 0
     while True:
-        with tr.scheduler.phase("rollout", role="rollout"):
-            local = tr.roles.rollout.generate(prompts, tr.sampling(st.step, salt=rounds))
-            batch = gathered_rollout(tr, local, prompts, n)
-        with tr.scheduler.phase("reward", role="reward"):
-            res = score_batch(tr, batch, [p.label for p in prompts for _ in range(n)])
+        # each round its own deadline (generation + scoring); the stage's deadline is the sum over the rounds
+        with tr.watchdog.phase(f"rollout_refill round {rounds + 1}", deadline_s=tr.refill_round_s):
+            with tr.scheduler.phase("rollout", role="rollout"):
+                local = tr.roles.rollout.generate(prompts, tr.sampling(st.step, salt=rounds))
+                batch = gathered_rollout(tr, local, prompts, n)
+            with tr.scheduler.phase("reward", role="reward"):
+                res = score_batch(tr, batch, [p.label for p in prompts for _ in range(n)])
         keep = dynamic_filter_mask(res["scores"], n, a.dynamic_filtering_reward_range, res["valid"]).view(-1, n)[:, 0]
         for g, ok in enumerate(keep.tolist()):
             rows = torch.arange(g * n, (g + 1) * n)

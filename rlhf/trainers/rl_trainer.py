@@ -20,7 +20,7 @@ from rlhf.config.preflight import preflight
 from rlhf.data.formatting import build_prompts
 from rlhf.data.loading import load_train_eval
 from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, init_distributed, make_placement, nnodes_from_env
-from rlhf.distributed.failfast import Watchdog, guarded
+from rlhf.distributed.failfast import Watchdog, guarded, refill_deadlines
 from rlhf.distributed.sharding import all_gather_objects
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.rewards.reward_func import builtin_reward_source, make_reward_source
@@ -108,9 +108,14 @@ class RLTrainer:
         # --- process groups, roles, watchdog ---
         self.rank, self.world, _, self.device = init_distributed(t.dist_timeout_s)
         self.comm_device = self.device if dist.get_backend() == "nccl" else None
+        # a dynamic-filtering refill is up to max_rounds + 1 rounds of generation + scoring: each round has its own
+        # deadline (refill_rollout_stage), the whole stage the sum
+        self.refill_round_s, refill_s = refill_deadlines(t.watchdog_timeout_s, t.watchdog_slow_timeout_s,
+                                                         a.dynamic_filtering_max_rounds)
         self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
                                  deadlines={"rollout": t.watchdog_slow_timeout_s, "eval": t.watchdog_slow_timeout_s,
-                                            "load": t.watchdog_slow_timeout_s, "save": t.watchdog_slow_timeout_s})
+                                            "load": t.watchdog_slow_timeout_s, "save": t.watchdog_slow_timeout_s,
+                                            "rollout_refill": refill_s})
         for n in notes:
             log0(n)
         torch.manual_seed(cfg.optim.seed)
@@ -162,10 +167,22 @@ class RLTrainer:
                                     + salt * 1000003))
 
     # ---- phases ----------------------------------------------------------------------------------------------------
+    def waits_for(self, stage: Stage) -> Optional[str]:
+        """The role this rank only waits for in ``stage`` (it holds neither the stage's role nor the one it shares
+        with), else None: then the watchdog reports "waiting for <role> (<stage>)" and holds this rank to the
+        stage's deadline plus what earlier waits owe (failfast.Watchdog)."""
+        if stage.role is None:
+            return None
+        roles = self.roles.all()
+        if stage.role not in roles:
+            return None
+        mine = [r for r in (stage.role, stage.share) if r in roles and roles[r].is_member]
+        return None if mine else stage.role
+
     def phase(self, stage: Stage):
         """The watchdog's deadline and, for colocated roles, the scheduler's sleep/wake around one stage."""
         stack = contextlib.ExitStack()
-        stack.enter_context(self.watchdog.phase(stage.name))
+        stack.enter_context(self.watchdog.phase(stage.name, waits_for=self.waits_for(stage)))
         if stage.role is not None:
             stack.enter_context(self.scheduler.phase(stage.name, role=stage.role, share=stage.share, tags=stage.tags))
         return stack
