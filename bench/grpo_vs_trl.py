@@ -78,7 +78,7 @@ def side_rlhf(path, gate, prompts, n, max_new, lr, engine):
     cfg = parse("grpo", ["--pretrain", path, "--prompt_data", f"{d}/prompts_train.jsonl", "--remote_rm_url",
                          "builtin:arithmetic", "--rollout_batch_size", str(prompts), "--n_samples_per_prompt", str(n),
                          "--train_batch_size", str(prompts * n), "--micro_train_batch_size", str(prompts * n),
-                         "--micro_rollout_batch_size", str(prompts), "--generate_max_len", str(max_new),
+                         "--micro_rollout_batch_size", str(prompts * n), "--generate_max_len", str(max_new),
                          "--max_global_steps", str(gate.total), "--actor_learning_rate", str(lr),
                          "--eval_steps", "0", "--logging_steps", "1", "--log_dir", log,
                          "--save_path", os.path.join(log, "m"), "--no_progress_bar", "--init_kl_coef", "0.001",

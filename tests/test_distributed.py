@@ -188,7 +188,7 @@ def _fsdp_worker(rank, world, kit, out_dir):
     from rlhf.models.load import load_causal_lm
 
     fresh = FSDP2Engine(load_causal_lm(kit), spec)
-    meta = FSDP2Engine(load_causal_lm(kit, on_meta=rank != 0), spec, broadcast_from_rank0=True)
+    meta = FSDP2Engine(load_causal_lm(kit, on_meta=rank != 0), spec, load_on_first=True)
     assert not any(p.is_meta for p in meta.model.parameters())
     assert all(not b.is_meta for b in meta.model.buffers())
     with torch.no_grad():
@@ -202,7 +202,7 @@ def _fsdp_worker(rank, world, kit, out_dir):
 
     critic = CriticModel.from_pretrained(kit, on_meta=rank != 0)
     plain = copy.deepcopy(critic) if rank == 0 else None
-    ceng = FSDP2Engine(critic, spec, broadcast_from_rank0=True)
+    ceng = FSDP2Engine(critic, spec, load_on_first=True)
     att = torch.ones(2, 12, dtype=torch.long)
     with torch.no_grad():
         values = ceng.model(ids[:2], att, 5)
@@ -242,6 +242,10 @@ def _fsdp_worker(rank, world, kit, out_dir):
     re = AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "hf"))
     with torch.no_grad():
         assert torch.allclose(re(input_ids=x).logits, logits, atol=1e-5)
+    # load memory, accumulation memory, --bf16 precision, fused head on sharded weights (tests/fsdp_checks.py)
+    from fsdp_checks import run_all
+
+    run_all(rank, world, kit, out_dir)
 
 
 def test_fsdp2_engine_matches_single_process_and_checkpoints(tiny_kit, tmp_path):

@@ -15,7 +15,7 @@ def _rl_args(kit, sft, **over):
     args = {"pretrain": sft, "prompt_data": f"{d}/prompts_train.jsonl", "eval_dataset": f"{d}/prompts_eval.jsonl",
             "remote_rm_url": "builtin:arithmetic", "generate_max_len": 6, "rollout_batch_size": 8,
             "n_samples_per_prompt": 4, "train_batch_size": 16, "micro_train_batch_size": 8,
-            "micro_rollout_batch_size": 8}
+            "micro_rollout_batch_size": 32}
     args.update(over)
     out = []
     for k, v in args.items():
@@ -28,7 +28,7 @@ def _rl_args(kit, sft, **over):
 
 def test_grpo_colocated_hybrid_reward_rises(tiny_kit, sft_model, tmp_path):
     args = _rl_args(tiny_kit, sft_model, rollout_batch_size=16, n_samples_per_prompt=8, train_batch_size=32,
-                    micro_train_batch_size=16, micro_rollout_batch_size=16, actor_learning_rate=2e-4,
+                    micro_train_batch_size=16, micro_rollout_batch_size=128, actor_learning_rate=2e-4,
                     lr_scheduler="constant", max_global_steps=60, eval_steps=30, colocate_all_models=True,
                     vllm_enable_sleep=True, deepspeed_enable_sleep=True, seed=1, save_path=tmp_path / "grpo")
     train, ev, out = torchrun("rlhf.train_grpo", 2, args, tmp_path, str(tmp_path / "logs"))

@@ -150,3 +150,71 @@ def test_decode_queries_strips_prompt_padding_and_masked_response_tokens(tiny_ki
     assert queries == [tok.decode(p1) + tok.decode(r1, skip_special_tokens=True),
                        tok.decode(p2) + tok.decode(r2, skip_special_tokens=True)]
     assert decode_queries(tok, batch, slice(1, 2))[1] == [tok.decode(p2)]
+
+
+class _ModelOnMeta(torch.nn.Module):
+    """A model that lives on the meta device (standing in for a GPU) and checks its inputs: every tensor it is
+    given must be on its device, as CUDA weights require.  Its outputs (logits, scores) are meta tensors of the
+    right shapes, built from its parameters, so every loss term downstream must be on its device too (meta and
+    CPU tensors do not mix: the op raises)."""
+
+    def __init__(self, vocab: int, reward: bool = False):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(vocab if not reward else 1, device="meta"))
+        self.score = torch.nn.Identity()
+        self.reward = reward
+        self.config = None
+        self.seen = []
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, use_cache=False, **_):
+        for t in (input_ids, attention_mask, position_ids):
+            if t is not None:
+                self.seen.append(t.device.type)
+                assert t.device == self.w.device, f"an input on {t.device} reached a model on {self.w.device}"
+        z = input_ids.unsqueeze(-1).float() * 0 + self.w
+        z = self.score(z)
+        return type("Out", (), {"logits": z if not self.reward or position_ids is not None else z[:, -1]})()
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_supervised_batches_reach_the_models_device(tiny_kit, packing):
+    """SFT, RM and DPO (with a reference model and with precomputed reference log-probs): the collated batch
+    (ids, masks, margins, reference log-probs) starts on the CPU and the model lives elsewhere (the meta device
+    stands in for a GPU: a forward with CPU inputs on meta weights raises, as CUDA weights with CPU inputs do).
+    Task.loss moves the batch, so every forward and every loss term sees the model's device."""
+    from unittest import mock
+
+    from rlhf.config import parse
+    from rlhf.models.load import load_tokenizer
+    from rlhf.trainers.tasks import DPOTask, RMTask, SFTTask
+
+    tok = load_tokenizer(tiny_kit, padding_side="right")
+    lm, ref, rm = _ModelOnMeta(len(tok)), _ModelOnMeta(len(tok)), _ModelOnMeta(len(tok), reward=True)
+    rows = [{"input": "1+2=", "output": "3", "chosen": "3", "rejected": "4", "margin": 1.0,
+             "ref_chosen_logps": -1.0, "ref_rejected_logps": -2.0},
+            {"input": "12+9=", "output": "21", "chosen": "21", "rejected": "2", "margin": 0.5,
+             "ref_chosen_logps": -3.0, "ref_rejected_logps": -1.5}]
+    flags = ["--packing_samples"] if packing else []
+    float_of = torch.Tensor.__float__
+    seen = []
+
+    def meta_float(t):  # metrics of a meta loss: no values exist, the shapes and devices are what is checked
+        seen.append(t.device.type)
+        return 0.0 if t.is_meta else float_of(t)
+
+    with mock.patch.object(torch.Tensor, "__float__", meta_float):
+        sft = SFTTask(parse("sft", flags), tok)
+        rmt = RMTask(parse("rm", flags + ["--margin_loss", "--margin_key", "margin"]), tok)
+        dpo = DPOTask(parse("dpo", flags), tok)
+        dpo.ref = mock.Mock(model=ref)
+        pre = DPOTask(parse("dpo", flags), tok)
+        pre.ref = None
+        for task, model in ((sft, lm), (rmt, rm), (dpo, lm), (pre, lm)):
+            b = task.collate([task.make_sample(r) for r in rows])
+            assert all(v.device.type == "cpu" for v in b.values() if torch.is_tensor(v))
+            moved = task.batch(model, [task.make_sample(r) for r in rows])
+            assert {v.device.type for v in moved.values() if torch.is_tensor(v)} == {"meta"}, task.name
+            loss, met = task.loss(model, [task.make_sample(r) for r in rows])
+            assert loss.is_meta and loss.dim() == 0, (task.name, loss)
+    assert seen and set(seen) == {"meta"}, seen
+    assert lm.seen and ref.seen and rm.seen and set(lm.seen + ref.seen + rm.seen) == {"meta"}

@@ -37,7 +37,7 @@ def test_grpo_vllm_colocated_tp1_reward_rises_on_policy_gap(vllm_kit, vllm_sft, 
     """2 ranks, one TP=1 engine each.  --enable_is_correction makes the trainer compute old log-probs on every step,
     before any update of that step, so rollout_logprob_gap compares vLLM's log-probs with the trainer's on-policy."""
     args = _rl_args(vllm_kit, vllm_sft, rollout_batch_size=16, n_samples_per_prompt=8, train_batch_size=32,
-                    micro_train_batch_size=16, micro_rollout_batch_size=16, actor_learning_rate=2e-4,
+                    micro_train_batch_size=16, micro_rollout_batch_size=128, actor_learning_rate=2e-4,
                     lr_scheduler="constant", max_global_steps=60, eval_steps=-1,
                     colocate_all_models=True, rollout_engine="vllm", enable_is_correction=True, seed=1,
                     save_path=tmp_path / "grpo")

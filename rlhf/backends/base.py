@@ -25,6 +25,7 @@ class EngineSpec:
     warmup_ratio: float = 0.03
     scheduler: str = "cosine_with_min_lr"
     offload: bool = False          # sleep/wake offloads training state
+    accum_no_sync: bool = False    # fsdp2: reduce-scatter gradients on the last micro-batch only (full grads kept)
 
 
 def spec_from_config(cfg, lr: float, total_steps: int, trainable: bool = True, group_size: int = 1) -> EngineSpec:
@@ -35,18 +36,26 @@ def spec_from_config(cfg, lr: float, total_steps: int, trainable: bool = True, g
                       micro_batch_size=o.micro_train_batch_size, total_steps=max(1, total_steps), trainable=trainable,
                       bf16=m.bf16, zero_stage=t.zero_stage, max_norm=o.max_norm, weight_decay=o.weight_decay,
                       betas=o.adam_betas, warmup_ratio=o.lr_warmup_ratio, scheduler=o.lr_scheduler,
-                      offload=t.deepspeed_enable_sleep)
+                      offload=t.deepspeed_enable_sleep, accum_no_sync=t.grad_accum_no_sync)
     if not trainable:
         spec.train_batch_size = spec.micro_batch_size * group_size
     return spec
 
 
-def loads_on_rank0_only(backend: str, group, world_size: int) -> bool:
-    """FSDP2 over the whole world: only global rank 0 reads the weights; the others build the model on the meta
-    device and receive their shards by broadcast (one host copy of the model per node, not one per rank)."""
-    import torch.distributed as dist
+def loads_on_first(backend: str, group) -> bool:
+    """FSDP2 over more than one rank: only the group's first rank reads the weights (host memory); the others
+    build the model on the meta device, and every rank receives its shards by broadcast (FSDP2Engine).  The
+    checkpoint is read once per role group, and no rank holds the whole model on its device."""
+    from rlhf.distributed import comm
 
-    return backend == "fsdp2" and world_size > 1 and (group is None or group is dist.group.WORLD)
+    return backend == "fsdp2" and comm.world_size(group) > 1
+
+
+def reads_weights(backend: str, group) -> bool:
+    """Whether this rank loads real weights (False: it builds the model on the meta device)."""
+    from rlhf.distributed import comm
+
+    return not loads_on_first(backend, group) or comm.rank() == comm.global_rank(group, 0)
 
 
 def lr_lambda(kind: str, total: int, warmup: int, min_ratio: float = 0.1):
@@ -109,12 +118,12 @@ class TrainEngine(abc.ABC):
         """Bring back what sleep released."""
 
 
-def make_engine(backend: str, model: torch.nn.Module, spec: EngineSpec, group=None, device=None,
-                broadcast_from_rank0: bool = False) -> TrainEngine:
+def make_engine(backend: str, model: torch.nn.Module, spec: EngineSpec, group=None, device=None) -> TrainEngine:
+    """The engine over ``group``; ``model`` as built by ``reads_weights`` (real weights or the meta device)."""
     if backend == "fsdp2":
         from .fsdp2 import FSDP2Engine
 
-        return FSDP2Engine(model, spec, group=group, device=device, broadcast_from_rank0=broadcast_from_rank0)
+        return FSDP2Engine(model, spec, group=group, device=device, load_on_first=loads_on_first(backend, group))
     if backend == "deepspeed":
         from .deepspeed_engine import DeepSpeedEngine
 

@@ -5,9 +5,11 @@ import os
 from typing import Dict, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from rlhf.distributed import comm
 
 from .base import EngineSpec, TrainEngine, make_optimizer
 
@@ -22,39 +24,95 @@ def decoder_layers(model: torch.nn.Module):
     return blocks
 
 
+def model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter and buffer (non-persistent ones too, e.g. rotary inv_freq), by name, in module order;
+    a tied weight once.  The same names before and after ``fully_shard`` (it swaps parameters in place)."""
+    out = dict(model.named_parameters())
+    out.update(model.named_buffers())
+    return out
+
+
+def fill_from_first(model: torch.nn.Module, full: Optional[Dict[str, torch.Tensor]], group, src: int,
+                    device: torch.device) -> None:
+    """Fill a sharded (or plain) model whose storage is uninitialised from ``full``, which only global rank
+    ``src`` holds (host tensors); collective over ``group``, one tensor at a time.
+
+    For each tensor the source moves the full tensor to the device, one broadcast over the group carries it,
+    and every member keeps its own shard (``distribute_tensor(..., src_data_rank=None)``: a local slice, no
+    more communication).  So a member's device holds its shards plus one full tensor at a time: never the
+    whole model (veRL ``fsdp2_load_full_state_dict`` and torch's ``set_model_state_dict(broadcast_from_rank0)``
+    do the same, but the latter only from global rank 0, so not for a role on a sub-group)."""
+    me = comm.rank()
+    for name, t in model_tensors(model).items():
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if me == src:
+            x = full[name].to(device=device, dtype=local.dtype)
+        else:
+            x = torch.empty(t.shape, dtype=local.dtype, device=device)
+        comm.broadcast(x, src, group)
+        with torch.no_grad():
+            if isinstance(t, DTensor):
+                local.copy_(distribute_tensor(x, t.device_mesh, t.placements, src_data_rank=None).to_local())
+            else:
+                local.copy_(x)
+        del x
+
+
+def mixed_precision(bf16: bool) -> MixedPrecisionPolicy:
+    """--bf16: parameters are stored (and the optimizer steps) in fp32, each FSDP unit's forward and backward
+    compute in bf16 and gradients are reduced in fp32 (veRL's actor default, verl/workers/fsdp_workers.py:
+    fp32 model dtype, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``)."""
+    if bf16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
 class FSDP2Engine(TrainEngine):
     def __init__(self, model: torch.nn.Module, spec: EngineSpec, group=None, device=None,
-                 broadcast_from_rank0: bool = False):
-        """broadcast_from_rank0: only global rank 0 holds real weights (the others built ``model`` on the meta
-        device); after sharding, every rank receives its shards and the buffers from rank 0.  Needs the world group."""
+                 load_on_first: bool = False):
+        """load_on_first: only the group's first rank holds real weights (the others built ``model`` on the meta
+        device).  The model is sharded first, then each rank's shards are allocated on its device and filled by
+        broadcast from that rank (``fill_from_first``): no rank ever holds the whole model on its device, and
+        the checkpoint is read once per group, not once per member."""
         self.spec = spec
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = group if group is not None else comm.world_group()
         self.device = device or torch.device("cpu")
-        self.dp = dist.get_world_size(self.group)
+        self.dp = comm.world_size(self.group)
         per_step = spec.micro_batch_size * self.dp
         if spec.train_batch_size % per_step:
             raise ValueError(f"--train_batch_size {spec.train_batch_size} must be a multiple of --micro_train_batch_size "
                              f"{spec.micro_batch_size} x data-parallel ranks {self.dp} = {per_step}")
         self.accum_steps = spec.train_batch_size // per_step
-        if broadcast_from_rank0 and self.group is not dist.group.WORLD:
-            raise ValueError("broadcast_from_rank0 needs the engine on all ranks (the world group)")
-        full = model.state_dict() if broadcast_from_rank0 and dist.get_rank() == 0 else None
-        if not broadcast_from_rank0 or dist.get_rank() == 0:
-            model.to(self.device)
+        src = comm.global_rank(self.group, 0)
+        first = comm.rank() == src
+        full = model_tensors(model) if load_on_first and first else None
         # one rank and fp32: sharding would only add all-gather and DTensor overhead to every op (measured: 2x
         # slower forward on the tiny model), so the module stays plain; same optimizer, schedule and checkpoints.
         self.sharded = self.dp > 1 or spec.bf16
-        if self.sharded:
+        if self.sharded:  # shard first (on the host or the meta device), then move shards
             mesh = DeviceMesh.from_group(self.group, self.device.type)
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if spec.bf16 else \
-                MixedPrecisionPolicy()
+            mp = mixed_precision(spec.bf16)
             reshard = spec.zero_stage >= 3
             for block in decoder_layers(model):
                 fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-            fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-        if broadcast_from_rank0:
-            self._fill_from_rank0(model, full)
+            # the root unit (embedding, final norm, LM head) stays unsharded from forward to backward, torch's own
+            # default for the root (its params are all-gathered again at once for backward), and what lets the
+            # fused LM head read the unsharded head weight after the forward (lm_head.fusable_head)
+            fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        if load_on_first:
+            model.to_empty(device=self.device)
+            fill_from_first(model, full, self.group, src, self.device)
             del full
+        else:
+            model.to(self.device)
+        # gradient accumulation: reduce-scatter every micro-batch (sharded gradients only) unless the user opts
+        # in to no-sync, which keeps full unsharded fp32 gradients between micro-batches (torchtitan, veRL: sync)
+        self.no_sync = bool(spec.accum_no_sync) and isinstance(model, FSDPModule) and self.accum_steps > 1
+        if self.no_sync and first:
+            n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            print(f"[fsdp2] --grad_accum_no_sync: every rank keeps full unsharded fp32 gradients between "
+                  f"micro-batches: {n * 4 / 2**30:.2f} GiB per rank (sharded: {n * 4 / self.dp / 2**30:.2f} GiB)",
+                  flush=True)
         self.model = model
         self.optimizer = None
         self.scheduler = None
@@ -66,21 +124,10 @@ class FSDP2Engine(TrainEngine):
             model.eval()
         self._offloaded = False
 
-    def _fill_from_rank0(self, model, full):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        if dist.get_rank() != 0:
-            model.to_empty(device=self.device)
-        set_model_state_dict(model, full if full is not None else {},
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        for buf in model.buffers():  # incl. non-persistent ones (rotary inv_freq), absent from any state dict
-            dist.broadcast(buf.data, src=0)
-
     # ---- training ----------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, micro_step: int) -> None:
-        last = (micro_step + 1) % self.accum_steps == 0
-        if isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(last)
+        if self.no_sync:
+            self.model.set_requires_gradient_sync((micro_step + 1) % self.accum_steps == 0)
         (loss / self.accum_steps).backward()
 
     def step(self) -> Dict[str, float]:
@@ -111,7 +158,7 @@ class FSDP2Engine(TrainEngine):
 
         state = self._state()
         dcp.save(state, checkpoint_id=path, process_group=self.group)
-        if self.scheduler is not None and dist.get_rank(self.group) == 0:
+        if self.scheduler is not None and comm.rank(self.group) == 0:
             torch.save(self.scheduler.state_dict(), os.path.join(path, "scheduler.pt"))
 
     def load_checkpoint(self, path: str) -> None:
@@ -134,7 +181,7 @@ class FSDP2Engine(TrainEngine):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return sd if dist.get_rank(self.group) == 0 else None
+        return sd if comm.rank(self.group) == 0 else None
 
     # ---- sleep / wake ------------------------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -142,6 +189,8 @@ class FSDP2Engine(TrainEngine):
         if self._offloaded or self.device.type == "cpu":
             self._offloaded = True
             return
+        if isinstance(self.model, FSDPModule):  # the root unit may still hold unsharded params from a forward
+            self.model.reshard()
         self.model.to("cpu", non_blocking=True)
         if self.optimizer:
             for st in self.optimizer.state.values():

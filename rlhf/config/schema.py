@@ -91,6 +91,9 @@ class TopologyConfig:
     backend: str = opt("fsdp2", "training backend", choices=("fsdp2", "deepspeed"))
     zero_stage: int = opt(3, "ZeRO stage (fsdp2: 3 reshards after forward, 2/1 keep params gathered)", choices=(0, 1, 2, 3), flag_type=int)
     dist_timeout_s: int = opt(1800, "timeout for collectives and weight sync, seconds")
+    grad_accum_no_sync: bool = opt(False, "fsdp2: skip the gradient reduce-scatter on all but the last micro-batch of "
+                                          "an optimizer step; costs full unsharded fp32 gradients on every rank "
+                                          "(4 bytes x parameters; printed at start-up)")
     watchdog_timeout_s: float = opt(600.0, "end the job when a rank stays longer than this in one phase (reward, ref, "
                                     "update, sync, ...), printing every rank's phase; seconds")
     watchdog_slow_timeout_s: float = opt(1200.0, "the same deadline for generation, eval, loading, saving and the "
@@ -104,7 +107,8 @@ class RolloutConfig:
                                       "the model has >= ~5M parameters and a head_dim vLLM's CPU attention supports, "
                                       "else hf (measured: README, vLLM section)", choices=("auto", "hf", "vllm"))
     rollout_batch_size: int = opt(8, "prompts per RL step (global)")
-    micro_rollout_batch_size: int = opt(4, "prompts per generation / inference micro batch per rank")
+    micro_rollout_batch_size: int = opt(8, "samples (not prompts: as OpenRLHF) per generation / inference "
+                                           "micro batch per rank (reference, old log-probs, values, reward model)")
     n_samples_per_prompt: int = opt(1, "responses sampled per prompt")
     temperature: float = opt(1.0, "sampling temperature")
     top_p: float = opt(1.0, "nucleus sampling")

@@ -1,41 +1,22 @@
 """Process groups for a Placement.  Every rank creates every group in the same order (SPMD)."""
 from __future__ import annotations
 
-import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
-import torch
-import torch.distributed as dist
-
+from . import comm
 from .placement import ROLES, Placement
 
 
 def default_backend() -> str:
-    """nccl when CUDA is usable, else gloo."""
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    """The default group's backend string (see ``comm.backend_string``)."""
+    return comm.backend_string()
 
 
 def init_distributed(timeout_s: int = 1800) -> tuple:
-    """Init the default group from torchrun's env, or a 1-rank group (in-memory store) when run as plain python.
-
-    Returns (rank, world_size, local_rank, device).  Writes no environment variables.
-    """
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    backend = default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
-        if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return dist.get_rank(), dist.get_world_size(), local_rank, device
+    """(rank, world_size, local_rank, device): ``comm.init`` (torchrun's env, or a 1-rank group)."""
+    return comm.init(timeout_s)
 
 
 def nnodes_from_env() -> int:
@@ -52,11 +33,11 @@ class Groups:
     """This rank's process groups: one per role it holds, its rollout engine's TP group, the weight-sync group."""
     plan: Placement
     rank: int
-    role_groups: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)  # None where not a member
-    tp_group: Optional[dist.ProcessGroup] = None    # this rank's rollout engine's TP ranks
-    sync: Optional[dist.ProcessGroup] = None        # actor rank 0 + rollout ranks (separate rollout only)
+    role_groups: Dict[str, Optional[Any]] = field(default_factory=dict)  # None where not a member
+    tp_group: Optional[Any] = None    # this rank's rollout engine's TP ranks
+    sync: Optional[Any] = None        # actor rank 0 + rollout ranks (separate rollout only)
 
-    def group(self, role: str) -> Optional[dist.ProcessGroup]:
+    def group(self, role: str):
         return self.role_groups.get(role)
 
 
@@ -64,12 +45,12 @@ def build_groups(plan: Placement, rank: int) -> Groups:
     """new_group for each role, each engine and the sync group, called identically on all ranks."""
     g = Groups(plan, rank)
     world = list(range(plan.world_size))
-    cache: Dict[tuple, dist.ProcessGroup] = {}
+    cache: Dict[tuple, Any] = {}
 
     def make(ranks: List[int]):
         key = tuple(ranks)
         if key not in cache:
-            cache[key] = dist.group.WORLD if list(ranks) == world else dist.new_group(list(ranks))
+            cache[key] = comm.world_group() if list(ranks) == world else comm.new_group(ranks)
         return cache[key]
 
     for role in ROLES:

@@ -21,7 +21,8 @@ import math
 from typing import Callable, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
+
+from . import comm
 
 
 def shard_rows(n_rows: int, index: int, size: int) -> slice:
@@ -47,33 +48,29 @@ def micro_plan(n_rows: int, index: int, size: int, micro: int) -> List[Optional[
     return out
 
 
-def _distributed() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
-
-
 def gather_rows(local: Optional[torch.Tensor], rows: Optional[slice], n_rows: int, width: int,
-                dtype=torch.float32, comm_device=None) -> torch.Tensor:
-    """(n_rows, width) on every rank: rows ``rows`` from ``local`` (this rank's part, or None), zeros elsewhere.
+                dtype=torch.float32) -> torch.Tensor:
+    """(n_rows, width) on every rank, on the CPU: rows ``rows`` from ``local`` (this rank's part, or None),
+    zeros elsewhere.
 
     Each row must be contributed by exactly one rank.  ``local`` may be narrower than
-    ``width`` (right-padded with zeros).  One all_reduce over the world.
+    ``width`` (right-padded with zeros) and live on any device.  One all_reduce over the world, on the
+    collective device (``comm.device()``).
     """
-    out = torch.zeros((n_rows, width), dtype=dtype, device=comm_device)
+    out = torch.zeros((n_rows, width), dtype=dtype, device=comm.device())
     if local is not None and rows is not None and rows.stop > rows.start:
         x = local.to(device=out.device, dtype=dtype)
         if x.dim() == 1:
             x = x.unsqueeze(1)
         out[rows, : x.size(1)] = x
-    if _distributed():
-        dist.all_reduce(out)
+    comm.all_reduce(out)
     return out.cpu()
 
 
-def gather_max(values: Sequence[int], comm_device=None) -> List[int]:
+def gather_max(values: Sequence[int]) -> List[int]:
     """The element-wise maximum of ``values`` over every rank (one all_reduce)."""
-    t = torch.tensor(list(values), dtype=torch.long, device=comm_device)
-    if _distributed():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor(list(values), dtype=torch.long, device=comm.device())
+    comm.all_reduce(t, op="max")
     return [int(v) for v in t.tolist()]
 
 
@@ -91,8 +88,4 @@ def run_micro(fn: Callable[[slice], torch.Tensor], plan: Sequence[Optional[slice
 
 def all_gather_objects(obj) -> list:
     """Every rank's ``obj`` (pickled), in rank order."""
-    if not _distributed():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return comm.all_gather_object(obj)

@@ -18,15 +18,19 @@ class CriticModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str, gradient_checkpointing: bool = False, on_meta: bool = False):
+    def from_pretrained(cls, path: str, gradient_checkpointing: bool = False, on_meta: bool = False,
+                        flash_attn: bool = False):
+        """Trainable: fp32 weights (the optimizer's masters; --bf16 is the engine's compute dtype) and the
+        attention implementation of --flash_attn, both explicit (load.weight_dtype)."""
         from transformers import AutoModel
 
-        from .load import from_pretrained_or_meta
+        from .load import attn_implementation, from_pretrained_or_meta, weight_dtype
 
-        backbone = from_pretrained_or_meta(AutoModel, path, on_meta, attn_implementation="sdpa")
+        backbone = from_pretrained_or_meta(AutoModel, path, on_meta, dtype=weight_dtype(False, trainable=True),
+                                           attn_implementation=attn_implementation(flash_attn))
         if gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if on_meta:  # value head and backbone shards arrive from rank 0 (FSDP2Engine broadcast_from_rank0)
+        if on_meta:  # value head and backbone shards arrive from rank 0 (FSDP2Engine load_on_first)
             with torch.device("meta"):
                 return cls(backbone, backbone.config.hidden_size)
         model = cls(backbone, backbone.config.hidden_size)

@@ -18,7 +18,7 @@ import torch
 
 from rlhf.algorithms.logprob import entropy_chunked, logprobs_from_logits
 
-from .lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_removed
+from .lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_params, head_removed
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ def action_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor
             hs = model(input_ids=sequences, attention_mask=attention_mask,
                        position_ids=position_ids_from_mask(attention_mask), logits_to_keep=num_actions + 1,
                        use_cache=False).logits[:, :-1]
-        lp, ent = head_logprobs(hs.reshape(-1, hs.size(-1)), head.weight, head.bias, labels.reshape(-1),
+        lp, ent = head_logprobs(hs.reshape(-1, hs.size(-1)), *head_params(head), labels.reshape(-1),
                                 _temp(temperature), chunk_size, with_entropy, keep_bytes)
         if ent is not None:
             ent = (ent if entropy_grad else ent.detach()).view(labels.shape)
@@ -116,7 +116,7 @@ def _packed_fused(model, head, ids, pos, lengths, attention_mask, num_actions, t
     row = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), resp)
     col = torch.cat([torch.arange(int(r), device=ids.device) for r in resp.tolist()])
     tgt = (ends - resp)[row] + col  # packed position of each response token; its logits sit one before
-    lp, ent = head_logprobs(hs[tgt - 1], head.weight, head.bias, ids[0, tgt], _temp(temperature), chunk_size,
+    lp, ent = head_logprobs(hs[tgt - 1], *head_params(head), ids[0, tgt], _temp(temperature), chunk_size,
                             with_entropy, keep_bytes)
     B = lengths.numel()
     out = torch.zeros((B, num_actions), dtype=lp.dtype, device=lp.device).index_put((row, col), lp)

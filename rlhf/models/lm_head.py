@@ -38,7 +38,11 @@ CHUNK_BYTES = 16 << 20  # a float32 chunk of logits stays under glibc's mmap thr
 KEEP_BYTES = 1 << 30  # default budget of exp(z - max) chunks kept from forward for backward (--lm_head_keep_mb 1024)
 
 
-def rows_per_chunk(chunk_size: int, vocab: int) -> int:
+def rows_per_chunk(chunk_size: int, vocab: int, device: Optional[torch.device] = None) -> int:
+    """Rows of logits computed at once: ``chunk_size`` (--logprob_chunk_size) on a GPU, where a chunk is one
+    large matmul (1024 rows x 152k vocabulary = 0.6 GB of fp32 logits); on the CPU also at most CHUNK_BYTES."""
+    if device is not None and device.type != "cpu":
+        return max(1, int(chunk_size))
     return max(1, min(int(chunk_size), CHUNK_BYTES // (4 * vocab)))
 
 
@@ -89,7 +93,7 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, b, labels, temperature, chunk, with_entropy, keep_bytes):
         n = h.size(0)
-        chunk = rows_per_chunk(chunk, w.size(0))
+        chunk = rows_per_chunk(chunk, w.size(0), h.device)
         V = w.size(0)
         grad = any(ctx.needs_input_grad[:3])
         keep_rows = min(n, (keep_bytes if grad else 0) // (4 * V))  # chunks wholly inside these rows are kept
@@ -156,7 +160,10 @@ class _HeadLogprobs(torch.autograd.Function):
             if need_h:
                 gh[s:s + chunk] = gz.to(w.dtype) @ w
             if need_w:
-                gw.addmm_(gz.t(), hc.float())
+                if w.dtype == torch.float32:
+                    gw.addmm_(gz.t(), hc.float())
+                else:  # bf16 weights (FSDP2 compute dtype): a bf16 matmul (fp32 accumulation), summed in fp32
+                    gw += (gz.t().to(w.dtype) @ hc.to(w.dtype)).float()
             if need_b:
                 gb += gz.sum(0)
         kept = gz = None  # drop the arena views before handing the arena back
@@ -184,15 +191,25 @@ def head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels
 def fusable_head(model) -> Optional[torch.nn.Linear]:
     """The model's LM head when head_logprobs can stand in for it, else None (then use the plain logits path).
 
-    Not fusable: heads that are not a plain Linear (LoRA on the head), sharded weights (FSDP2 DTensor, ZeRO-3),
-    models whose forward post-processes the logits (soft-capping, logit scale).
+    FSDP2: the head's weight is a DTensor shard until the forward; the root FSDP unit (which holds the embedding,
+    the final norm and the head; the head is never a unit of its own here) is not resharded after forward
+    (FSDP2Engine passes ``reshard_after_forward=False`` for the root, torch's own default for it:
+    torch/distributed/fsdp/_fully_shard/_fsdp_state.py ``_lazy_init``, "For the root, do not reshard after
+    forward"), so after ``model(...)`` ``head.weight`` is the unsharded (compute-dtype) tensor and its gradient
+    is reduce-scattered by the root's post-backward.  Read the weight with ``head_params`` after the forward.
+
+    Not fusable: heads that are not a plain Linear (LoRA on the head), ZeRO-3 partitioned weights, a head that
+    is sharded by an FSDP unit other than the root, models whose forward post-processes the logits
+    (soft-capping, logit scale).
     """
     get = getattr(model, "get_output_embeddings", None)
     head = get() if get is not None else None
     if type(head) is not torch.nn.Linear:
         return None
     w = head.weight
-    if type(w.data) is not torch.Tensor or hasattr(w, "ds_id") or w.dim() != 2 or w.numel() == 0:
+    if hasattr(w, "ds_id") or w.dim() != 2 or w.numel() == 0:
+        return None
+    if type(w.data) is not torch.Tensor and not _unsharded_by_root_forward(model, head):
         return None
     cfg = getattr(model, "config", None)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -200,6 +217,25 @@ def fusable_head(model) -> Optional[torch.nn.Linear]:
         if getattr(cfg, attr, None) not in (None, 1, 1.0):
             return None
     return head
+
+
+def _unsharded_by_root_forward(model, head) -> bool:
+    """``head`` belongs to the FSDP2 root unit ``model`` (no other FSDP unit between them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return False
+    return not any(isinstance(m, FSDPModule) and m is not model and any(c is head for c in m.modules())
+                   for m in model.modules())
+
+
+def head_params(head: torch.nn.Linear) -> Tuple[Tensor, Optional[Tensor]]:
+    """(weight, bias) of a fusable head, read after the model's forward (FSDP2: the unsharded tensors)."""
+    w, b = head.weight, head.bias
+    if type(w.data) is not torch.Tensor:
+        raise RuntimeError("the LM head's weight is still sharded after the forward (an FSDP unit of its own?); "
+                           "fusable_head should have returned None for this model")
+    return w, b
 
 
 @contextmanager

@@ -137,13 +137,25 @@ def _from_pretrained_or_meta(auto_cls, path, on_meta, config_kwargs, **kwargs):
     return auto_cls.from_pretrained(path, **(config_kwargs or {}), **kwargs)
 
 
+def weight_dtype(bf16: bool, trainable: bool) -> torch.dtype:
+    """The dtype a model's weights are loaded (and stored) in.
+
+    Trainable models: fp32 always, whatever --bf16 and --flash_attn say: the weights are the optimizer's master
+    copy, and AdamW on bf16 weights loses every update smaller than 2^-8 of the weight (at lr 1e-6 nearly all of
+    them); --bf16 is the compute dtype (FSDP2's MixedPrecisionPolicy, DeepSpeed's bf16 mode with fp32 master
+    partitions).  Frozen models (reference, reward model, the HF rollout engine) have no optimizer: bf16 under
+    --bf16 halves their memory.  veRL does the same (verl/workers/fsdp_workers.py: model dtype fp32 for the actor,
+    bf16 otherwise).  Always explicit: transformers 5 would otherwise load the checkpoint's own dtype."""
+    return torch.bfloat16 if bf16 and not trainable else torch.float32
+
+
 def load_causal_lm(path: str, bf16: bool = False, flash_attn: bool = False, gradient_checkpointing: bool = False,
-                   lora_rank: int = 0, lora_alpha: int = 16, target_modules: str = "all-linear", on_meta: bool = False):
-    """on_meta: see from_pretrained_or_meta."""
+                   lora_rank: int = 0, lora_alpha: int = 16, target_modules: str = "all-linear", on_meta: bool = False,
+                   trainable: bool = True):
+    """on_meta: see from_pretrained_or_meta; trainable: see weight_dtype."""
     from transformers import AutoModelForCausalLM
 
-    model = from_pretrained_or_meta(AutoModelForCausalLM, path, on_meta,
-                                    dtype=torch.bfloat16 if bf16 and flash_attn else torch.float32,
+    model = from_pretrained_or_meta(AutoModelForCausalLM, path, on_meta, dtype=weight_dtype(bf16, trainable),
                                     attn_implementation=_attn(flash_attn))
     model.config.use_cache = False
     if gradient_checkpointing:
@@ -212,8 +224,7 @@ def load_reward_model(path: str, bf16: bool = False, flash_attn: bool = False, o
 
     head = _head_key(path, value_head_prefix) if os.path.isdir(path) else "score.weight"
     model = from_pretrained_or_meta(AutoModelForSequenceClassification, path, on_meta, {"num_labels": 1},
-                                    dtype=torch.bfloat16 if bf16 and flash_attn else torch.float32,
-                                    attn_implementation=_attn(flash_attn))
+                                    dtype=weight_dtype(bf16, trainable=False), attn_implementation=_attn(flash_attn))
     if head != "score.weight" and not on_meta:
         from safetensors import safe_open
 

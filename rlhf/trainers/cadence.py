@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Protocol
 
-import torch.distributed as dist
-
+from rlhf.distributed import comm
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
@@ -29,7 +28,7 @@ class Steps(Protocol):
 
 
 def log0(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if comm.rank() == 0:
         print(msg, flush=True)
 
 

@@ -77,8 +77,10 @@ class Stage:
 
 
 def inference_rows(cfg) -> int:
-    """Rows per inference forward (ref, old log-probs, values, reward model): a micro-batch of prompts' samples."""
-    return cfg.rollout.micro_rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    """Rows (samples) per inference forward (ref, old log-probs, values, reward model) on one rank:
+    --micro_rollout_batch_size, which counts samples as in OpenRLHF (its make_experience splits the samples
+    into micro-batches of micro_rollout_batch_size)."""
+    return cfg.rollout.micro_rollout_batch_size
 
 
 def on_policy_single_update(cfg) -> bool:
@@ -123,14 +125,13 @@ def score_batch(tr, batch: RolloutBatch, labels: List) -> dict:
         queries, prompts = decode_queries(tr.tokenizer, batch, sl)
         with tr.watchdog.phase("reward_function"):  # its own phase: the watchdog report tells it from the gather
             res = tr.reward_source(queries, prompts, labels[sl])
-    ints = gather_rows(None if res is None else res["valid"].long(), sl, n, 1, torch.long, tr.comm_device)
-    cols = gather_rows(None if res is None else torch.stack([res["rewards"], res["scores"]], 1), sl, n, 2,
-                       comm_device=tr.comm_device)
+    ints = gather_rows(None if res is None else res["valid"].long(), sl, n, 1, torch.long)
+    cols = gather_rows(None if res is None else torch.stack([res["rewards"], res["scores"]], 1), sl, n, 2)
     keys = sorted({k for ks in all_gather_objects(sorted(res["extra_logs"]) if res else []) for k in ks})
     extra = {}
     for k in keys:
         v = None if res is None or k not in res["extra_logs"] else res["extra_logs"][k].float()
-        extra[k] = gather_rows(v, sl, n, 1, comm_device=tr.comm_device).squeeze(1)
+        extra[k] = gather_rows(v, sl, n, 1).squeeze(1)
     return {"rewards": cols[:, 0], "scores": cols[:, 1], "valid": ints[:, 0].bool(), "extra_logs": extra}
 
 

@@ -15,12 +15,11 @@ from collections import defaultdict
 from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 
 from rlhf.algorithms import LossTotals, aggregate, compute_kl, importance_weights, kl_unbiased_gradient, value_loss
 from rlhf.algorithms.masked import masked_mean
 from rlhf.algorithms.registry import POLICY_LOSSES
-from rlhf.distributed import shard_rows
+from rlhf.distributed import comm, shard_rows
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
 
 
@@ -42,8 +41,7 @@ def step_totals(masks: List[torch.Tensor], group=None) -> LossTotals:
         m = m.float()
         t[0] += float(m.sum())
         t[1] += float((m.sum(-1) > 0).sum())
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    comm.all_reduce(t, group=group)
     return LossTotals(float(t[0]), float(t[1]))
 
 

@@ -13,13 +13,12 @@ import time
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
 from rlhf.algorithms import ADVANTAGE_ESTIMATORS, RunningMeanStd, make_kl_controller
 from rlhf.config.preflight import preflight
 from rlhf.data.formatting import build_prompts
 from rlhf.data.loading import load_train_eval
-from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, init_distributed, make_placement, nnodes_from_env
+from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, init_distributed, make_placement, nnodes_from_env
 from rlhf.distributed.failfast import Watchdog, guarded, refill_deadlines
 from rlhf.distributed.sharding import all_gather_objects
 from rlhf.models.load import load_tokenizer, resolve_pretrain
@@ -107,7 +106,6 @@ class RLTrainer:
                  + ("" if self.eval_prompts else " (eval off)")]
         # --- process groups, roles, watchdog ---
         self.rank, self.world, _, self.device = init_distributed(t.dist_timeout_s)
-        self.comm_device = self.device if dist.get_backend() == "nccl" else None
         # a dynamic-filtering refill is up to max_rounds + 1 rounds of generation + scoring: each round has its own
         # deadline (refill_rollout_stage), the whole stage the sum
         self.refill_round_s, refill_s = refill_deadlines(t.watchdog_timeout_s, t.watchdog_slow_timeout_s,
@@ -140,7 +138,7 @@ class RLTrainer:
                                     use_wandb=lg.use_wandb, wandb_project=lg.wandb_project, wandb_org=lg.wandb_org,
                                     use_tensorboard=lg.use_tensorboard, progress_bar=lg.progress_bar,
                                     config=cfg.to_dict())
-        self.cadence = Cadence(cfg, self.logger, StopSignal(comm_device=self.comm_device))
+        self.cadence = Cadence(cfg, self.logger, StopSignal())
 
     # ---- data ------------------------------------------------------------------------------------------------------
     def prompts_for(self, step: int):
@@ -250,7 +248,7 @@ class RLTrainer:
             sd = actor.engine.full_state_dict()
             if self.rank == actor.members[0]:
                 ckpt.save_hf(sd, actor.engine.model, self.tokenizer, path)
-        dist.barrier()
+        comm.barrier()
 
     def finish(self):
         with self.watchdog.phase("save"):
@@ -266,7 +264,7 @@ class RLTrainer:
             sd = critic.engine.full_state_dict()
             if self.rank == critic.members[0]:
                 critic.engine.model.save_hf(sd, self.tokenizer, path)
-        dist.barrier()
+        comm.barrier()
 
     # ---- eval ------------------------------------------------------------------------------------------------------
     def evaluate(self) -> dict:
@@ -322,9 +320,8 @@ class RLTrainer:
         engine = self.roles.rollout.engine
         if engine is not None:  # vLLM's own processes (separate rollout ranks)
             engine.close()
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        comm.barrier()
+        comm.destroy()
 
 
 def run_rl(cfg, run_name: str):

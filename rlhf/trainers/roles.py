@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
-from rlhf.backends.base import TrainEngine, loads_on_rank0_only, make_engine, spec_from_config
+from rlhf.backends.base import TrainEngine, make_engine, reads_weights, spec_from_config
 from rlhf.distributed import Groups
 from rlhf.distributed.sharding import gather_max, gather_rows, micro_plan, run_micro, shard_rows
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
@@ -32,9 +31,8 @@ from rlhf.rollout.hf_engine import HFEngine
 class Role:
     """A role of the placement: ``members`` (global ranks), ``group`` (their process group, on members)."""
 
-    def __init__(self, name: str, members: List[int], group, rank: int, comm_device=None):
+    def __init__(self, name: str, members: List[int], group, rank: int):
         self.name, self.members, self.group, self.rank = name, list(members), group, rank
-        self.comm_device = comm_device
         self.engine = None
 
     @property
@@ -76,7 +74,7 @@ class ModelRole(Role):
         local = None
         if self.is_member and n_rows > 0:
             local = run_micro(fn, micro_plan(n_rows, self.index, self.size, micro), dummy=slice(0, 1))
-        return gather_rows(local, self.rows(n_rows), n_rows, width, comm_device=self.comm_device)
+        return gather_rows(local, self.rows(n_rows), n_rows, width)
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, temperature: float, micro: int, chunk: int, packing: bool) -> torch.Tensor:
@@ -113,8 +111,8 @@ class RolloutRole(Role):
     """The rollout engines: ``engine_ranks`` lists each engine's TP ranks; prompts are split over engines, every
     TP rank of an engine gets the same prompts, and the engine's first rank reports its rows."""
 
-    def __init__(self, name, members, group, rank, engine_ranks: List[List[int]], comm_device=None):
-        super().__init__(name, members, group, rank, comm_device)
+    def __init__(self, name, members, group, rank, engine_ranks: List[List[int]]):
+        super().__init__(name, members, group, rank)
         self.engine_ranks = engine_ranks
         self.agent = None  # AgentExecutor driving the engine (--agent_func_path)
 
@@ -159,7 +157,7 @@ class RolloutRole(Role):
                 f"engine {e} returned {local.sequences.size(0)} rows for {owned.stop - owned.start}"
         P_loc = local.prompt_len if local is not None else 0
         R_loc = local.num_actions if local is not None else 0
-        P, R = gather_max([P_loc, R_loc], self.comm_device)
+        P, R = gather_max([P_loc, R_loc])
         ints = floats = None
         if local is not None:
             lp, rp = P - local.prompt_len, R - local.num_actions
@@ -172,8 +170,8 @@ class RolloutRole(Role):
             if with_rewards:
                 cols += [local.rewards.float().unsqueeze(1), local.scores.float().unsqueeze(1)]
             floats = torch.cat(cols, 1)
-        ints = gather_rows(ints, owned, n, 2 * (P + R) + R + 1, torch.long, self.comm_device)
-        floats = gather_rows(floats, owned, n, R + (2 if with_rewards else 0), torch.float32, self.comm_device)
+        ints = gather_rows(ints, owned, n, 2 * (P + R) + R + 1, torch.long)
+        floats = gather_rows(floats, owned, n, R + (2 if with_rewards else 0), torch.float32)
         # rows nobody owned would be all-zero; every row has an owner by construction
         seq, att = ints[:, :P + R], ints[:, P + R:2 * (P + R)]
         seq = torch.where(att.bool(), seq, torch.full_like(seq, pad_id))
@@ -207,17 +205,15 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     """Role objects on every rank from the plan; engines built on the members only."""
     m, o, t = cfg.model, cfg.optim, cfg.topology
     plan, rank = groups.plan, groups.rank
-    comm = device if dist.is_initialized() and dist.get_backend() == "nccl" else None
     path = resolve_pretrain(m.pretrain)
     def model_role(name, spec_fn, load) -> Optional[ModelRole]:
         members = plan.ranks.get(name) or []
         if not members:
             return None
-        role = ModelRole(name, members, groups.group(name), rank, comm)
+        role = ModelRole(name, members, groups.group(name), rank)
         if role.is_member:
-            meta = loads_on_rank0_only(t.backend, role.group, plan.world_size)
-            role.engine = make_engine(t.backend, load(meta and rank != 0), spec_fn(role), group=role.group,
-                                      device=device, broadcast_from_rank0=meta)
+            role.engine = make_engine(t.backend, load(not reads_weights(t.backend, role.group)), spec_fn(role),
+                                      group=role.group, device=device)
         return role
 
     def trainable(lr):
@@ -230,12 +226,13 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
         path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha, m.target_modules,
         on_meta=on_meta))
     ref = model_role("ref", frozen, lambda on_meta: load_causal_lm(m.ref_pretrain or path, m.bf16, m.flash_attn,
-                                                                   on_meta=on_meta))
+                                                                   on_meta=on_meta, trainable=False))
 
     def load_critic(on_meta):
         from rlhf.models.critic import CriticModel
 
-        return CriticModel.from_pretrained(m.critic_pretrain or path, m.gradient_checkpointing, on_meta=on_meta)
+        return CriticModel.from_pretrained(m.critic_pretrain or path, m.gradient_checkpointing, on_meta=on_meta,
+                                           flash_attn=m.flash_attn)
 
     critic = model_role("critic", trainable(o.critic_learning_rate), load_critic)
     stats = {}
@@ -246,7 +243,7 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
         return rm
 
     reward = model_role("reward", frozen, load_rm)
-    rollout = RolloutRole("rollout", plan.ranks["rollout"], groups.group("rollout"), rank, plan.engine_ranks, comm)
+    rollout = RolloutRole("rollout", plan.ranks["rollout"], groups.group("rollout"), rank, plan.engine_ranks)
     if rollout.is_member:
         rollout.engine = build_rollout_engine(cfg, path, groups, device)
         if cfg.rollout.agent_func_path:
@@ -290,4 +287,4 @@ def build_rollout_engine(cfg, path: str, groups: Groups, device):
                           log=print if groups.rank == ranks[0] else (lambda *_: None))
     model = load_causal_lm(path)
     model.config.use_cache = True
-    return HFEngine(model, tok, device, micro_batch_size=r.micro_rollout_batch_size * r.n_samples_per_prompt)
+    return HFEngine(model, tok, device, micro_batch_size=r.micro_rollout_batch_size)

@@ -10,13 +10,12 @@ from collections import defaultdict
 from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 
-from rlhf.backends.base import EngineSpec, loads_on_rank0_only, make_engine, spec_from_config
+from rlhf.backends.base import EngineSpec, make_engine, reads_weights, spec_from_config
 from rlhf.config.preflight import preflight
 from rlhf.data.loading import load_train_eval
 from rlhf.data.screen import screen_rows
-from rlhf.distributed import init_distributed, micro_plan, shard_rows
+from rlhf.distributed import comm, init_distributed, micro_plan, shard_rows
 from rlhf.distributed.failfast import Watchdog, guarded
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.utils import checkpoint as ckpt
@@ -37,7 +36,23 @@ class Task:
 
     def make_sample(self, row: dict): ...
 
-    def loss(self, model, batch: List) -> tuple: ...  # (loss tensor, metrics dict)
+    def collate(self, samples: List) -> dict:
+        """The micro-batch's tensors (on the CPU; ``batch`` moves them)."""
+        raise NotImplementedError
+
+    def compute(self, model, batch: dict) -> tuple:
+        """(loss tensor, metrics dict) of a collated batch that already lives on the model's device."""
+        raise NotImplementedError
+
+    def batch(self, model, samples: List) -> dict:
+        """The one place a supervised micro-batch reaches the model's device: every tensor of ``collate``
+        (ids, masks, labels, margins, precomputed reference log-probs) is moved to where ``model``'s
+        parameters live (the GPU under FSDP2 / DeepSpeed), so no loss mixes CPU and CUDA tensors."""
+        return to_device(self.collate(samples), model_device(model))
+
+    def loss(self, model, samples: List) -> tuple:
+        """(loss tensor, metrics dict) of a list of samples."""
+        return self.compute(model, self.batch(model, samples))
 
     def setup(self, trainer, spec: EngineSpec) -> None:
         """Extra models (DPO's reference) once process groups exist."""
@@ -45,6 +60,17 @@ class Task:
 
     def after_fit(self, trainer) -> None:
         return None
+
+
+def model_device(model) -> torch.device:
+    """Where ``model``'s parameters live (a DTensor shard's device under FSDP2)."""
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """Every tensor of ``batch`` on ``device`` (other values as they are)."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def default_data(cfg, kit: str, kind: str):
@@ -82,9 +108,9 @@ class SupervisedTrainer:
                                  deadlines={"load": t.watchdog_slow_timeout_s, "save": t.watchdog_slow_timeout_s})
         torch.manual_seed(o.seed)
         spec = spec_from_config(cfg, o.learning_rate, self.total_steps)
-        self.meta = loads_on_rank0_only(t.backend, None, self.world)
-        self.engine = make_engine(t.backend, self.task.build_model(self.path, on_meta=self.meta and self.rank != 0),
-                                  spec, device=self.device, broadcast_from_rank0=self.meta)
+        self.on_meta = not reads_weights(t.backend, None)
+        self.engine = make_engine(t.backend, self.task.build_model(self.path, on_meta=self.on_meta), spec,
+                                  device=self.device)
         self.task.setup(self, spec)
         self.step = 0
         lg = cfg.logging
@@ -93,8 +119,7 @@ class SupervisedTrainer:
                                     use_tensorboard=lg.use_tensorboard, progress_bar=lg.progress_bar,
                                     config=cfg.to_dict())
         self.logger.log(0, self.data_report.metrics(), prefix="data")
-        comm = self.device if dist.get_backend() == "nccl" else None
-        self.cadence = Cadence(cfg, self.logger, StopSignal(comm_device=comm))
+        self.cadence = Cadence(cfg, self.logger, StopSignal())
 
     def batches_for(self, step: int):
         o = self.cfg.optim
@@ -109,8 +134,7 @@ class SupervisedTrainer:
         """Mean over every rank's micro-batch values (every rank passes the same keys: the task's loss keys)."""
         keys = sorted(logs)
         t = torch.tensor([[sum(logs[k]), len(logs[k])] for k in keys], dtype=torch.float64)
-        if self.world > 1:
-            dist.all_reduce(t)
+        comm.all_reduce(t)
         return {k: float(s / n) if n else float("nan") for k, (s, n) in zip(keys, t.tolist())}
 
     @torch.no_grad()
@@ -183,7 +207,7 @@ class SupervisedTrainer:
             if self.rank == 0:
                 ckpt.save_hf(sd, self.engine.model, self.tokenizer, self.cfg.checkpoint.save_path)
             self.task.after_fit(self)
-            dist.barrier()
+            comm.barrier()
 
 
 def run_supervised(cfg, task_cls, data_kind: str):
@@ -191,8 +215,8 @@ def run_supervised(cfg, task_cls, data_kind: str):
         trainer = SupervisedTrainer(cfg, task_cls, data_kind)
         trainer.fit()
         trainer.watchdog.stop()
-        dist.barrier()
-        dist.destroy_process_group()
+        comm.barrier()
+        comm.destroy()
         return trainer
 
     return guarded(main)

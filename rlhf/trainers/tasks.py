@@ -9,8 +9,8 @@ import torch
 from rlhf.algorithms import logprobs_from_logits
 from rlhf.algorithms.preference import REWARD_MODEL_LOSSES, dpo_loss, sft_token_loss
 from rlhf.data.formatting import collate_packed, collate_supervised, format_prompt, pad_batch, tokenize_pair
-from rlhf.models.lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_removed
-from rlhf.models.load import RM_NORM_FILE, attn_implementation, from_pretrained_or_meta, load_causal_lm
+from rlhf.models.lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_params, head_removed
+from rlhf.models.load import RM_NORM_FILE, attn_implementation, from_pretrained_or_meta, load_causal_lm, weight_dtype
 
 from .supervised import Task
 
@@ -36,7 +36,7 @@ def token_logprobs(model, batch, chunk: int, fused: bool = True, keep_bytes: int
         with head_removed(model, head):
             hs = model(**kw, use_cache=False).logits[:, :-1]
         keep = batch["loss_mask"][:, 1:].bool()
-        lp, _ = head_logprobs(hs[keep], head.weight, head.bias, batch["input_ids"][:, 1:][keep], 1.0, chunk,
+        lp, _ = head_logprobs(hs[keep], *head_params(head), batch["input_ids"][:, 1:][keep], 1.0, chunk,
                               keep_bytes=keep_bytes)
         return torch.zeros(keep.shape, dtype=lp.dtype, device=lp.device).masked_scatter(keep, lp)
     logits = model(**kw, use_cache=False).logits[:, :-1]
@@ -72,8 +72,10 @@ class SFTTask(Task):
         return tokenize_pair(self.tokenizer, _prompt(self.cfg, self.tokenizer, row), str(row[self.cfg.data.output_key]),
                              self.cfg.data.max_len)
 
-    def loss(self, model, samples):
-        b = _collate(self.cfg, self.tokenizer, samples)
+    def collate(self, samples):
+        return _collate(self.cfg, self.tokenizer, samples)
+
+    def compute(self, model, b):
         lp = token_logprobs(model, b, self.cfg.model.logprob_chunk_size, keep_bytes=self.cfg.model.lm_head_keep_bytes)
         loss = sft_token_loss(lp, b["loss_mask"][:, 1:])
         return loss, {"loss": float(loss.detach())}
@@ -87,6 +89,7 @@ class RMTask(Task):
         from transformers import AutoModelForSequenceClassification
 
         m = from_pretrained_or_meta(AutoModelForSequenceClassification, path, on_meta, {"num_labels": 1},
+                                    dtype=weight_dtype(self.cfg.model.bf16, trainable=True),
                                     attn_implementation=attn_implementation(self.cfg.model.flash_attn))
         m.config.pad_token_id = self.tokenizer.pad_token_id
         if self.cfg.model.gradient_checkpointing:
@@ -113,30 +116,44 @@ class RMTask(Task):
             return torch.tensor([float(s[2]) for s in samples])
         return self.cfg.algorithm.margin
 
-    def scores(self, model, samples):
+    def collate(self, samples):
+        """[chosen..., rejected...] padded (or packed into one row with each sequence's last position in
+        ``ends``), and the pairs' margins as a (n,) tensor."""
         seqs = [s[0] for s in samples] + [s[1] for s in samples]
         n = len(samples)
+        m = self.margins(samples)
+        b = {"margin": m.float() if torch.is_tensor(m) else torch.full((n,), float(m))}
         if self.cfg.model.packing_samples:
-            out = self._packed_scores(model, seqs)
+            p = collate_packed([(s, [1] * len(s)) for s in seqs])
+            b.update(input_ids=p["input_ids"], position_ids=p["position_ids"],
+                     ends=torch.tensor([len(s) for s in seqs]).cumsum(0) - 1)
         else:
-            ids, att = pad_batch(seqs, self.tokenizer.pad_token_id)
-            out = model(input_ids=ids, attention_mask=att, use_cache=False).logits.squeeze(-1).float()
-        return out[:n], out[n:]
+            b["input_ids"], b["attention_mask"] = pad_batch(seqs, self.tokenizer.pad_token_id)
+        return b
+
+    def scores(self, model, samples):
+        """(chosen, rejected) scores of a list of pairs."""
+        return self.batch_scores(model, self.batch(model, samples))
 
     @staticmethod
-    def _packed_scores(model, seqs):
-        """One packed row; the score head's per-token output is read at each sequence's last token."""
-        from rlhf.rewards.reward_model import per_token_scores
+    def batch_scores(model, b):
+        """(chosen, rejected) scores of a collated batch; packed: the score head's per-token output is read at
+        each sequence's last token."""
+        if "ends" in b:
+            from rlhf.rewards.reward_model import per_token_scores
 
-        b = collate_packed([(s, [1] * len(s)) for s in seqs])
-        z = per_token_scores(model, input_ids=b["input_ids"], position_ids=b["position_ids"])
-        ends = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
-        return z[0, ends].float()
+            z = per_token_scores(model, input_ids=b["input_ids"], position_ids=b["position_ids"])
+            out = z[0, b["ends"]].float()
+        else:
+            out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                        use_cache=False).logits.squeeze(-1).float()
+        n = out.size(0) // 2
+        return out[:n], out[n:]
 
-    def loss(self, model, samples):
+    def compute(self, model, b):
         a = self.cfg.algorithm
-        c, r = self.scores(model, samples)
-        loss = REWARD_MODEL_LOSSES.get_fn(a.rm_loss)(c, r, self.margins(samples)).mean()
+        c, r = self.batch_scores(model, b)
+        loss = REWARD_MODEL_LOSSES.get_fn(a.rm_loss)(c, r, b["margin"]).mean()
         return loss, {"loss": float(loss.detach()), "acc": float((c > r).float().mean()),
                       "margin": float((c - r).mean()), "chosen_reward": float(c.mean()),
                       "rejected_reward": float(r.mean())}
@@ -144,9 +161,7 @@ class RMTask(Task):
     @torch.no_grad()
     def after_fit(self, trainer):
         """Save reward mean/std over the eval (or train) pairs so PPO can normalise scores."""
-        import torch.distributed as dist
-
-        from rlhf.distributed import micro_plan
+        from rlhf.distributed import comm, micro_plan
 
         samples = trainer.eval_samples or trainer.train_samples
         vals = []
@@ -156,8 +171,7 @@ class RMTask(Task):
             if part is not None:  # the same number of forwards on every rank (FSDP collectives); dummies dropped
                 vals += c.tolist() + r.tolist()
         t = torch.tensor([sum(vals), sum(v * v for v in vals), len(vals)], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(t)
+        comm.all_reduce(t)
         mean = t[0] / t[2]
         std = (t[1] / t[2] - mean ** 2).clamp(min=1e-12).sqrt()
         if trainer.rank == 0:
@@ -183,10 +197,9 @@ class DPOTask(Task):
         if all(s[2] is not None for s in trainer.train_samples + trainer.eval_samples):
             return  # every row carries precomputed reference log-probs: no reference model needed
         ref = load_causal_lm(self.cfg.model.ref_pretrain or trainer.path, self.cfg.model.bf16, self.cfg.model.flash_attn,
-                             on_meta=trainer.meta and trainer.rank != 0)
+                             trainable=False, on_meta=trainer.on_meta)
         rspec = replace(spec, trainable=False)
-        self.ref = make_engine(self.cfg.topology.backend, ref, rspec, device=trainer.device,
-                               broadcast_from_rank0=trainer.meta)
+        self.ref = make_engine(self.cfg.topology.backend, ref, rspec, device=trainer.device)
 
     def make_sample(self, row):
         d, tok = self.cfg.data, self.tokenizer
@@ -197,8 +210,13 @@ class DPOTask(Task):
                 tokenize_pair(tok, p, str(row[d.rejected_key]), d.max_len), ref)
 
     def collate(self, samples):
-        """One batch of [chosen..., rejected...] for the policy and the reference alike."""
-        return _collate(self.cfg, self.tokenizer, [s[0] for s in samples] + [s[1] for s in samples])
+        """One batch of [chosen..., rejected...] for the policy and the reference alike; ``ref``: the rows'
+        precomputed (chosen, rejected) reference log-probs, (n, 2), when every row has them."""
+        b = _collate(self.cfg, self.tokenizer, [s[0] for s in samples] + [s[1] for s in samples])
+        b["n_pairs"] = len(samples)
+        if all(s[2] is not None for s in samples):
+            b["ref"] = torch.tensor([s[2] for s in samples], dtype=torch.float32)
+        return b
 
     def batch_logps(self, model, b, n: int):
         """Summed response log-probs of a collated batch of n pairs: (chosen, rejected, chosen token counts)."""
@@ -206,20 +224,18 @@ class DPOTask(Task):
         mask = b["loss_mask"][:, 1:].float()
         if "segment_ids" in b:
             seg = b["segment_ids"][0, 1:]
-            sums = torch.zeros(2 * n, dtype=lp.dtype).index_add(0, seg, (lp * mask)[0])
-            cnt = torch.zeros(2 * n).index_add(0, seg, mask[0])
+            sums = torch.zeros(2 * n, dtype=lp.dtype, device=lp.device).index_add(0, seg, (lp * mask)[0])
+            cnt = torch.zeros(2 * n, device=lp.device).index_add(0, seg, mask[0])
         else:
             sums, cnt = (lp * mask).sum(1), mask.sum(1)
         return sums[:n], sums[n:], cnt[:n]
 
-    def loss(self, model, samples):
+    def compute(self, model, b):
         a = self.cfg.algorithm
-        n = len(samples)
-        b = self.collate(samples)
+        n = b["n_pairs"]
         pc, pr, nc = self.batch_logps(model, b, n)
         if self.ref is None:  # precomputed (rows' ref_chosen_logps / ref_rejected_logps)
-            rc = torch.tensor([s[2][0] for s in samples])
-            rr = torch.tensor([s[2][1] for s in samples])
+            rc, rr = b["ref"][:, 0], b["ref"][:, 1]
         else:
             with torch.no_grad():
                 rc, rr, _ = self.batch_logps(self.ref.model, b, n)

@@ -15,19 +15,19 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from rlhf.distributed import comm
 
 STEP_RE = re.compile(r"^global_step_(\d+)$")
 STATE_FILE = "trainer_state.json"
 
 
 def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
+    comm.barrier()
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return comm.rank()
 
 
 def list_checkpoints(root: str):
@@ -73,7 +73,7 @@ def save_checkpoint(root: str, step: int, write: Callable[[str], None], trainer_
     torch.save({"rng": rng_state(), **(extra_rank_state or {})}, os.path.join(tmp, f"rank_{rank}.pt"))
     _barrier()
     if rank == 0:
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        world = comm.world_size()
         with open(os.path.join(tmp, STATE_FILE), "w") as fh:
             json.dump({**trainer_state, "world_size": world}, fh)
         if os.path.exists(final):

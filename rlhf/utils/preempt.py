@@ -14,7 +14,8 @@ import signal
 from typing import Optional
 
 import torch
-import torch.distributed as dist
+
+from rlhf.distributed import comm
 
 
 class StopSignal:
@@ -22,8 +23,7 @@ class StopSignal:
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
-    def __init__(self, stop_file: Optional[str] = None, comm_device=None):
-        self.comm_device = comm_device  # where the agreement tensor lives (the GPU under NCCL)
+    def __init__(self, stop_file: Optional[str] = None):
         self.stop_file = stop_file if stop_file is not None else os.environ.get("RLHF_STOP_FILE")
         self.signal_name: Optional[str] = None
         self._agreed = ""
@@ -46,10 +46,7 @@ class StopSignal:
 
     def requested(self) -> bool:
         """Collective: True on every rank if any rank saw the stop file or a signal."""
-        t = torch.tensor([self.local()], device=self.comm_device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        v = int(t.item())
+        v = int(comm.all_reduce(torch.tensor([self.local()]), op="max").item())
         self._agreed = {1: f"stop file {self.stop_file}", 2: "stop signal (SIGTERM/SIGUSR1)"}.get(v, "")
         return v > 0
 

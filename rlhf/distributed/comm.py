@@ -1,0 +1,179 @@
+"""The one module that calls ``torch.distributed``: the default group, sub-groups, and every collective.
+
+Why one module: a collective under NCCL only takes CUDA tensors (PyTorch dispatches a collective by the
+tensor's device type and raises "No backend type associated with device type cpu" on an NCCL-only group),
+while on CPU/gloo every mistake of that kind passes silently.  So the rules are made here, by construction:
+
+* the default group is created with ``"cuda:nccl,cpu:gloo"`` on CUDA (as torchtitan does,
+  torchtitan/distributed/utils.py ``init_distributed``), so a stray CPU tensor (a metric, a flag) still has a
+  backend, and ``gloo`` on CPU; ``RLHF_DIST_BACKEND`` overrides it (tests: ``cuda:gloo`` runs 2 ranks on one
+  GPU and, like NCCL alone, has no backend for CPU tensors);
+* every tensor collective moves its tensor to the collective device (``device()``) and the result back to
+  where the caller's tensor lives, so a caller cannot hand the wrong device to the backend;
+* every group gets the job's ``--dist_timeout_s`` (``new_group`` defaults to NCCL's 10 minutes otherwise).
+
+Everything else in the package asks this module (``tests/test_comm.py`` greps for any other caller).  Library
+internals (FSDP2, DCP, DeepSpeed, vLLM) make their own calls on the groups handed to them.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+BACKEND_ENV = "RLHF_DIST_BACKEND"
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class _State:
+    device: torch.device = torch.device("cpu")
+    timeout: datetime.timedelta = datetime.timedelta(seconds=1800)
+    backend: str = "gloo"
+
+
+_S = _State()
+
+
+def backend_string(cuda: Optional[bool] = None) -> str:
+    """The default group's backend: ``cuda:nccl,cpu:gloo`` where CUDA and NCCL are usable, else ``gloo``;
+    the environment variable ``RLHF_DIST_BACKEND`` (e.g. ``cuda:gloo``) overrides it."""
+    if os.environ.get(BACKEND_ENV):
+        return os.environ[BACKEND_ENV]
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    return "cuda:nccl,cpu:gloo" if cuda and dist.is_nccl_available() else "gloo"
+
+
+def uses_cuda(backend: str) -> bool:
+    return "cuda" in backend or backend == "nccl"
+
+
+def init(timeout_s: int = 1800) -> tuple:
+    """Init the default group from torchrun's env, or a 1-rank group (in-memory store) when run as plain python.
+
+    Returns (rank, world_size, local_rank, device); ``device`` is the model device and the collective device.
+    Writes no environment variables."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = backend_string()
+    if uses_cuda(backend):
+        torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    _S.device, _S.backend = device, backend
+    _S.timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
+            kw = {"device_id": device} if device.type == "cuda" and "nccl" in backend else {}
+            dist.init_process_group(backend, timeout=_S.timeout, **kw)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=_S.timeout)
+    return dist.get_rank(), dist.get_world_size(), local_rank, device
+
+
+def device() -> torch.device:
+    """Where collectives run (and models live): ``cuda:<local>`` on GPU jobs, ``cpu`` otherwise."""
+    return _S.device
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(group=None) -> int:
+    return dist.get_rank(group) if initialized() else 0
+
+
+def world_size(group=None) -> int:
+    return dist.get_world_size(group) if initialized() else 1
+
+
+def distributed(group=None) -> bool:
+    """More than one rank in ``group`` (default: the world): collectives are worth issuing."""
+    return initialized() and dist.get_world_size(group) > 1
+
+
+def global_rank(group, group_rank: int) -> int:
+    """The global rank of ``group``'s member ``group_rank``."""
+    if not initialized() or is_world(group):
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def world_group():
+    return dist.group.WORLD
+
+
+def is_world(group) -> bool:
+    return group is None or group is dist.group.WORLD
+
+
+def new_group(ranks: Sequence[int]):
+    """A sub-group with the job's timeout; called by every rank in the same order (SPMD)."""
+    return dist.new_group(list(ranks), timeout=_S.timeout)
+
+
+def _on_device(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device == _S.device else t.to(_S.device)
+
+
+def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """The reduction of ``t`` over ``group``, returned on ``t``'s device (``t`` itself is updated in place too)."""
+    if not distributed(group):
+        return t
+    x = _on_device(t)
+    dist.all_reduce(x, op=_OPS[op], group=group)
+    if x is not t:
+        t.copy_(x)
+    return t
+
+
+def broadcast(t: torch.Tensor, src: int, group=None, timeout_s: Optional[float] = None) -> torch.Tensor:
+    """``t`` from global rank ``src`` to every rank of ``group`` (in place, on ``t``'s device).  With
+    ``timeout_s`` the wait is bounded: a rank of the group that never joins raises ``TimeoutError``."""
+    if not distributed(group):
+        return t
+    x = _on_device(t)
+    work = dist.broadcast(x, src=src, group=group, async_op=timeout_s is not None)
+    if timeout_s is not None:
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:  # gloo raises on timeout
+            raise TimeoutError(f"broadcast from rank {src} not finished after {timeout_s}s: {e}") from None
+        if ok is False:
+            raise TimeoutError(f"broadcast from rank {src} not finished after {timeout_s}s")
+    if x is not t:
+        t.copy_(x)
+    return t
+
+
+def broadcast_object(obj: Any, src: int, group=None) -> Any:
+    """A picklable object from global rank ``src`` to every rank of ``group``."""
+    if not distributed(group):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group, device=_S.device)
+    return box[0]
+
+
+def all_gather_object(obj: Any, group=None) -> List[Any]:
+    """Every rank's ``obj`` (pickled), in rank order."""
+    if not distributed(group):
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group=None) -> None:
+    if distributed(group):
+        dist.barrier(group=group, **({"device_ids": [_S.device.index]} if _S.device.type == "cuda"
+                                     and "nccl" in _S.backend else {}))
+
+
+def destroy() -> None:
+    if initialized():
+        dist.destroy_process_group()
