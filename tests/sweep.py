@@ -33,6 +33,11 @@ CASES = {
                                                      dynamic_filtering_reward_range=(0.2, 0.7), generate_max_len=6,
                                                      remote_rm_url=os.path.join(os.path.dirname(
                                                          os.path.abspath(__file__)), "fault_reward.py"))),
+        # DeepSpeed ZeRO-2: actor and critic trained, the reward model frozen (a plain module below stage 3)
+        "w1_deepspeed_zero2_gae_rm": ("ppo", dict(RM, prompts=4, eval_prompts=1, rollout_batch_size=2,
+                                                  n_samples_per_prompt=1, train_batch_size=2, micro_train_batch_size=1,
+                                                  advantage_estimator="gae", critic_learning_rate=1e-3,
+                                                  backend="deepspeed", zero_stage=2)),
         "w1_rloo_small_data": ("grpo", dict(prompts=3, eval_prompts=0, rollout_batch_size=3, n_samples_per_prompt=2,
                                             train_batch_size=6, micro_train_batch_size=3,
                                             advantage_estimator="rloo", max_epochs=2)),
@@ -58,6 +63,13 @@ CASES = {
                                        train_batch_size=4, micro_train_batch_size=2, advantage_estimator="rloo",
                                        actor_num_gpus_per_node=1, vllm_num_engines=1, async_train=True,
                                        max_global_steps=3)),
+        # DeepSpeed ZeRO-3 under --bf16 with LoRA: partitioned bf16 actor (fp32 masters), LoRA merged at the sync,
+        # frozen ref and reward model partitioned too
+        "w2_deepspeed_zero3_bf16_lora_rm": ("grpo", dict(RM, prompts=4, eval_prompts=1, rollout_batch_size=2,
+                                                         n_samples_per_prompt=2, train_batch_size=4,
+                                                         micro_train_batch_size=1, colocate_all_models=True,
+                                                         backend="deepspeed", zero_stage=3, bf16=True, lora_rank=4,
+                                                         lora_alpha=8)),
         "w2_gae_rm_colocated": ("ppo", dict(RM, prompts=4, eval_prompts=1, rollout_batch_size=2,
                                             n_samples_per_prompt=1, train_batch_size=2, micro_train_batch_size=1,
                                             advantage_estimator="gae", colocate_all_models=True,
@@ -178,8 +190,8 @@ def run_cases(cases: dict, kit: str, data: str, out: str) -> None:
                                      "expected_steps": steps, "eval_rows": len(ev),
                                      "eval_samples": [r.get("samples") for r in ev], "finite": finite,
                                      "seconds": round(time.time() - t0, 2),
-                                     "exported": os.path.isfile(os.path.join(cfg.checkpoint.save_path,
-                                                                             "model.safetensors")),
+                                     "exported": any(os.path.isfile(os.path.join(cfg.checkpoint.save_path, f))
+                                                     for f in ("model.safetensors", "adapter_model.safetensors")),
                                      "critic_exported": os.path.isfile(os.path.join(critic_dir, "value_head.pt")),
                                      "actor_updates": [("policy_loss" in r) for r in train],
                                      "refill": [(r.get("dynamic_filter_rounds"), r.get("filtered_frac")) for r in train],

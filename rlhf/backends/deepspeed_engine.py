@@ -1,23 +1,51 @@
 """DeepSpeed ZeRO engine (``--backend deepspeed``), config generated from the same flags.
 
-Needs the [deepspeed] extra.  ``--deepspeed_enable_sleep`` uses DeepSpeed's
-offload_states / reload_states (ZeRO-3).
+Needs the [deepspeed] extra.  Runs on CPU too (DeepSpeed selects its CPU accelerator by itself).
+
+Precision (issue 24 item 5).  The model arrives in fp32.  With ``--bf16`` DeepSpeed casts the module's
+parameters (not its buffers) to bf16, the compute dtype (deepspeed/runtime/engine.py
+``_configure_distributed_model`` -> ``_cast_module_mixed_precision``), and its optimizer wrapper keeps fp32 master
+partitions which the client AdamW steps, so AdamW's state is fp32 as well
+(engine.py ``_do_optimizer_sanity_check`` / ``_configure_optimizer``, DeepSpeed 0.19.8):
+
+* ZeRO-1/2: ``DeepSpeedZeroOptimizer.single_partition_of_fp32_groups``;
+* ZeRO-3: ``DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat``;
+* stage 0: ``FP16_UnfusedOptimizer.fp32_groups`` (bf16 as its low-precision dtype).
+
+Each wrapper puts its fp32 tensors into the client optimizer's ``param_groups``; ``master_dtypes`` reads them
+back (tests/test_deepspeed.py asserts fp32).
+
+Frozen models (ref, reward) never go through ``deepspeed.init_inference``: it converts the module to fp16 and
+injects inference kernels.  ZeRO-3: ``deepspeed.initialize`` without an optimizer on an eval config, as OpenRLHF
+does (openrlhf/utils/deepspeed/deepspeed_utils.py ``get_eval_ds_config``): partitioned parameters, bf16 with
+``--bf16``.  Stage < 3: a plain module (nothing to shard), parameters cast to bf16 with ``--bf16``.
+
+Process groups: DeepSpeed shards over its data-parallel group, which is the whole world unless an ``mpu`` is
+given; so a DeepSpeed engine must span every rank of the job (``--colocate_all_models``, or one role on all ranks).
 """
 from __future__ import annotations
 
 from typing import Dict, Optional
 
 import torch
-import torch.distributed as dist
+
+from rlhf.distributed import comm
 
 from .base import EngineSpec, TrainEngine, make_optimizer
 
 
-def deepspeed_config(spec: EngineSpec, dp: int, offload_optimizer: bool = False) -> dict:
-    """The ds_config dict for a ZeRO stage, batch sizes and precision."""
+def deepspeed_config(spec: EngineSpec, dp: int, offload_optimizer: bool = False,
+                     hidden_size: Optional[int] = None) -> dict:
+    """The ds_config dict for a ZeRO stage, batch sizes and precision.
+
+    A frozen spec (``trainable=False``) gets the eval config: no gradient clipping, ZeRO-3 parameter partitioning
+    only (OpenRLHF ``get_eval_ds_config``).  ``bf16.enabled`` keeps fp32 masters (module docstring).
+    ZeRO-3 keeps parameters under ``10 * hidden_size`` elements whole on every rank (transformers'
+    ``HfTrainerDeepSpeedConfig`` fills "auto" so, transformers/integrations/deepspeed.py); 1e4 without a size."""
     accum = spec.train_batch_size // (spec.micro_batch_size * dp)
+    persist = 10 * hidden_size if hidden_size else 1e4
     zero = {"stage": spec.zero_stage, "overlap_comm": True, "contiguous_gradients": True,
-            "reduce_bucket_size": 5e8, "stage3_param_persistence_threshold": 1e4,
+            "reduce_bucket_size": 5e8, "stage3_param_persistence_threshold": persist,
             "stage3_max_live_parameters": 1e9, "stage3_prefetch_bucket_size": 5e8,
             "stage3_gather_16bit_weights_on_model_save": True}
     if spec.zero_stage < 3:
@@ -25,7 +53,7 @@ def deepspeed_config(spec: EngineSpec, dp: int, offload_optimizer: bool = False)
             del zero[k]
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    return {
+    cfg = {
         "train_batch_size": spec.train_batch_size,
         "train_micro_batch_size_per_gpu": spec.micro_batch_size,
         "gradient_accumulation_steps": accum,
@@ -35,30 +63,87 @@ def deepspeed_config(spec: EngineSpec, dp: int, offload_optimizer: bool = False)
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if not spec.trainable:
+        del cfg["gradient_clipping"]
+    return cfg
+
+
+def _import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise RuntimeError("--backend deepspeed needs DeepSpeed: pip install 'rlhf[deepspeed]', "
+                           "or use --backend fsdp2") from e
+    return deepspeed
+
+
+def _check_whole_world(group) -> None:
+    """DeepSpeed (without an mpu) shards and reduces over the whole world: a role on a sub-group would hang in
+    ``deepspeed.initialize`` (deepspeed/utils/groups.py ``_get_data_parallel_group`` -> ``_clone_world_group``)."""
+    if comm.world_size(group) != comm.world_size():
+        raise ValueError(f"--backend deepspeed: a role on {comm.world_size(group)} of {comm.world_size()} ranks; "
+                         f"DeepSpeed shards over every rank of the job. Put every role on all ranks "
+                         f"(--colocate_all_models) or use --backend fsdp2 for roles on ranks of their own")
+
+
+def freeze_plain(model: torch.nn.Module, bf16: bool, device) -> torch.nn.Module:
+    """A frozen model for stage < 3: eval mode, no gradients, on ``device``; with ``bf16`` its parameters (not its
+    buffers, e.g. rotary ``inv_freq``) in bf16, as DeepSpeed's own cast does."""
+    model.requires_grad_(False)
+    model.eval()
+    if bf16:
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    return model.to(device) if device is not None else model
+
+
+# where each DeepSpeed optimizer wrapper keeps the tensors the client optimizer steps (DeepSpeed 0.19.8): ZeRO-3
+# (stage3.py; it hands them to the client optimizer only during step), ZeRO-1/2 (stage_1_and_2.py),
+# BF16_Optimizer (bf16_optimizer.py), FP16_UnfusedOptimizer (fp16/unfused_optimizer.py, stage 0)
+MASTER_ATTRS = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition",
+                "fp32_groups")
+
+
+def master_tensors(ds_optimizer) -> list:
+    """The master tensors of a DeepSpeed optimizer wrapper; a bare optimizer's parameters otherwise."""
+    for attr in MASTER_ATTRS:
+        groups = getattr(ds_optimizer, attr, None)
+        if groups:
+            return [t for g in groups for t in (g if isinstance(g, (list, tuple)) else [g])]
+    return [p for g in ds_optimizer.param_groups for p in g["params"]]
 
 
 class DeepSpeedEngine(TrainEngine):
     def __init__(self, model: torch.nn.Module, spec: EngineSpec, group=None, device=None):
-        try:
-            import deepspeed
-        except ImportError as e:
-            raise RuntimeError("--backend deepspeed needs DeepSpeed: pip install 'rlhf[deepspeed]'") from e
+        deepspeed = _import_deepspeed()
         self.spec = spec
-        self.group = group if group is not None else dist.group.WORLD
-        dp = dist.get_world_size(self.group)
-        self.accum_steps = spec.train_batch_size // (spec.micro_batch_size * dp)
-        cfg = deepspeed_config(spec, dp)
+        self.group = group if group is not None else comm.world_group()
+        _check_whole_world(self.group)
+        dp = comm.world_size(self.group)
+        per_step = spec.micro_batch_size * dp
+        if spec.train_batch_size % per_step:
+            raise ValueError(f"--train_batch_size {spec.train_batch_size} must be a multiple of "
+                             f"--micro_train_batch_size {spec.micro_batch_size} x data-parallel ranks {dp} = {per_step}")
+        self.accum_steps = spec.train_batch_size // per_step
+        self.zero3 = spec.zero_stage == 3
+        self.optimizer = self.scheduler = None
+        self._offloaded = False
+        cfg = deepspeed_config(spec, dp, hidden_size=getattr(getattr(model, "config", None), "hidden_size", None))
         if spec.trainable:
-            opt, sched = make_optimizer(model, spec)
+            opt, sched = make_optimizer(model, spec)  # torch AdamW: no DeepSpeed op to JIT-build
             self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
+            self.model = self.ds.module
+        elif self.zero3:
+            model.requires_grad_(False)
+            model.eval()
+            self.ds = deepspeed.initialize(model=model, config=cfg)[0]
+            self.model = self.ds.module
         else:
-            cfg.pop("gradient_clipping")
-            self.ds = deepspeed.init_inference(model) if spec.zero_stage < 3 else deepspeed.initialize(
-                model=model, config=cfg)[0]
-            self.optimizer = self.scheduler = None
-        self.model = self.ds.module if hasattr(self.ds, "module") else self.ds
+            self.ds = None
+            self.model = freeze_plain(model, spec.bf16, device)
 
+    # ---- training ----------------------------------------------------------------------------------------------
     def backward(self, loss, micro_step: int) -> None:
         """DeepSpeed scales by 1/accum itself and wants step() after every micro batch."""
         self.ds.backward(loss)
@@ -70,24 +155,83 @@ class DeepSpeedEngine(TrainEngine):
         norm = self.ds.get_global_grad_norm()
         return {"grad_norm": float(norm) if norm is not None else 0.0, "lr": self.scheduler.get_last_lr()[0]}
 
+    def master_dtypes(self) -> Dict[str, set]:
+        """The dtypes of what the optimizer steps (``master``), of its state (``optim_state``) and of the module's
+        parameters (``compute``): under ``--bf16`` fp32, fp32 and bf16 (module docstring)."""
+        basic = self.ds.basic_optimizer
+        masters = {t.dtype for t in master_tensors(self.ds.optimizer)}
+        state = {v.dtype for s in basic.state.values() for k, v in s.items() if torch.is_tensor(v) and k != "step"}
+        return {"master": masters, "optim_state": state, "compute": {p.dtype for p in self.model.parameters()}}
+
+    # ---- checkpoint --------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:
+        if self.ds is None:
+            raise RuntimeError("a frozen model under --backend deepspeed --zero_stage < 3 has no checkpoint state")
         self.ds.save_checkpoint(path, tag="ds")
 
     def load_checkpoint(self, path: str) -> None:
+        if self.ds is None:
+            raise RuntimeError("a frozen model under --backend deepspeed --zero_stage < 3 has no checkpoint state")
         self.ds.load_checkpoint(path, tag="ds")
 
     def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
-        if self.spec.zero_stage == 3:
-            sd = self.ds._zero3_consolidated_16bit_state_dict()
-        else:
-            sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        return sd if dist.get_rank(self.group) == 0 else None
+        """The full weights on the group's first rank (None elsewhere), under ``model.state_dict()``'s names;
+        collective over the group.  Trainable: the fp32 masters where DeepSpeed keeps them
+        (deepspeed/utils/tensor_fragment.py ``safe_get_full_fp32_param``, itself a collective under ZeRO 1-3),
+        so a ``--bf16`` run exports fp32 weights like FSDP2's; else the module's (gathered under ZeRO-3)."""
+        from rlhf.distributed.weight_sync import full_tensor
 
+        first = comm.rank(self.group) == 0
+        out = {} if first else None
+        stage0 = self._stage0_masters()
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            full = None
+            if isinstance(t, torch.nn.Parameter) and t.requires_grad:
+                full = stage0[id(t)] if id(t) in stage0 else self._master(t)
+            if full is None:
+                full = full_tensor(t)
+            if first:
+                out[name] = full.detach().to("cpu", copy=True)
+        return out
+
+    def _stage0_masters(self) -> Dict[int, torch.Tensor]:
+        """Stage 0 under --bf16 (FP16_UnfusedOptimizer): its fp32 copy of each bf16 parameter, by id; it keeps
+        ``fp16_groups`` and ``fp32_groups`` side by side (deepspeed/runtime/fp16/unfused_optimizer.py)."""
+        opt = self.ds.optimizer if self.ds is not None else None
+        if opt is None or not hasattr(opt, "fp16_groups") or not hasattr(opt, "fp32_groups"):
+            return {}
+        return {id(lp): hp for lps, hps in zip(opt.fp16_groups, opt.fp32_groups) for lp, hp in zip(lps, hps)}
+
+    def _master(self, p: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        if self.optimizer is None:
+            return None
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return safe_get_full_fp32_param(p)
+
+    # ---- sleep / wake ------------------------------------------------------------------------------------------
     def sleep(self) -> None:
-        if torch.cuda.is_available() and hasattr(self.ds, "offload_states"):
+        """Release device memory until wake: a trainable engine offloads its ZeRO states to the host (ZeRO 1-3:
+        DeepSpeed's ``offload_states``, as OpenRLHF ``offload_deepspeed_states``); a frozen ZeRO-3 model drops its gathered
+        parameters (``empty_partition_cache``); a frozen plain module moves to the host.  On CPU: nothing to do."""
+        if self._offloaded or comm.device().type == "cpu":
+            self._offloaded = True
+            return
+        if self.ds is None:
+            self.model.to("cpu")
+        elif self.optimizer is not None and self.spec.zero_stage > 0:
             self.ds.offload_states()
-            torch.cuda.empty_cache()
+        else:
+            self.ds.empty_partition_cache()
+        torch.cuda.empty_cache()
+        self._offloaded = True
 
     def wake(self, tags=None) -> None:
-        if torch.cuda.is_available() and hasattr(self.ds, "reload_states"):
-            self.ds.reload_states()
+        if not self._offloaded:
+            return
+        if comm.device().type != "cpu":
+            if self.ds is None:
+                self.model.to(comm.device())
+            elif self.optimizer is not None and self.spec.zero_stage > 0:
+                self.ds.reload_states()
+        self._offloaded = False

@@ -22,8 +22,34 @@ class WeightSyncTimeout(RuntimeError):
     pass
 
 
+def zero3_param(p: torch.Tensor) -> bool:
+    """A DeepSpeed ZeRO-3 parameter: its ``shape`` is the local partition's (``[0]`` outside a gather), ``ds_shape``
+    the full one (deepspeed/runtime/zero/partition_parameters.py sets ``ds_id``/``ds_shape`` on conversion)."""
+    return hasattr(p, "ds_id")
+
+
+def full_shape(p: torch.Tensor) -> Tuple[int, ...]:
+    """The full (unsharded) shape, without any collective: ZeRO-3 ``ds_shape``, a DTensor's global shape, or the
+    plain tensor's."""
+    return tuple(p.ds_shape) if zero3_param(p) else tuple(p.shape)
+
+
 def full_tensor(p: torch.Tensor) -> torch.Tensor:
-    """Unshard an FSDP2 DTensor parameter (collective over its mesh); plain tensors pass through."""
+    """The full tensor of a parameter; a collective for sharded ones, so every rank of the shard group calls it for
+    the same parameters in the same order.
+
+    * FSDP2 DTensor: ``full_tensor()`` (all-gather over its mesh).
+    * DeepSpeed ZeRO-3: gathered one parameter at a time inside ``deepspeed.zero.GatheredParameters([p])``
+      (all-gather over ``p.ds_process_group``), as OpenRLHF's ``_broadcast_to_vllm`` does
+      (openrlhf/trainer/ray/ppo_actor.py: ``GatheredParameters([param], enabled=zero_stage == 3)``); the gathered
+      data is copied out before the context re-partitions the parameter on exit.
+    * anything else passes through (no copy).
+    """
+    if zero3_param(p):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p]):
+            return p.data.detach().clone()
     t = p.data if isinstance(p, torch.nn.Parameter) else p
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -44,10 +70,12 @@ def _lora_scalings(model) -> dict:
 
 
 def _export(model, materialize: bool):
-    """(engine name, shape, dtype, tensor or None) for every weight the engine receives, in one fixed order.
+    """(engine name, full shape, dtype, tensor or None) for every weight the engine receives, in one fixed order
+    (``named_parameters``, the same on every rank).
 
     LoRA layers are merged: W = W_base + scaling * B @ A, emitted where lora_B appears,
-    so the metadata pass (materialize=False, no collectives) and the tensor pass agree.
+    so the metadata pass (materialize=False, no collectives: shapes from ``full_shape``) and the tensor pass
+    agree.  The tensor pass gathers every parameter (``full_tensor``), a collective under FSDP2 and ZeRO-3.
     """
     scal = _lora_scalings(model)
     pending = {}
@@ -58,7 +86,7 @@ def _export(model, materialize: bool):
                 mod, part = name[: -len(key)], key
         t = full_tensor(p) if materialize else None
         if mod is None:
-            yield _engine_name(name), tuple(p.shape), p.dtype, t
+            yield _engine_name(name), full_shape(p), p.dtype, t
             continue
         slot = pending.setdefault(mod, {})
         slot[part] = t if materialize else p
@@ -68,11 +96,12 @@ def _export(model, materialize: bool):
             if materialize:
                 merged = base + scal[mod] * (slot[".lora_B.default.weight"].float() @
                                              slot[".lora_A.default.weight"].float()).to(base.dtype)
-            yield _engine_name(mod + ".weight"), tuple(base.shape), base.dtype, merged
+            yield _engine_name(mod + ".weight"), full_shape(base), base.dtype, merged
             del pending[mod]
 
 
 def param_meta(model: torch.nn.Module) -> List[Meta]:
+    """(engine name, full shape, dtype) of every weight the engine receives; local, no collective."""
     return [(n, shape, dt) for n, shape, dt, _ in _export(model, materialize=False)]
 
 
