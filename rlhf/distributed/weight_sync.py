@@ -2,10 +2,13 @@
 
 Colocated: every rank gathers full parameters from its actor shards and loads
 them into its own engine, bucket by bucket (no extra copy of the whole model).
-Separate rollout ranks: actor rank 0 packs each bucket into one flat tensor and
-broadcasts it over the sync group (actor rank 0 + rollout ranks); receivers
-split and load it.  Both sides derive the same bucket plan from the parameter
-metadata, which is broadcast once.  Every wait has a timeout.
+Separate rollout ranks: actor rank 0 packs each bucket into one flat tensor per
+dtype and broadcasts it.  vLLM engines in their own processes receive it in their
+workers, straight onto the workers' devices, over a weight-transfer group of their
+own (NCCL on CUDA, gloo on CPU; ``rlhf.rollout.vllm_worker``); engines in the
+trainer's process (HF) over the sync group (actor rank 0 + rollout ranks).  Both
+sides derive the same bucket plan from the parameter metadata, which is broadcast
+once.  Every wait has a timeout (``--dist_timeout_s``).
 """
 from __future__ import annotations
 
@@ -13,7 +16,10 @@ import datetime
 from typing import Iterator, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
+
+from rlhf.rollout import vllm_worker as transfer  # the weight-transfer group and its wire format
+
+from . import comm
 
 Meta = Tuple[str, Tuple[int, ...], torch.dtype]
 
@@ -162,43 +168,125 @@ class WeightSync:
         return total
 
     # ---- separate rollout ranks --------------------------------------------------------------------------------
+    _link: Optional[dict] = None  # how weights reach the engines; set by the first sync_broadcast (``_connect``)
+
     def sync_broadcast(self, model=None) -> int:
-        """Called on all actor ranks and all rollout ranks.  Non-zero actor ranks only help unshard."""
-        plan = self.groups.plan
-        rank = self.groups.rank
-        src = plan.sync_ranks[0]
-        in_sync = rank in plan.sync_ranks
-        is_actor = model is not None
-        if self._meta is None and in_sync:
-            box = [param_meta(model) if rank == src else None]
-            dist.broadcast_object_list(box, src=src, group=self.groups.sync)
-            self._meta = box[0]
-        if not in_sync:  # other actor ranks: take part in unsharding only
+        """Called on all actor ranks and all rollout ranks; returns the bytes of one copy of the weights.
+
+        vLLM engines in their own processes (``direct_weights``): every worker of every engine is a rank of a
+        weight-transfer group with actor rank 0 (``_connect``), and receives each bucket straight onto its own
+        device; the engine's first trainer rank drives the receive with one RPC per sync, its other TP ranks
+        receive nothing.  Engines in the trainer's process (HF): buckets are broadcast over the sync group.
+        Non-zero actor ranks only help unshard (the gather of each parameter is collective over the actor)."""
+        plan, rank = self.groups.plan, self.groups.rank
+        if rank not in plan.sync_ranks:
             for _ in self._named_full(model):
                 pass
             return 0
-        meta = self._meta
-        dtype_of = (lambda dt: self.dtype or dt)
+        src = plan.sync_ranks[0]
+        if self._meta is None:
+            self._meta = comm.broadcast_object(param_meta(model) if rank == src else None, src, self.groups.sync)
+        if self._link is None:
+            self._link = self._connect(src)
+        wire = self._wire()
+        if not self._link["direct"]:
+            return self._sync_in_process(model, wire, src)
+        if rank == src:
+            return self._send_direct(model, wire)
+        if self._link["joined"]:
+            self.engine.receive_weights([p for bucket in wire for p in bucket])
+            self.engine.reset_prefix_cache()
+        return sum(transfer.piece_bytes(p) for bucket in wire for p in bucket)
+
+    def _wire(self) -> List[List[transfer.Piece]]:
+        """The bucket plan as the wire carries it: per bucket, one piece per dtype ``(dtype name, [(engine name,
+        shape), ...])``, each sent as one flat tensor.  Derived from the metadata on every rank alike."""
+        meta, out = self._meta, []
+        for bucket in bucket_plan(meta, self.bucket_bytes, self.dtype):
+            by_dtype: dict = {}
+            for i in bucket:
+                dt = str(self.dtype or meta[i][2]).removeprefix("torch.")
+                by_dtype.setdefault(dt, []).append((meta[i][0], list(meta[i][1])))
+            out.append(list(by_dtype.items()))
+        return out
+
+    def _connect(self, src: int) -> dict:
+        """Once, on every rank of the sync group: do the engines receive directly, and if so build the
+        weight-transfer group.  Every sync rank says (direct, workers) (workers: its engine's TP size on an
+        engine's first rank, else 0); actor rank 0 opens a TCPStore and sends its address; each engine's first
+        rank makes its workers join at ``rank_offset`` = 1 + the workers before it, while actor rank 0 joins as
+        rank 0.  Both joins block until the group is complete, at most ``timeout_s``."""
+        eng = self.engine
+        direct = bool(getattr(eng, "direct_weights", False))
+        workers = eng.weight_workers() if direct else 0
+        info = comm.all_gather_object((direct, workers), group=self.groups.sync)
+        if not any(d for d, _ in info):
+            return {"direct": False}
+        world = 1 + sum(w for _, w in info)
+        is_src = self.groups.rank == src
+        store = addr = None
+        if is_src:
+            backend = transfer.transfer_backend(self.device)
+            store, port = transfer.open_store(transfer.sender_address(), self.timeout_s)
+            addr = (transfer.sender_address(), port, backend)
+        host, port, backend = comm.broadcast_object(addr, src, self.groups.sync)
+        if is_src:
+            group = transfer.TransferGroup(store, 0, world, backend, self.timeout_s, self.device)
+            print(f"[weights] direct to {world - 1} vLLM worker(s) of {sum(1 for _, w in info if w)} engine(s) "
+                  f"over {backend} (weight-transfer group at {host}:{port})", flush=True)
+            return {"direct": True, "group": group}
+        if workers:
+            me = comm.rank(self.groups.sync)
+            offset = 1 + sum(w for _, w in info[:me])
+            eng.join_weight_group(host, port, offset, world, backend, self.timeout_s)
+        return {"direct": True, "joined": bool(workers)}
+
+    def _pack(self, tensors: dict, piece: transfer.Piece) -> torch.Tensor:
+        dt = getattr(torch, piece[0])
+        return torch.cat([tensors[n].reshape(-1).to(dt) for n, _ in piece[1]]).to(self.device)
+
+    def _send_direct(self, model, wire: List[List[transfer.Piece]]) -> int:
+        """Actor rank 0: gather, pack and broadcast each piece to every vLLM worker.  Double-buffered: the next
+        piece is gathered and packed while the previous one is on the wire (peak: two packed pieces and one
+        bucket of gathered tensors)."""
+        group = self._link["group"]
+        it = self._named_full(model)
+        inflight, total = None, 0
+        for bucket in wire:
+            tensors = dict(next(it) for _ in range(sum(len(entries) for _, entries in bucket)))
+            for piece in bucket:
+                flat = self._pack(tensors, piece)
+                if inflight is not None:
+                    _wait(inflight[0], self.timeout_s, inflight[2])
+                inflight = (group.broadcast(flat), flat, f"bucket piece of {len(piece[1])} tensors to vLLM's workers")
+                total += flat.numel() * flat.element_size()
+        if inflight is not None:
+            _wait(inflight[0], self.timeout_s, inflight[2])
+        return total
+
+    def _sync_in_process(self, model, wire: List[List[transfer.Piece]], src: int) -> int:
+        """Engines in the trainer's process: each piece is broadcast over the sync group, every rollout rank
+        loads it."""
+        rank, is_actor = self.groups.rank, model is not None
         it = self._named_full(model) if is_actor else None
         total = 0
-        for bucket in bucket_plan(meta, self.bucket_bytes, self.dtype):
-            by_dtype = {}
-            for i in bucket:
-                by_dtype.setdefault(dtype_of(meta[i][2]), []).append(i)
-            tensors = dict(next(it) for _ in bucket) if is_actor else {}
+        for bucket in wire:
+            tensors = dict(next(it) for _ in range(sum(len(entries) for _, entries in bucket))) if is_actor else {}
             loaded = []
-            for dt, idxs in by_dtype.items():
-                numels = [int(torch.Size(meta[i][1]).numel()) for i in idxs]
+            for piece in bucket:
                 if rank == src:
-                    flat = torch.cat([tensors[meta[i][0]].reshape(-1).to(dt) for i in idxs]).to(self.device)
+                    flat = self._pack(tensors, piece)
                 else:
-                    flat = torch.empty(sum(numels), dtype=dt, device=self.device)
-                work = dist.broadcast(flat, src=src, group=self.groups.sync, async_op=True)
-                _wait(work, self.timeout_s, f"bucket of {len(idxs)} tensors")
+                    flat = torch.empty(sum(transfer.numel(s) for _, s in piece[1]), dtype=getattr(torch, piece[0]),
+                                       device=self.device)
+                try:
+                    comm.broadcast(flat, src, self.groups.sync, timeout_s=self.timeout_s)
+                except TimeoutError as e:
+                    raise WeightSyncTimeout(f"weight sync: bucket piece of {len(piece[1])} tensors: a rank of the "
+                                            f"sync group did not join within --dist_timeout_s. Cause: {e}") from None
                 total += flat.numel() * flat.element_size()
                 if not is_actor:
-                    for i, piece in zip(idxs, torch.split(flat, numels)):
-                        loaded.append((meta[i][0], piece.view(meta[i][1])))
+                    loaded += transfer.split_flat(flat, piece)
             if loaded and self.engine is not None:
                 self.engine.load_weights(loaded)
         if not is_actor and self.engine is not None:

@@ -7,8 +7,9 @@
 ``separate``   rollout ranks of their own.  The engine's first rank starts vLLM with its own executor in
                its own processes (V1 engine core; ``uni`` for TP 1, ``mp`` for TP > 1) and its own
                rendezvous, so vLLM never sees the trainer's process groups; the other TP ranks of the engine
-               only lend it their devices.  Weights received by the trainer's bucketed broadcast are sent
-               to vLLM's workers through ``collective_rpc``.
+               only lend it their devices.  vLLM's workers receive the weights themselves: they join a
+               weight-transfer group with actor rank 0 (NCCL on CUDA, gloo on CPU) and the first rank drives
+               each receive with one ``collective_rpc`` (``join_weight_group`` / ``receive_weights``).
 
 Both: log-probs follow the sampling temperature (``logprobs_mode="processed_logprobs"``); greedy with
 n > 1 expands the prompts (vLLM rejects it); sleep / wake only where the platform has sleep mode.
@@ -276,19 +277,15 @@ class VLLMEngine(RolloutEngine):
 
     # ---- weights -----------------------------------------------------------------------------------------------
     def load_weights(self, named_tensors) -> None:
-        """Buffer the bucket and send every complete decoder layer; the last layer of the bucket waits for the next
-        bucket or for ``reset_prefix_cache`` (vLLM's in-place reload must see all tensors of a fused layer at once)."""
+        """Colocated: buffer the bucket and send every complete decoder layer; the last layer of the bucket waits for
+        the next bucket or for ``reset_prefix_cache`` (vLLM's in-place reload must see all tensors of a fused layer
+        at once).  Separate mode receives in vLLM's workers instead (``receive_weights``)."""
         if not self.driver:
             return
-        items = self._pending + list(named_tensors)
-        if not items:
-            return
-        last = layer_key(items[-1][0])
-        cut = len(items)
-        while cut > 0 and layer_key(items[cut - 1][0]) == last:
-            cut -= 1
-        self._pending = items[cut:]
-        self._send(items[:cut])
+        from .vllm_worker import split_last_layer
+
+        ready, self._pending = split_last_layer(self._pending + list(named_tensors), layer_key)
+        self._send(ready)
 
     def _flush(self):
         if self._pending:
@@ -298,12 +295,35 @@ class VLLMEngine(RolloutEngine):
     def _send(self, items):
         if not items:
             return
-        if self.mode == "colocated":  # same process: the tensors are handed over as they are
-            self.llm.collective_rpc("rlhf_load_weights", args=([list(t) for t in items], self.loader))
-        else:
-            from .vllm_worker import pack
+        if self.mode != "colocated":
+            raise RuntimeError("a separate-mode vLLM engine receives weights in its own workers (WeightSync's "
+                               "weight-transfer group, receive_weights), not through load_weights")
+        # same process: the tensors are handed over as they are
+        self.llm.collective_rpc("rlhf_load_weights", args=([list(t) for t in items], self.loader))
 
-            self.llm.collective_rpc("rlhf_load_weights", args=(pack(items), self.loader))
+    @property
+    def direct_weights(self) -> bool:
+        """Separate mode: vLLM's workers receive the weights themselves, from the trainer's sending rank."""
+        return self.mode == "separate"
+
+    def weight_workers(self) -> int:
+        """vLLM worker processes this rank speaks for in the weight-transfer group: the TP size on the engine's
+        first rank, 0 on its other ranks (they lend devices and receive nothing)."""
+        return self.tp if self.driver and self.direct_weights else 0
+
+    def join_weight_group(self, host: str, port: int, rank_offset: int, world: int, backend: str,
+                          timeout_s: float) -> List[int]:
+        """Every worker of this engine joins the trainer's weight-transfer group as rank ``rank_offset`` + its TP
+        rank; returns their ranks.  Blocks until the group is complete (the sending rank joins at the same time),
+        at most ``timeout_s``."""
+        return self.llm.collective_rpc("rlhf_join_weight_group",
+                                       args=(host, port, rank_offset, world, backend, timeout_s))
+
+    def receive_weights(self, pieces) -> int:
+        """One weight sync: every worker receives the pieces (``vllm_worker.Piece``, in the sender's order)
+        straight onto its device and loads them; returns the bytes one worker received.  Blocks while the
+        trainer's sending rank broadcasts; every wait inside is bounded by the group's timeout."""
+        return int(self.llm.collective_rpc("rlhf_receive_weights", args=(pieces, self.loader))[0])
 
     def reset_prefix_cache(self) -> None:
         """Ends a weight load: the held-back layer goes in, then cached prompt KV (old weights) is dropped."""
