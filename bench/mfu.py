@@ -32,8 +32,12 @@ def matmul_peak(device: str, n: int, dtype, reps: int = 5) -> float:
 
 
 def train_flops_per_step(cfg, batch: int, seq: int) -> float:
-    n_params = (cfg.num_hidden_layers * (4 * cfg.hidden_size ** 2 + 3 * cfg.hidden_size * cfg.intermediate_size)
-                + 2 * cfg.vocab_size * cfg.hidden_size)
+    """6 N T + attention; N = the matmul parameters: the layers (grouped KV heads counted as they are) and the LM
+    head (the embedding lookup does no matmul, tied or not)."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", heads) * (h // heads)
+    n_params = (cfg.num_hidden_layers * (2 * h * h + 2 * h * kv + 3 * h * cfg.intermediate_size)
+                + cfg.vocab_size * h)
     attn = 12 * cfg.num_hidden_layers * cfg.hidden_size * seq * seq * batch
     return 6 * n_params * batch * seq + attn
 
@@ -45,7 +49,9 @@ def train_flops_per_step(cfg, batch: int, seq: int) -> float:
 @click.option("--batch", default=8)
 @click.option("--seq", default=256)
 @click.option("--steps", default=6)
-def main(device, layers, hidden, batch, seq, steps):
+@click.option("--shape", type=click.Choice(["custom", "qwen2.5-0.5b"]), default="custom",
+              help="qwen2.5-0.5b: Qwen2.5-0.5B's config (bench/gpu_check.py QWEN_05B); custom: --layers/--hidden")
+def main(device, layers, hidden, batch, seq, steps, shape):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -57,9 +63,15 @@ def main(device, layers, hidden, batch, seq, steps):
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     bf16 = device == "cuda"
     peak = matmul_peak(device, 8192 if device == "cuda" else 2048, torch.bfloat16 if bf16 else torch.float32)
-    cfg = Qwen2Config(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
-                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
-                      max_position_embeddings=seq)
+    if shape == "qwen2.5-0.5b":
+        from gpu_check import QWEN_05B
+
+        cfg = Qwen2Config(**QWEN_05B)
+        layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    else:
+        cfg = Qwen2Config(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
+                          num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+                          max_position_embeddings=seq)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     eng = FSDP2Engine(model, EngineSpec(lr=1e-4, train_batch_size=batch, micro_batch_size=batch, total_steps=100,
                                         bf16=bf16), device=torch.device(device))
