@@ -10,13 +10,15 @@ pytestmark = pytest.mark.slow
 
 def test_rm_learns_and_feeds_ppo(tiny_kit, sft_model, tmp_path):
     """RM from the SFT model (the pipeline's workflow: a random 2-layer model barely tells right from wrong sums,
-    0.48-0.61 held-out accuracy over seeds and learning rates; from the SFT model 0.63-0.66)."""
+    0.48-0.61 held-out accuracy over seeds and learning rates; from the SFT model 0.61-0.69 at lr 1e-3).  The
+    64 held-out pairs make one accuracy +-0.06, and at lr 2e-3 the run is chaotic (two SFT models 1e-4 apart,
+    from summing gradients in another order, ended at 0.48 and 0.69): lr 1e-3, the mean of the last two evals."""
     d = os.path.join(tiny_kit, "data")
     train, ev, _ = torchrun("rlhf.train_rm", 2, ["--pretrain", sft_model, "--dataset", f"{d}/pref_train.jsonl",
                                                  "--eval_dataset", f"{d}/pref_eval.jsonl", "--max_epochs", 1,
-                                                 "--learning_rate", 2e-3, "--save_path", tmp_path / "rm",
+                                                 "--learning_rate", 1e-3, "--save_path", tmp_path / "rm",
                                                  "--eval_steps", 20], tmp_path, str(tmp_path / "logs"))
-    assert ev[-1]["acc"] > 0.58, ev  # held-out pairs, chance = 0.5
+    assert len(ev) >= 2 and (ev[-1]["acc"] + ev[-2]["acc"]) / 2 > 0.58, ev  # held-out pairs, chance = 0.5
     assert train[-1]["loss"] < train[0]["loss"]
     stats = json.load(open(tmp_path / "rm" / "reward_norm.json"))
     assert stats["std"] > 0
