@@ -29,7 +29,8 @@ CASES = {
                                   micro_train_batch_size=1, advantage_estimator="gae", critic_learning_rate=1e-3)),
         "w1_dynamic_filtering_refill": ("grpo", dict(prompts=12, eval_prompts=1, rollout_batch_size=4,
                                                      n_samples_per_prompt=4, train_batch_size=16,
-                                                     micro_train_batch_size=8, dynamic_filtering=True,
+                                                     micro_train_batch_size=8, micro_rollout_batch_size=8,
+                                                     dynamic_filtering=True,
                                                      dynamic_filtering_reward_range=(0.2, 0.7), generate_max_len=6,
                                                      remote_rm_url=os.path.join(os.path.dirname(
                                                          os.path.abspath(__file__)), "fault_reward.py"))),
