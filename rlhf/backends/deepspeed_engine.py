@@ -20,8 +20,8 @@ injects inference kernels.  ZeRO-3: ``deepspeed.initialize`` without an optimize
 does (openrlhf/utils/deepspeed/deepspeed_utils.py ``get_eval_ds_config``): partitioned parameters, bf16 with
 ``--bf16``.  Stage < 3: a plain module (nothing to shard), parameters cast to bf16 with ``--bf16``.
 
-Process groups: DeepSpeed shards over its data-parallel group, which is the whole world unless an ``mpu`` is
-given; so a DeepSpeed engine must span every rank of the job (``--colocate_all_models``, or one role on all ranks).
+Process groups: a DeepSpeed engine must span every rank of the job (``--colocate_all_models``): DeepSpeed issues
+world collectives of its own (``_check_whole_world``).
 """
 from __future__ import annotations
 
@@ -78,8 +78,11 @@ def _import_deepspeed():
 
 
 def _check_whole_world(group) -> None:
-    """DeepSpeed (without an mpu) shards and reduces over the whole world: a role on a sub-group would hang in
-    ``deepspeed.initialize`` (deepspeed/utils/groups.py ``_get_data_parallel_group`` -> ``_clone_world_group``)."""
+    """DeepSpeed needs every rank of the job: without an mpu it shards over the whole world
+    (deepspeed/utils/groups.py ``_get_data_parallel_group`` -> ``_clone_world_group``), and even with one ZeRO-3
+    runs a world barrier while it sets up (deepspeed/runtime/zero/stage3.py ``_setup_for_real_optimizer``:
+    ``dist.barrier()``; measured with DeepSpeed 0.19.8: ranks 0-1 of 3 fail there), so a role on a sub-group would
+    hang or fail inside ``deepspeed.initialize``."""
     if comm.world_size(group) != comm.world_size():
         raise ValueError(f"--backend deepspeed: a role on {comm.world_size(group)} of {comm.world_size()} ranks; "
                          f"DeepSpeed shards over every rank of the job. Put every role on all ranks "
