@@ -39,6 +39,8 @@ def _ds_worker(rank, world, kit, out_dir, stage):
     _check_frozen(kit, spec, stage, x)
     if stage == 3:
         _check_lora_merge(kit, spec)
+    else:
+        _check_sub_group_refused(kit, spec)
 
 
 class _Recorder:
@@ -192,3 +194,16 @@ def test_grpo_deepspeed_zero3_rollout_logprobs_equal_trainer_after_sync(tiny_kit
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"))  # full shapes, not ZeRO-3 partitions
     init = AutoModelForCausalLM.from_pretrained(sft_model)
     assert {n: p.shape for n, p in exported.named_parameters()} == {n: p.shape for n, p in init.named_parameters()}
+
+
+def _check_sub_group_refused(kit, spec):
+    """A DeepSpeed role on some of the ranks fails at once with the fix, not inside DeepSpeed's world barrier."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.backends.deepspeed_engine import DeepSpeedEngine
+    from rlhf.distributed import comm
+
+    g = comm.new_group([0])  # every rank creates it
+    if comm.rank() == 0:
+        with pytest.raises(ValueError, match="--colocate_all_models"):
+            DeepSpeedEngine(AutoModelForCausalLM.from_pretrained(kit), spec, group=g)
