@@ -1,6 +1,7 @@
 """One prepared GPU run (a lent H200): rollout tokens/s vs the bare engine, weight-sync GB/s,
-memory before/after sleep, train MFU.  Each section reports on its own; a missing package
-(vLLM is not on the device image: carry it as wheels) is reported, not fatal.
+memory before/after sleep, train MFU.  Each section reports on its own; a missing package is
+reported, not fatal (vLLM is not on the device image and too large to carry: the rollout section then
+measures the HF engine and says so; its vLLM path is unverified on a GPU).
 
     bash bench/gpu.sh        # under 8 minutes; writes $OUT/gpu_bench.json (or bench/results/)
     python bench/gpu_bench.py --smoke   # the same sections on the CPU with the tiny kit (tests run this)
@@ -78,10 +79,78 @@ def vllm_kit_dir() -> str:
     return path if os.path.isfile(os.path.join(path, "config.json")) else make_tiny(path, arch="qwen2", **VLLM_KIT)
 
 
+def free_gpu() -> int:
+    return torch.cuda.mem_get_info()[0] if DEV.type == "cuda" else 0
+
+
+def vllm_rollout(vllm, path, prompts, params) -> dict:
+    """Our vLLM engine vs bare vLLM (tokens/s), then the memory sequence the trainer runs each step, measured:
+    rollout -> sleep (level 2: a sync follows) -> wake ``weights`` -> weight sync (GB/s) -> wake ``kv_cache`` ->
+    greedy equal to the synced model's -> sleep (level 1: a generate follows, e.g. after eval) -> wake -> the same
+    greedy output.  Each wake maps one tag once (``EngineMemory``).  Not yet run on a GPU (none with vLLM was lent):
+    unverified there; ``--smoke`` runs it on CPU, where sleep mode does not exist (the sleeps are no-ops)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.distributed.weight_sync import WeightSync
+    from rlhf.rollout.base import SamplingParams
+    from rlhf.rollout.vllm_engine import VLLMEngine
+
+    if SMOKE:
+        path = vllm_kit_dir()
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    eng = VLLMEngine(path, 1, mode="colocated", max_model_len=1024, dtype=str(dtype).split(".")[1],
+                     gpu_memory_utilization=0.5, enable_sleep=True, sleep_level=2, enforce_eager=SMOKE)
+    llm = eng.llm
+    sp = vllm.SamplingParams(max_tokens=NEW, temperature=1.0, ignore_eos=True)  # no per-request seed: vLLM's fast path
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], sp, use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    bare_t = time.perf_counter() - t0
+    bare_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    eng.generate(prompts[:8], params)  # its first call with log-probs pays a one-off warm-up (3 s on CPU)
+    t0 = time.perf_counter()
+    b = eng.generate(prompts, params)
+    ours_t = time.perf_counter() - t0
+    res = {"engine": f"vllm {vllm.__version__}", "bare_tokens_per_s": bare_tok / bare_t,
+           "ours_tokens_per_s": int(b.action_mask.sum()) / ours_t, "sleep_mode": eng.enable_sleep}
+    # a changed model, synced into the engine the way a training step does it
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(DEV)
+    with torch.no_grad():
+        for p_ in model.parameters():
+            p_.mul_(1.01)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=8, stop_token_ids=(0,))
+    free0 = free_gpu()
+    eng.sync_follows()
+    eng.sleep()
+    res["sleep_level2_frees_gb"] = (free_gpu() - free0) / 2**30
+    eng.wake(["weights"])
+    ws = WeightSync(None, eng, bucket_mb=512, dtype=dtype)
+    sync()
+    t0 = time.perf_counter()
+    nbytes = ws.sync_colocated(model)
+    sync()
+    sync_t = time.perf_counter() - t0
+    eng.wake()
+    g = eng.generate(prompts[:4], greedy)
+    ids = g.sequences[:, :g.prompt_len].to(DEV)
+    want = model.generate(input_ids=ids, attention_mask=g.attention_mask[:, :g.prompt_len].to(DEV),
+                          max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    res.update({"weight_sync_gb": nbytes / 2**30, "weight_sync_gb_per_s": nbytes / sync_t / 2**30,
+                "greedy_agrees_with_synced_model": float((want[:, g.prompt_len:].cpu()
+                                                          == g.sequences[:, g.prompt_len:]).float().mean())})
+    free1 = free_gpu()
+    eng.sleep()  # no sync follows: level 1 keeps the weights in host memory
+    res["sleep_level1_frees_gb"] = (free_gpu() - free1) / 2**30
+    eng.wake()
+    again = eng.generate(prompts[:4], greedy)
+    res["greedy_same_after_level1_wake"] = bool(torch.equal(again.sequences, g.sequences))
+    res["sleep_calls"] = [list(c) for c in eng.memory.calls]
+    return res
+
+
 @section("rollout")
 def rollout(path):
-    """vLLM (when installed): our engine vs bare vLLM tokens/s, weight sync into the engine (GB/s, and the engine's
-    greedy output equal to the synced model's), memory freed by sleep.  Without vLLM: the HF engine vs generate()."""
+    """vLLM (when installed): ``vllm_rollout``.  Without vLLM: the HF engine vs generate()."""
     prompts = [[5 + (i % 50), 7, 9, 11] * 8 for i in range(PROMPTS)]
     from rlhf.rollout.base import SamplingParams
 
@@ -91,52 +160,7 @@ def rollout(path):
     except ImportError:
         vllm = None
     if vllm is not None:
-        from transformers import AutoModelForCausalLM
-
-        from rlhf.distributed.weight_sync import WeightSync
-        from rlhf.rollout.vllm_engine import VLLMEngine
-
-        if SMOKE:
-            path = vllm_kit_dir()
-        dtype = torch.float32 if SMOKE else torch.bfloat16
-        eng = VLLMEngine(path, 1, mode="colocated", max_model_len=1024, dtype=str(dtype).split(".")[1],
-                         gpu_memory_utilization=0.5, enable_sleep=True, enforce_eager=SMOKE)
-        llm = eng.llm
-        sp = vllm.SamplingParams(max_tokens=NEW, temperature=1.0, ignore_eos=True, seed=0)
-        llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], sp, use_tqdm=False)
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        bare_t = time.perf_counter() - t0
-        bare_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        eng.generate(prompts[:8], params)  # its first call with log-probs pays a one-off warm-up (3 s on CPU)
-        t0 = time.perf_counter()
-        b = eng.generate(prompts, params)
-        ours_t = time.perf_counter() - t0
-        # weight sync: a changed model into the engine, bucket by bucket; then greedy must follow it
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(DEV)
-        with torch.no_grad():
-            for p_ in model.parameters():
-                p_.mul_(1.01)
-        ws = WeightSync(None, eng, bucket_mb=512, dtype=dtype)
-        sync()
-        t0 = time.perf_counter()
-        nbytes = ws.sync_colocated(model)
-        sync()
-        sync_t = time.perf_counter() - t0
-        g = eng.generate(prompts[:4], SamplingParams(n=1, temperature=0.0, max_new_tokens=8, stop_token_ids=(0,)))
-        ids = g.sequences[:, :g.prompt_len].to(DEV)
-        want = model.generate(input_ids=ids, attention_mask=g.attention_mask[:, :g.prompt_len].to(DEV),
-                              max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
-        agree = float((want[:, g.prompt_len:].cpu() == g.sequences[:, g.prompt_len:]).float().mean())
-        res = {"engine": f"vllm {vllm.__version__}", "bare_tokens_per_s": bare_tok / bare_t,
-               "ours_tokens_per_s": int(b.action_mask.sum()) / ours_t, "weight_sync_gb": nbytes / 2**30,
-               "weight_sync_gb_per_s": nbytes / sync_t / 2**30, "greedy_agrees_with_synced_model": agree}
-        if DEV.type == "cuda":
-            free0 = torch.cuda.mem_get_info()[0]
-            eng.sleep()
-            res["sleep_frees_gb"] = (torch.cuda.mem_get_info()[0] - free0) / 2**30
-            eng.wake()
-        return res
+        return vllm_rollout(vllm, path, prompts, params)
     from transformers import AutoModelForCausalLM
 
     from rlhf.data.formatting import pad_batch

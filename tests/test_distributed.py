@@ -96,18 +96,36 @@ def _topology_worker(rank, world, out_dir):
     g = build_groups(plan, rank)
     assert g.group("actor") is dist.group.WORLD and plan.engine_ranks == [[0], [1], [2], [3]]
 
+    from vllm_fake import FakeDevice, SleepModeLLM
+
+    from rlhf.rollout.vllm_engine import EngineMemory
+
     class Role:
+        """A role with vLLM's sleep contract: the engine's EngineMemory over the fake of tests/vllm_fake.py, which
+        raises where vLLM fails (a tag mapped twice, a wake on PyTorch's cached blocks, a partial sleep)."""
+
         def __init__(self):
-            self.awake = True
-            self.parts = {"weights", "kv_cache"}
+            self.device = FakeDevice()
+            self.memory = EngineMemory(SleepModeLLM(self.device), level=2, enabled=True,
+                                       empty_cache=self.device.empty_cache)
+
+        @property
+        def awake(self):
+            return self.memory.state != "asleep"
+
+        @property
+        def parts(self):
+            return set(self.device.mapped)
 
         def sleep(self):
-            self.awake = False
-            self.parts = set()
+            self.memory.sleep()
 
         def wake(self, tags=None):
-            self.awake = True
-            self.parts |= set(tags or ("weights", "kv_cache"))
+            self.device.hold_cached(80)  # whatever ran before left PyTorch's cache full
+            self.memory.wake(tags)
+
+        def memory_state(self):
+            return self.memory.state
 
     roles = {r: Role() for r in ("actor", "ref", "reward", "rollout")}
     sched = PhaseScheduler(rank, roles, ledger=Ledger(rank))

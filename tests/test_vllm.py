@@ -80,10 +80,11 @@ def test_version_range_is_checked(monkeypatch):
 
 def test_buckets_never_split_a_decoder_layer():
     """vLLM's in-place reload fuses q/k/v and gate/up: a layer cut between two loads would be half garbage."""
-    from rlhf.rollout.vllm_engine import VLLMEngine
+    from rlhf.rollout.vllm_engine import EngineMemory, VLLMEngine
 
     eng = VLLMEngine.__new__(VLLMEngine)
     eng.driver, eng._pending, sent = True, [], []
+    eng.memory = EngineMemory(None, enabled=False)
     eng._send = lambda items: sent.append([n for n, _ in items])
     eng.llm = type("L", (), {"reset_prefix_cache": lambda self: sent.append("reset")})()
     names = ["model.embed_tokens.weight"] + [f"model.layers.{i}.{p}" for i in range(2) for p in
@@ -197,6 +198,15 @@ def _colocated_tp2(rank, world, kit):
     box = [None, None]
     dist.all_gather_object(box, s.sequences)
     assert torch.equal(box[0], box[1]), "TP ranks of one engine returned different samples"
+    # an agent runs on rank 0 only, with a number of generate calls rank 1 cannot know: rank 1 serves them
+    if rank == 0:
+        turns = [eng.generate(PROMPTS[:k], SamplingParams(n=1, temperature=0.0, max_new_tokens=3)) for k in (1, 3)]
+        eng.end_requests()
+        assert [t.sequences.shape[0] for t in turns] == [1, 3]
+    else:
+        eng.serve()  # returns when rank 0 calls end_requests
+    after = eng.generate(mine, SamplingParams(n=1, temperature=0.0, max_new_tokens=3))
+    assert after.sequences.shape[0] == len(PROMPTS), "TP ranks out of step after serving the agent's calls"
 
 
 def test_colocated_tp2_two_ranks(vllm_kit):

@@ -79,6 +79,10 @@ class AgentExecutorBase:
             budget = [self.max_length - len(e.response_ids) for e in active]
             one.max_new_tokens = max(1, min(params.max_new_tokens, min(budget)))
             out = self.engine.generate([e.prompt_ids + e.response_ids for e in active], one)
+            if out is None:  # RolloutRole runs agents on an engine's first rank only; the others return no rows
+                raise RuntimeError("the rollout engine returned no rows on this rank (a non-first TP rank of a vLLM "
+                                   "engine): run the agent through RolloutRole.generate, which runs it on the "
+                                   "engine's first rank and lets the other TP ranks serve its calls")
             results = []
             for i, e in enumerate(active):
                 m = out.action_mask[i].bool()

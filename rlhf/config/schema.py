@@ -116,7 +116,10 @@ class RolloutConfig:
     eval_temperature: float = opt(0.0, "temperature for eval generation (0 = greedy)")
     eval_n_samples_per_prompt: int = opt(1, "samples per eval prompt")
     vllm_gpu_memory_utilization: float = opt(0.5, "fraction of GPU memory vLLM may take")
-    vllm_sleep_level: int = opt(1, "vLLM sleep level (1 keeps weights in CPU, 2 discards)", choices=(1, 2), flag_type=int)
+    vllm_sleep_level: int = opt(2, "vLLM sleep level where a weight sync follows before the next generate (after "
+                                   "the step's rollout): 2 discards the weights (no host copy), 1 copies them to host "
+                                   "memory; every other sleep (start, eval, refill rounds) is level 1",
+                                choices=(1, 2), flag_type=int)
     enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM")
     remote_rm_url: Optional[str] = opt(None, "reward_func.py path or http(s) URL of a reward server (comma separated)")
     reward_timeout_s: float = opt(120.0, "deadline of one reward call (reward_func.py or the reward server, all tries)")

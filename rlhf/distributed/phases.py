@@ -6,6 +6,12 @@ every other awake role on this rank to sleep, then wakes ``name``.  A phase may
 ``share`` a role that stays awake beside it (weight sync: actor parameters and
 the engine's weights, not its KV cache).  The ledger records each transition so
 tests can assert the protocol.
+
+What is mapped *inside* a role (vLLM: weights only, or weights and KV cache) is the
+role's own state (``rlhf.rollout.vllm_engine.EngineMemory``): the scheduler asks it
+(``memory_state``) and never keeps a copy; it only knows which roles hold memory.
+``sync_follows(role)`` passes on that a weight sync comes before the role's next
+generate, so its next sleep may discard its weights (vLLM sleep level 2).
 """
 from __future__ import annotations
 
@@ -13,10 +19,13 @@ import contextlib
 import threading
 from typing import Dict, Iterable, List, Optional, Protocol, Tuple
 
-import torch.distributed as dist
+from . import comm
 
 
 class Sleepable(Protocol):
+    """A role holding memory.  Optional: ``memory_state() -> "full" | "weights" | "asleep"`` (None: no
+    partial states) and ``sync_follows()``."""
+
     def sleep(self) -> None: ...
 
     def wake(self, tags: Optional[List[str]] = None) -> None: ...
@@ -56,37 +65,44 @@ class PhaseScheduler:
         self.group = group            # barrier group (all ranks sharing these roles)
         self.enabled = enabled        # False: roles stay resident (no offload)
         self.use_barrier = barrier    # separate-role placement: phases on different ranks must not wait on each other
-        self.awake = set(roles)       # everything starts resident
-        self.partial = set()          # woken for some tags only (vLLM weights without KV cache)
+        self.awake = set(roles)       # roles holding memory (everything starts resident)
         self.ledger = ledger or Ledger(rank)
         for r in roles:
             self.ledger.record("init", r, self.awake)
 
     def _barrier(self):
-        if self.use_barrier and dist.is_initialized():
-            dist.barrier(group=self.group)
+        if self.use_barrier:
+            comm.barrier(self.group)
 
     def sleep(self, role: str) -> None:
         if role in self.awake and role in self.roles:
             self.roles[role].sleep()
             self.awake.discard(role)
-            self.partial.discard(role)
             self.ledger.record("sleep", role, self.awake)
 
+    def memory_state(self, role: str) -> str:
+        """The role's own answer where it has partial states, else ``full`` / ``asleep`` from ``awake``."""
+        ask = getattr(self.roles[role], "memory_state", None)
+        state = ask() if ask is not None else None
+        return state or ("full" if role in self.awake else "asleep")
+
     def wake(self, role: str, tags: Optional[List[str]] = None) -> None:
-        """Wake fully (tags None) or only the given parts; a later full wake completes a partial one."""
+        """Wake fully (tags None) or only the given parts; the role maps what is missing, each part once (a
+        partial role woken with None maps the rest)."""
         if role not in self.roles:
             return
-        if tags:
-            self.roles[role].wake(tags)
-            self.partial.add(role)
-        elif role not in self.awake or role in self.partial:
-            self.roles[role].wake(None)
-            self.partial.discard(role)
-        else:
+        if role in self.awake and self.memory_state(role) == "full":
             return
+        self.roles[role].wake(tags)
         self.awake.add(role)
         self.ledger.record("wake" if not tags else f"wake:{','.join(tags)}", role, self.awake)
+
+    def sync_follows(self, role: str) -> None:
+        """A weight sync comes before ``role``'s next generate (the step's rollout is done): its next sleep may
+        discard its weights.  No-op while the scheduler is off or the role has no such notion."""
+        hint = getattr(self.roles.get(role), "sync_follows", None)
+        if self.enabled and hint is not None:
+            hint()
 
     def put_all_to_sleep(self) -> None:
         if self.enabled:

@@ -101,6 +101,7 @@ def logprob_temperature(cfg) -> float:
 def rollout_stage(tr, st: StepState) -> None:
     local = st.pending if tr.cfg.rollout.async_train else tr.roles.rollout.generate(st.prompts, tr.sampling(st.step))
     st.batch = gathered_rollout(tr, local, st.prompts, st.n_samples)
+    tr.scheduler.sync_follows("rollout")  # the step's weight sync comes before the next generate: vLLM sleeps level 2
 
 
 def gathered_rollout(tr, local: Optional[RolloutBatch], prompts: list, n_samples: int) -> RolloutBatch:

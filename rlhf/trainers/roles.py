@@ -59,6 +59,17 @@ class Role:
         if self.engine is not None:
             self.engine.wake(tags)
 
+    def memory_state(self) -> Optional[str]:
+        """The engine's own memory state where it has partial ones (vLLM: full | weights | asleep), else None."""
+        ask = getattr(self.engine, "memory_state", None)
+        return ask() if ask is not None else None
+
+    def sync_follows(self) -> None:
+        """A weight sync comes before this role's next generate: its engine may discard weights when it sleeps."""
+        hint = getattr(self.engine, "sync_follows", None)
+        if hint is not None:
+            hint()
+
     def __repr__(self):
         return f"{type(self).__name__}({self.name}, members={self.members})"
 
@@ -135,11 +146,27 @@ class RolloutRole(Role):
         mine = prompts[self.prompt_rows(len(prompts), e)]
         if not mine:  # fewer prompts than engines: this engine idles (all its TP ranks alike)
             return None
+        first = self.engine_ranks[e][0] == self.rank
         if self.agent is not None:
-            batch = self.agent.run([p.ids for p in mine], [p.prompt for p in mine], [p.label for p in mine], params)
-        else:
-            batch = self.engine.generate([p.ids for p in mine], params)
-        return batch if self.engine_ranks[e][0] == self.rank else None
+            return self._run_agent(mine, params, first)
+        batch = self.engine.generate([p.ids for p in mine], params)
+        return batch if first else None
+
+    def _run_agent(self, mine, params: SamplingParams, first: bool) -> Optional[RolloutBatch]:
+        """The agent runs on the engine's first rank only (its environment steps once per episode); the engine's
+        other TP ranks take part in each of its generate calls (colocated: vLLM's TP ranks run in lock-step) or,
+        with vLLM in its own processes, have nothing to do."""
+        if not first:
+            serve = getattr(self.engine, "serve", None)
+            if serve is not None:
+                serve()
+            return None
+        try:
+            return self.agent.run([p.ids for p in mine], [p.prompt for p in mine], [p.label for p in mine], params)
+        finally:
+            end = getattr(self.engine, "end_requests", None)
+            if end is not None:
+                end()
 
     def gather(self, local: Optional[RolloutBatch], n_prompts: int, n_samples: int, pad_id: int,
                with_rewards: bool = False) -> RolloutBatch:
@@ -276,10 +303,13 @@ def build_rollout_engine(cfg, path: str, groups: Groups, device):
         ranks = plan.engine_ranks[plan.engine_of(groups.rank)]
         # in-process vLLM takes the whole default group as its world: only when every rank holds an engine
         separate = plan.ranks["rollout"] != list(range(plan.world_size))
+        # one seed per engine (OpenRLHF: seed + engine index); bf16 on CUDA whatever --bf16 says (vLLM's
+        # flash-attention backends take no fp32), fp32 on CPU unless --bf16
         return VLLMEngine(path, t.vllm_tensor_parallel_size, mode="separate" if separate else "colocated",
-                          max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len, seed=cfg.optim.seed,
+                          max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len,
+                          seed=cfg.optim.seed + plan.engine_of(groups.rank),
                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                          dtype="bfloat16" if cfg.model.bf16 else "float32",
+                          dtype="bfloat16" if cfg.model.bf16 or device.type == "cuda" else "float32",
                           gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep=t.vllm_enable_sleep,
                           sleep_level=r.vllm_sleep_level, enforce_eager=r.enforce_eager or device.type == "cpu",
                           tp_group=groups.tp_group, tp_src=ranks[0], driver=groups.rank == ranks[0],
