@@ -48,6 +48,21 @@ def load_prompt_sets(cfg, tokenizer, kit_dir: Optional[str]):
     return build_prompts(rows, tokenizer, d), build_prompts(ev, tokenizer, d)
 
 
+def check_backend_placement(cfg, plan) -> None:
+    """--backend deepspeed needs every model role on every rank: ZeRO's set-up runs a world-wide barrier
+    (deepspeed/runtime/zero/stage3.py ``_setup_for_real_optimizer``), so a role on ranks of its own would hang
+    there.  Checked before any process group exists."""
+    if cfg.topology.backend != "deepspeed":
+        return
+    world = list(range(plan.world_size))
+    partial = [r for r in ("actor", "ref", "critic", "reward") if plan.ranks.get(r) and plan.ranks[r] != world]
+    if partial:
+        raise InputError(f"--backend deepspeed needs every model role on every rank, but {', '.join(partial)} "
+                         f"sit on ranks of their own in this placement (DeepSpeed's ZeRO set-up waits on the whole "
+                         f"job): use --colocate_all_models (and no --vllm_num_engines ranks of their own), or "
+                         f"--backend fsdp2 for roles on ranks of their own")
+
+
 def check_batch_sizes(cfg, plan) -> None:
     """Batch shapes the roles' engines need, checked against the placement before any process group."""
     o = cfg.optim
@@ -76,6 +91,7 @@ class RLTrainer:
             raise InputError("--async_train needs rollout ranks of their own: set --vllm_num_engines > 0 and give "
                              "the job those extra ranks")
         check_batch_sizes(cfg, self.plan)
+        check_backend_placement(cfg, self.plan)
         self.agent_mode = bool(r.agent_func_path)
         if self.agent_mode:
             from rlhf.agents.base import load_agent

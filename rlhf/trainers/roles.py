@@ -315,6 +315,6 @@ def build_rollout_engine(cfg, path: str, groups: Groups, device):
                           tp_group=groups.tp_group, tp_src=ranks[0], driver=groups.rank == ranks[0],
                           device_ids=[k % plan.gpus_per_node for k in ranks],
                           log=print if groups.rank == ranks[0] else (lambda *_: None))
-    model = load_causal_lm(path)
+    model = load_causal_lm(path, cfg.model.bf16, trainable=False)  # generation only: bf16 under --bf16
     model.config.use_cache = True
     return HFEngine(model, tok, device, micro_batch_size=r.micro_rollout_batch_size)
