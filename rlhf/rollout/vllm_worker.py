@@ -92,7 +92,13 @@ def _shared_nccl_env():
 def _formation_error(rank: int, world: int, timeout_s: float, cause) -> WeightTransferError:
     return WeightTransferError(f"weight sync: rank {rank} of {world} could not form the weight-transfer group within "
                                f"{timeout_s}s (--dist_timeout_s): a vLLM worker or the trainer's sending rank did "
-                               f"not join, or its address is unreachable from here (set {ADDR_ENV}). Cause: {cause}")
+                               f"not join, or its address is unreachable from here (set {ADDR_ENV}). Cause: "
+                               f"{_first_line(cause)}")
+
+
+def _first_line(e) -> str:
+    """c10d errors carry a C++ backtrace after the first line."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 class TransferGroup:
@@ -146,7 +152,7 @@ class TransferGroup:
         except RuntimeError as e:  # gloo raises on timeout and on a closed peer
             raise WeightTransferError(f"weight sync: {what} failed or timed out after {self.timeout_s}s "
                                       f"(--dist_timeout_s): a rank of the weight-transfer group crashed or is stuck "
-                                      f"elsewhere. Cause: {e}") from None
+                                      f"elsewhere. Cause: {_first_line(e)}") from None
         if ok is False:
             raise WeightTransferError(f"weight sync: {what} not finished after {self.timeout_s}s (--dist_timeout_s)")
 
