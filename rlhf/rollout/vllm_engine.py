@@ -217,7 +217,9 @@ def check_free_memory(utilization: float, free: int, total: int) -> None:
 
 def default_dtype(cuda: bool, bf16: bool) -> str:
     """vLLM's dtype when the user names none: bf16 on CUDA whatever --bf16 says (vLLM's flash-attention backends
-    take fp16/bf16 only); fp32 on CPU unless --bf16 (the CPU tests compare log-probs with fp32 HF models)."""
+    take fp16/bf16 only; OpenRLHF always passes ``dtype="bfloat16"`` and ``seed=seed + i`` per engine,
+    openrlhf/trainer/ray/vllm_engine.py ``create_vllm_engines``); fp32 on CPU unless --bf16 (the CPU tests compare
+    log-probs with fp32 HF models)."""
     return "bfloat16" if cuda or bf16 else "float32"
 
 
@@ -258,8 +260,9 @@ class RolloutWorkerExtension(WorkerExtension):
 def empty_device_cache() -> None:
     """Give PyTorch's cached CUDA blocks back to the driver before vLLM maps memory with ``cuMemCreate`` (the
     actor's backward leaves them cached; vLLM's allocator cannot use them).  TRL (``torch.cuda.empty_cache()``
-    before ``llm.wake_up``, trl/trainer/grpo_trainer.py), veRL (``aggressive_empty_cache`` before
-    ``wake_up``, verl/workers/sharding_manager/fsdp_vllm.py) and SkyRL do the same.  No-op without CUDA."""
+    before ``llm.wake_up``, trl/trainer/grpo_trainer.py), veRL (``torch.cuda.empty_cache()`` before
+    ``wake_up(tags=["weights"])`` and again before ``wake_up(tags=["kv_cache"])``,
+    verl/workers/sharding_manager/fsdp_vllm.py ``__enter__``) and SkyRL do the same.  No-op without CUDA."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
