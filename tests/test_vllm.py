@@ -257,16 +257,34 @@ def test_separate_rollout_ranks_own_processes_broadcast_sync(vllm_kit):
 
 
 @pytest.mark.gpu
-def test_sleep_frees_gpu_memory_and_wake_restores(engine):
-    """CUDA only (sleep mode exists there): sleep releases device memory; after wake the engine generates the same."""
-    before = engine.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=6))
+def test_sleep_frees_gpu_memory_and_wake_restores(engine, vllm_kit):
+    """CUDA only (sleep mode exists there), the trainer's sequence: level 2 where a sync follows (weights dropped,
+    then woken tag by tag around the sync), level 1 where a generate follows; both free memory and generate the same
+    afterwards.  Unverified: no GPU with vLLM has run it yet."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.distributed.weight_sync import WeightSync
+
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
+    base = AutoModelForCausalLM.from_pretrained(vllm_kit)
+    WeightSync(None, engine, bucket_mb=0.05).sync_colocated(base)  # earlier tests left other weights in the engine
+    before = engine.generate(PROMPTS, greedy)
     free0 = torch.cuda.mem_get_info()[0]
+    engine.sync_follows()
     engine.sleep()
+    assert engine.memory.calls[-1] == ("sleep", 2)
     assert torch.cuda.mem_get_info()[0] > free0 + (64 << 20)
     engine.wake(tags=["weights"])
+    WeightSync(None, engine, bucket_mb=0.05).sync_colocated(base)
     engine.wake()
-    after = engine.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=6))
-    assert torch.equal(before.sequences, after.sequences)
+    assert torch.equal(engine.generate(PROMPTS, greedy).sequences, before.sequences)
+    free1 = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    assert engine.memory.calls[-1] == ("sleep", 1)
+    assert torch.cuda.mem_get_info()[0] > free1 + (64 << 20)
+    engine.wake()
+    assert torch.equal(engine.generate(PROMPTS, greedy).sequences, before.sequences)
+    assert [c for c in engine.memory.calls if c[0] == "wake_up"] == [("wake_up", "weights"), ("wake_up", "kv_cache")] * 2
 
 
 def test_auto_engine_choice_follows_the_measured_rule(tiny_kit, vllm_kit, tmp_path):
