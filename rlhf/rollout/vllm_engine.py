@@ -468,7 +468,8 @@ class VLLMEngine(RolloutEngine):
     def load_weights(self, named_tensors) -> None:
         """Colocated: buffer the bucket and send every complete decoder layer; the last layer of the bucket waits for
         the next bucket or for ``reset_prefix_cache`` (vLLM's in-place reload must see all tensors of a fused layer
-        at once).  Separate mode receives in vLLM's workers instead (``receive_weights``)."""
+        at once).  Also a separate-mode engine on the actor's ranks (host bytes, see ``_send``); on rollout ranks
+        of their own vLLM's workers receive the weights themselves (``receive_weights``)."""
         if not self.driver:
             return
         from .vllm_worker import split_last_layer
@@ -484,11 +485,12 @@ class VLLMEngine(RolloutEngine):
     def _send(self, items):
         if not items:
             return
-        if self.mode != "colocated":
-            raise RuntimeError("a separate-mode vLLM engine receives weights in its own workers (WeightSync's "
-                               "weight-transfer group, receive_weights), not through load_weights")
-        # same process: the tensors are handed over as they are
-        self.llm.collective_rpc("rlhf_load_weights", args=([list(t) for t in items], self.loader))
+        if self.mode == "colocated":  # same process: the tensors are handed over as they are
+            self.llm.collective_rpc("rlhf_load_weights", args=([list(t) for t in items], self.loader))
+        else:  # own processes on the actor's ranks (fed by the colocated gather): host bytes (vllm_worker.pack)
+            from .vllm_worker import pack
+
+            self.llm.collective_rpc("rlhf_load_weights", args=(pack(items), self.loader))
 
     @property
     def direct_weights(self) -> bool:

@@ -216,6 +216,30 @@ def receive_and_load(group: TransferGroup, pieces: Sequence[Piece], load) -> int
     return total
 
 
+def pack(named_tensors) -> List[list]:
+    """(name, tensor) -> [name, dtype, shape, bytes]: what vLLM's engine-core RPC can carry (msgpack).  Only for a
+    vLLM in its own processes that shares the actor's ranks (the rollout on the actor ranks while another role has
+    ranks of its own): the weights come from the colocated gather there, and NCCL refuses a group of two processes
+    on one GPU; CUDA IPC handles (OpenRLHF's ``update_weight_cuda_ipc``) would be the direct transport."""
+    rows = []
+    for name, t in named_tensors:
+        t = t.detach().to("cpu").contiguous()
+        rows.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes()])
+    return rows
+
+
+def unpack(rows: Sequence) -> List[tuple]:
+    out = []
+    for row in rows:
+        if isinstance(row[1], torch.Tensor):  # in-process: already a tensor
+            out.append((row[0], row[1]))
+            continue
+        name, dtype, shape, data = row
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out.append((name, flat.view(getattr(torch, dtype)).reshape(shape)))
+    return out
+
+
 # ---- loading ------------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _quiet():
@@ -260,8 +284,8 @@ class WorkerExtension:
     _rlhf_group: Optional[TransferGroup] = None
 
     def rlhf_load_weights(self, rows, mode: str = "reload") -> int:
-        """Colocated: (name, tensor) rows from the trainer's own process."""
-        return load_into(self, [(r[0], r[1]) for r in rows], mode)
+        """Rows from the trainer: (name, tensor) from its own process (colocated), or ``pack``'s host bytes."""
+        return load_into(self, unpack(rows), mode)
 
     def rlhf_join_weight_group(self, host: str, port: int, rank_offset: int, world: int, backend: str,
                                timeout_s: float) -> int:
