@@ -2,7 +2,8 @@
 
 Two transports, one per engine mode:
 
-``colocated``  the worker lives in the trainer's process: ``rlhf_load_weights`` gets (name, tensor) rows.
+``colocated``  the worker lives in the trainer's process: ``rlhf_load_weights`` gets (name, tensor) rows
+               (host-bytes rows from ``pack`` where vLLM runs in its own processes on the actor's ranks).
 ``separate``   the worker lives in vLLM's own process: it joins a process group of its own with the trainer's
                sending rank (``rlhf_join_weight_group``) and receives every bucket by broadcast straight into a
                tensor on its own device (``rlhf_receive_weights``): no host bytes, no RPC payload.  The pattern
