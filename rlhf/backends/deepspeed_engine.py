@@ -81,7 +81,7 @@ def _check_whole_world(group) -> None:
     """DeepSpeed needs every rank of the job: without an mpu it shards over the whole world
     (deepspeed/utils/groups.py ``_get_data_parallel_group`` -> ``_clone_world_group``), and even with one ZeRO-3
     runs a world barrier while it sets up (deepspeed/runtime/zero/stage3.py ``_setup_for_real_optimizer``:
-    ``dist.barrier()``; measured with DeepSpeed 0.19.8: ranks 0-1 of 3 fail there), so a role on a sub-group would
+    a world-wide barrier; measured with DeepSpeed 0.19.8: ranks 0-1 of 3 fail there), so a role on a sub-group would
     hang or fail inside ``deepspeed.initialize``."""
     if comm.world_size(group) != comm.world_size():
         raise ValueError(f"--backend deepspeed: a role on {comm.world_size(group)} of {comm.world_size()} ranks; "
