@@ -184,8 +184,9 @@ def _tolerant_exit(llm):
 
 
 # ---- devices, memory budget, engine arguments (pure: tested without vLLM) ----------------------------------------
-MAX_NUM_BATCHED_TOKENS = 4096  # TRL's value (trl/trainer/grpo_trainer.py, LLM(max_num_batched_tokens=4096)): with
-# vLLM's default the v1 memory profiler runs its dummy batch at the largest size and mis-sizes the KV cache
+MAX_NUM_BATCHED_TOKENS = 4096  # TRL's value (trl 1.16 trl/generation/vllm_generation.py, colocate LLM(...):
+# "Latest vLLM v1 memory profiler is misled by the high default value (i.e., 32768) - thinking there's not enough
+# memory"; read in the 1.16.0 wheel)
 
 
 def visible_devices(local_ids: Sequence[int], parent: Optional[str]) -> str:
