@@ -15,7 +15,8 @@ ALLOWED = {"rlhf/distributed/comm.py", "rlhf/rollout/vllm_worker.py"}
 
 
 def _callers():
-    pat = re.compile(r"\b(?:dist|torch\.distributed|c10d)\.(%s)\s*\(" % "|".join(COLLECTIVES))
+    names = "|".join(COLLECTIVES)
+    pat = re.compile(rf"\b(?:dist|torch\.distributed|c10d)\.({names})\s*\(")
     bad = []
     for top in ("rlhf", "launch"):
         for d, _, files in os.walk(os.path.join(ROOT, top)):
