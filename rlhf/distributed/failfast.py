@@ -14,6 +14,13 @@ Three pieces, all per process:
   deadline prints every rank's current phase and ends the job.
 * Each phase is entered with ``watchdog.phase(name)``; its name and start time
   go to the store, so the report says where every rank was.
+* Under torchrun the watchdog also watches the agent that started the rank: if it is
+  gone (``kill -9`` of torchrun, a node agent that died), the rank is an orphan that
+  would go on training, checkpointing and exporting unsupervised, logging store
+  errors; it stops at once with one line (``orphaned``).
+
+Ending a rank also ends the processes it started (vLLM's engine core, reward
+sandboxes), found through /proc: no optional package needed.
 
 The store is the one ``init_process_group`` rendezvoused on (under torchrun: the
 agent's store, which outlives any worker).  Store calls from the watchdog thread
@@ -24,11 +31,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 import sys
 import threading
 import time
 import traceback
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 ABORT_KEY = "rlhf/abort"
 PHASE_KEY = "rlhf/phase/{}"
@@ -167,18 +175,66 @@ def die(reason: str, exc_text: Optional[str] = None, code: int = EXIT_FAILED) ->
         os._exit(code)
 
 
+def descendants(pid: Optional[int] = None) -> List[int]:
+    """Every process below ``pid`` (default: this one), children before grandchildren, read from /proc (Linux;
+    ``psutil`` is not a dependency).  [] where /proc cannot be read."""
+    pid = os.getpid() if pid is None else pid
+    children: Dict[int, List[int]] = {}
+    try:
+        entries = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return []
+    for d in entries:
+        try:
+            with open(f"/proc/{d}/stat") as fh:
+                stat = fh.read()
+        except OSError:  # exited meanwhile
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])  # "pid (comm) state ppid ..."; comm may hold spaces
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(0), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_descendants(pid: Optional[int] = None) -> int:
+    """SIGKILL every process below ``pid`` (default: this one); returns how many were signalled."""
+    n = 0
+    for child in reversed(descendants(pid)):
+        try:
+            os.kill(child, signal.SIGKILL)
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
 def _kill_children() -> None:
     """Processes this rank started (vLLM's engine core on rollout ranks of their own, reward sandboxes) would
     outlive os._exit: end them first."""
     try:
-        import psutil
-    except ImportError:
-        return
-    try:
-        for child in psutil.Process().children(recursive=True):
-            child.kill()
-    except Exception:
+        kill_descendants()
+    except Exception:  # exiting anyway
         pass
+
+
+def launcher_pid() -> Optional[int]:
+    """The torchrun agent that started this rank (its parent), or None outside torchrun."""
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def orphaned(agent_pid: int) -> None:
+    """The agent is gone: stop this rank now, with one line (no store: it lived in the agent)."""
+    _say(f"[rank {_rank()}] stopping: the torchrun agent (pid {agent_pid}) that started this rank is gone (killed, "
+         f"or its node lost); no rank goes on unsupervised. Resume from the last checkpoint with --load_checkpoint")
+    try:
+        sys.stdout.flush()
+        _kill_children()
+    finally:
+        os._exit(EXIT_FAILED)
 
 
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
@@ -295,6 +351,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._current: Optional[tuple] = None   # (label, start, deadline)
         self._stop = threading.Event()
+        self._agent = launcher_pid()            # torchrun's agent: a rank whose agent died stops (orphaned)
         self._thread = threading.Thread(target=self._loop, name="rlhf-watchdog", daemon=True)
         if start:
             self._thread.start()
@@ -351,6 +408,8 @@ class Watchdog:
 
     def _loop(self):
         while not self._stop.wait(self.poll_s):
+            if self._agent is not None and os.getppid() != self._agent:  # re-parented: the agent is gone
+                orphaned(self._agent)
             first = self.board.aborted()
             if first is not None:
                 die(first)
