@@ -274,5 +274,15 @@ def parse(kind: str, argv, trainer_defaults: Optional[dict] = None) -> TrainConf
     return holder["cfg"]
 
 
+EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: checkpointed and stopped before the end; run again to resume
+
+
 def main_entry(kind: str, run: Callable[[TrainConfig], None], trainer_defaults: Optional[dict] = None, help: str = ""):
-    make_command(kind, run, trainer_defaults, help).main(sys.argv[1:], prog_name=f"rlhf.{kind}")
+    """The trainers' CLI.  Exit codes: 0 the run completed; 75 (EXIT_PREEMPTED) a stop request (stop file,
+    SIGUSR1/TERM/INT/HUP) checkpointed an incomplete run (resume with --load_checkpoint); 1 a failure; 2 bad input."""
+    def run_and_exit(cfg):
+        trainer = run(cfg)
+        if getattr(getattr(trainer, "cadence", None), "preempted", False):
+            sys.exit(EXIT_PREEMPTED)
+
+    make_command(kind, run_and_exit, trainer_defaults, help).main(sys.argv[1:], prog_name=f"rlhf.{kind}")

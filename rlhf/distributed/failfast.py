@@ -41,6 +41,7 @@ from typing import Callable, Dict, List, Optional
 ABORT_KEY = "rlhf/abort"
 PHASE_KEY = "rlhf/phase/{}"
 EXIT_FAILED = 1
+EXIT_PREEMPTED = 75  # a stop request checkpointed an incomplete run (rlhf.config.cli.EXIT_PREEMPTED)
 
 
 def _rank() -> int:
@@ -262,7 +263,7 @@ def guarded(main: Callable[[], object]):
     try:
         return main()
     except SystemExit as e:
-        if e.code in (0, None):
+        if e.code in (0, None, EXIT_PREEMPTED):
             raise
         die(f"exited with {e.code}", traceback.format_exc())
     except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: never run cleanup collectives

@@ -1,11 +1,14 @@
-"""Stop requests: the stop file ($RLHF_STOP_FILE, touched by the sbatch trap), SIGUSR1 and SIGTERM.
+"""Stop requests: the stop file ($RLHF_STOP_FILE, touched by the sbatch trap), SIGUSR1, SIGTERM, SIGINT, SIGHUP.
 
 A file works through every layer (sbatch -> srun -> torchrun -> ranks), where a
 signal would have to survive torchrun's own handlers.  SIGUSR1 and SIGTERM
 delivered to a rank (torchrun forwards SIGTERM to its workers when the scheduler
 or an operator stops it, then kills them after its grace period, 30 s by default)
 are recorded and acted on at the next step boundary: every rank agrees through one
-collective, checkpoints, and exits with a "[preempt] ... NOT complete" line.
+collective, checkpoints, and exits with a "[preempt] ... NOT complete" line and exit code 75
+(``rlhf.config.cli.EXIT_PREEMPTED``).  The bound: the step in progress plus the save must end within
+torchrun's grace (30 s after it forwards TERM) and the scheduler's (SLURM's KillWait); longer steps get their
+checkpoint from the sbatch scripts' USR1 lead time (``--signal_lead_s``), not from TERM.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from rlhf.distributed import comm
 class StopSignal:
     """Records stop requests of this process; ``requested()`` is the collective that agrees on one."""
 
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # INT (Ctrl-C), HUP: as TERM
 
     def __init__(self, stop_file: Optional[str] = None):
         self.stop_file = stop_file if stop_file is not None else os.environ.get("RLHF_STOP_FILE")
