@@ -83,3 +83,45 @@ def test_rank_stops_when_its_torchrun_agent_is_killed(tmp_path):
         assert text.count("stopping:") == 1, text
     finally:
         agent.kill()
+
+
+def test_summary_line_names_a_full_disk_behind_a_wrapper():
+    """torch.save / DCP wrap the OSError: the one-line summary still leads with 'No space left on device'."""
+    import errno
+
+    from rlhf.distributed.failfast import describe
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as inner:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1234 vs 1200") from inner
+    except RuntimeError as e:
+        line = describe(e)
+    assert line.startswith("No space left on device: free space, or point --ckpt_path"), line
+    assert "RuntimeError: [enforce fail" in line
+
+    class CheckpointException(Exception):  # DCP's: per-rank failures as (exception, traceback)
+        failures = {1: (OSError(errno.ENOSPC, "No space left on device"), None)}
+
+    assert describe(CheckpointException("CheckpointException ranks:dict_keys([1])")).startswith(
+        "No space left on device")
+    assert describe(ValueError("bad value")) == "ValueError: bad value"
+
+
+def test_steps_capped_by_data_are_said_and_batch_fix_passes_every_check():
+    from rlhf.trainers.cadence import planned_steps
+    from rlhf.trainers.rl_trainer import batch_size_fix
+
+    assert planned_steps(11, 1, 1000, "--num_episodes") == (11, planned_steps(11, 1, 1000, "--num_episodes")[1])
+    total, note = planned_steps(11, 1, 1000, "--num_episodes")
+    assert total == 11 and "--max_global_steps 1000" in note and "--num_episodes 91 runs 1000" in note, note
+    assert planned_steps(11, 2, 5, "--max_epochs") == (5, None)
+    assert planned_steps(11, 2, 0, "--max_epochs") == (22, None)
+    # 24 samples (rollout 6 x n 4), micro 4 on 3 ranks: 12 and 24 fit both checks; 16 was suggested before
+    fix = batch_size_fix(24, 16, 4, 3)
+    assert fix == "e.g. --train_batch_size 12", fix
+    b = int(fix.split()[-1])
+    assert b % (4 * 3) == 0 and 24 % b == 0
+    assert batch_size_fix(10, 8, 4, 2) == "e.g. --micro_train_batch_size 1 --train_batch_size 10"
+    assert "make that a multiple of 4" in batch_size_fix(6, 6, 1, 4)

@@ -246,12 +246,40 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 INPUT_ERRORS = ("ConfigError", "TopologyError", "InputError", "DataError", "RewardError", "UsageError")
 
 
+# Causes that a wrapper's first line tends to hide (torch.save's "file write failed", DCP's CheckpointException):
+# found anywhere in the exception's chain, they lead the one-line summary.
+FILESYSTEM_CAUSES = {"No space left on device": "free space, or point --ckpt_path / --save_path at a larger disk",
+                     "Disk quota exceeded": "free quota, or point --ckpt_path / --save_path elsewhere",
+                     "Read-only file system": "point --ckpt_path / --save_path at a writable folder"}
+
+
+def chain_text(e: BaseException) -> str:
+    """The messages of ``e``, its causes and contexts, and of the per-rank failures a DCP CheckpointException
+    carries (``failures``: rank -> (exception, traceback))."""
+    out, seen, todo = [], set(), [e]
+    while todo:
+        x = todo.pop(0)
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        out.append(str(x))
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [x.__cause__, x.__context__]
+    return "\n".join(out)
+
+
 def describe(e: BaseException) -> str:
     text = str(e).strip()
     first = text.splitlines()[0] if text else ""
     if any(p in text for p in PEER_LOST):
         return (f"lost a peer rank during a collective ({first[:200]}): that rank died without a traceback (killed, "
                 f"out of memory, segfault); torchrun's summary below gives its rank and exit code")
+    full = chain_text(e)
+    for cause, fix in FILESYSTEM_CAUSES.items():
+        if cause in full:
+            return f"{cause}: {fix} ({type(e).__name__}: {first[:200]})"[:500]
     return f"{type(e).__name__}: {first}"[:500]
 
 

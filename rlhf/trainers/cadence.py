@@ -27,6 +27,20 @@ class Steps(Protocol):
     def finish(self) -> None: ...  # final export (HF model), collective
 
 
+def planned_steps(per_pass: int, passes: int, max_global_steps: int, pass_flag: str) -> tuple:
+    """(steps the run takes, a note or None): ``per_pass`` x ``passes`` steps of data, capped by
+    --max_global_steps; a cap above what the data gives is said, with the flag that gives more, never silent."""
+    total = per_pass * passes
+    if max_global_steps <= 0 or max_global_steps == total:
+        return total, None
+    if max_global_steps < total:
+        return max_global_steps, None
+    need = -(-max_global_steps // max(per_pass, 1))
+    return total, (f"[data] --max_global_steps {max_global_steps} asks for more than the data gives: {per_pass} steps "
+                   f"per pass x {pass_flag} {passes} = {total}; running {total} (e.g. {pass_flag} {need} runs "
+                   f"{max_global_steps})")
+
+
 def log0(msg: str) -> None:
     if comm.rank() == 0:
         print(msg, flush=True)

@@ -29,7 +29,7 @@ from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
 from .advantage_stage import InvalidRewardGuard
-from .cadence import Cadence, log0
+from .cadence import Cadence, log0, planned_steps
 from .experience import Stage, StepState, gathered_rollout, rl_stages, score_batch
 from .roles import build_roles
 
@@ -66,15 +66,29 @@ def check_backend_placement(cfg, plan) -> None:
 def check_batch_sizes(cfg, plan) -> None:
     """Batch shapes the roles' engines need, checked against the placement before any process group."""
     o = cfg.optim
+    samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     for role, lr_flag in (("actor", "actor"), ("critic", "critic")):
         n = len(plan.ranks.get(role) or [])
         if n and o.train_batch_size % (o.micro_train_batch_size * n):
             per = o.micro_train_batch_size * n
             raise InputError(f"--train_batch_size {o.train_batch_size} must be a multiple of --micro_train_batch_size "
                              f"{o.micro_train_batch_size} x {n} {role} ranks = {per} (every {role} rank takes the same "
-                             f"number of micro-batches per optimizer step); e.g. --train_batch_size "
-                             f"{max(per, o.train_batch_size // per * per)}, or --micro_train_batch_size that divides "
-                             f"{o.train_batch_size // n if o.train_batch_size % n == 0 else 'it'}")
+                             f"number of micro-batches per optimizer step); "
+                             + batch_size_fix(samples, o.train_batch_size, o.micro_train_batch_size, n))
+
+
+def batch_size_fix(samples: int, train_batch_size: int, micro: int, ranks: int) -> str:
+    """A fix that passes every batch check at once: a --train_batch_size that is a multiple of micro x ranks and
+    divides the step's samples (closest to the current one), else a --micro_train_batch_size that allows one."""
+    per = micro * ranks
+    fits = [k * per for k in range(1, samples // per + 1) if samples % (k * per) == 0]
+    if fits:
+        return f"e.g. --train_batch_size {min(fits, key=lambda b: (abs(b - train_batch_size), -b))}"
+    for m in range(micro - 1, 0, -1):
+        if samples % (m * ranks) == 0:
+            return f"e.g. --micro_train_batch_size {m} --train_batch_size {samples}"
+    return (f"no batch splits {samples} samples (--rollout_batch_size x --n_samples_per_prompt) over {ranks} ranks: "
+            f"make that a multiple of {ranks}")
 
 
 class RLTrainer:
@@ -111,15 +125,14 @@ class RLTrainer:
                              + (f" (--eval_split {cfg.data.eval_split} held out {len(self.eval_prompts)} for eval)"
                                 if cfg.data.prompt_data and not cfg.data.eval_dataset else ""))
         self.steps_per_episode = len(self.prompts) // rb
-        total = self.steps_per_episode * cfg.optim.num_episodes
-        if cfg.optim.max_global_steps > 0:
-            total = min(total, cfg.optim.max_global_steps)
+        total, capped = planned_steps(self.steps_per_episode, cfg.optim.num_episodes, cfg.optim.max_global_steps,
+                                      "--num_episodes")
         self.total_steps = total
         left = len(self.prompts) - self.steps_per_episode * rb
         notes = [f"[data] {len(self.prompts)} training prompts -> {self.steps_per_episode} steps per episode of "
                  f"--rollout_batch_size {rb}" + (f" ({left} prompts of each shuffled episode are left out)" if left
                                                   else "") + f"; {len(self.eval_prompts)} eval prompts"
-                 + ("" if self.eval_prompts else " (eval off)")]
+                 + ("" if self.eval_prompts else " (eval off)")] + ([capped] if capped else [])
         # --- process groups, roles, watchdog ---
         self.rank, self.world, _, self.device = init_distributed(t.dist_timeout_s)
         # a dynamic-filtering refill is up to max_rounds + 1 rounds of generation + scoring: each round has its own

@@ -22,7 +22,7 @@ from rlhf.utils import checkpoint as ckpt
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
-from .cadence import Cadence, log0
+from .cadence import Cadence, log0, planned_steps
 
 
 class Task:
@@ -101,9 +101,10 @@ class SupervisedTrainer:
         self.steps_per_epoch = len(self.train_samples) // o.train_batch_size
         if self.steps_per_epoch == 0:
             raise ValueError(f"{len(self.train_samples)} samples is fewer than --train_batch_size {o.train_batch_size}")
-        total = self.steps_per_epoch * o.max_epochs
-        self.total_steps = min(total, o.max_global_steps) if o.max_global_steps > 0 else total
+        self.total_steps, capped = planned_steps(self.steps_per_epoch, o.max_epochs, o.max_global_steps, "--max_epochs")
         self.rank, self.world, _, self.device = init_distributed(t.dist_timeout_s)
+        if capped:
+            log0(capped)
         self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
                                  deadlines={"load": t.watchdog_slow_timeout_s, "save": t.watchdog_slow_timeout_s})
         torch.manual_seed(o.seed)
