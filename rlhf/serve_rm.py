@@ -1,7 +1,10 @@
 """HTTP reward server:  python -m rlhf.serve_rm --reward_pretrain DIR [--port 5000]
 
-POST /get_reward  {"queries": [str, ...], "prompts": [...]?, "labels": [...]?}
+POST /get_reward  {"query": [str, ...], "prompts": [...]?, "labels": [...]?}
   -> 200 {"rewards": [float], "scores": [float], "extra_logs": {}}
+``query`` is the key OpenRLHF's client sends and its serve_rm reads (openrlhf/utils/remote_rm_utils.py
+``remote_rm_fn``; openrlhf/cli/serve_rm.py ``data.get("query")``); ``queries`` (this library's older clients) is
+accepted too.
 Malformed requests get 400 with a message; scoring is batched (--batch_size).
 """
 from __future__ import annotations
@@ -42,16 +45,27 @@ def validate_request(body: bytes):
         raise ValueError(f"body is not JSON: {e}")
     if not isinstance(req, dict):
         raise ValueError("body must be a JSON object")
-    q = req.get("queries")
+    key = request_queries_key(req)
+    q = req[key]
     if not isinstance(q, list) or not q or not all(isinstance(x, str) for x in q):
-        raise ValueError("'queries' must be a non-empty list of strings")
+        raise ValueError(f"'{key}' must be a non-empty list of strings")
     empty = [i for i, x in enumerate(q) if not x.strip()]
     if empty:
-        raise ValueError(f"'queries' {empty[:5]} are empty strings; each query is prompt + response text")
-    for key in ("prompts", "labels"):
-        if key in req and (not isinstance(req[key], list) or len(req[key]) != len(q)):
-            raise ValueError(f"'{key}' must be a list as long as 'queries' ({len(q)})")
-    return req
+        raise ValueError(f"'{key}' {empty[:5]} are empty strings; each query is prompt + response text")
+    for other in ("prompts", "labels"):
+        if other in req and (not isinstance(req[other], list) or len(req[other]) != len(q)):
+            raise ValueError(f"'{other}' must be a list as long as '{key}' ({len(q)})")
+    return {**req, "queries": q}
+
+
+def request_queries_key(req: dict) -> str:
+    """Which key of a request body holds the texts to score: ``query`` (OpenRLHF's client and server,
+    openrlhf/utils/remote_rm_utils.py, openrlhf/cli/serve_rm.py) or ``queries``; ValueError if neither."""
+    for key in ("query", "queries"):
+        if key in req:
+            return key
+    raise ValueError(f"body has no 'query' (keys: {sorted(req)[:10]}); send "
+                     '{"query": ["<prompt + response>", ...], "prompts": [...], "labels": [...]}')
 
 
 def make_server(scorer, host: str = "127.0.0.1", port: int = 5000, request_timeout_s: float = 30.0) -> ThreadingHTTPServer:

@@ -131,3 +131,59 @@ def test_serve_rm_half_sent_request_times_out(rm_server):
                 break
             data += chunk
     assert b" 400 " in data.split(b"\r\n")[0] and b"is not a number" in data
+
+
+class _OpenRLHFStyleServer:
+    """A reward server that reads only ``query``, as OpenRLHF's serve_rm does (openrlhf/cli/serve_rm.py:
+    ``queries = data.get("query")``): anything else in the body is ignored, a body without it is a 400."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        seen = self.seen = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                data = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                seen.append(data)
+                q = data.get("query")
+                code, out = (400, {"error": "no query"}) if not q else \
+                    (200, {"rewards": [float(len(x)) for x in q], "scores": [1.0] * len(q), "extra_logs": {}})
+                body = json.dumps(out).encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/get_reward"
+
+
+def test_http_client_speaks_openrlhf_query_key():
+    """Our client's body is OpenRLHF's {"query", "prompts", "labels"}: a server that reads only ``query`` scores
+    every text (before the fix the client sent ``queries`` and such a server answered 400)."""
+    srv = _OpenRLHFStyleServer()
+    try:
+        out = RewardSource(http_reward_func(srv.url, timeout_s=10), srv.url)(["ab", "abcd"], ["a", "a"], ["x", "y"])
+        assert out["rewards"].tolist() == [2.0, 4.0], out
+        assert srv.seen[-1] == {"query": ["ab", "abcd"], "prompts": ["a", "a"], "labels": ["x", "y"]}, srv.seen[-1]
+    finally:
+        srv.server.shutdown()
+
+
+def test_serve_rm_accepts_openrlhf_query_key(rm_server):
+    """OpenRLHF's client posts ``query`` (openrlhf/utils/remote_rm_utils.py remote_rm_fn): 200 with the same
+    scores as ``queries``; a body with neither is a 400 that shows the body to send."""
+    texts = ["1+2=3", "1+2=4"]
+    code, a = _post(rm_server, json.dumps({"query": texts, "prompts": ["1+2="] * 2, "labels": ["3", "3"]}).encode())
+    assert code == 200 and len(a["rewards"]) == 2, (code, a)
+    code, b = _post(rm_server, json.dumps({"queries": texts}).encode())
+    assert code == 200 and a["rewards"] == pytest.approx(b["rewards"], abs=1e-6)
+    code, out = _post(rm_server, json.dumps({"texts": texts}).encode())
+    assert code == 400 and "no 'query'" in out["error"] and '{"query": [' in out["error"], out
+    code, out = _post(rm_server, json.dumps({"query": ["a"], "labels": [1, 2]}).encode())
+    assert code == 400 and "as long as 'query'" in out["error"], out

@@ -152,13 +152,17 @@ class RewardSource:
 
 
 def http_reward_func(url: str, timeout_s: float = 120.0, retries: int = 2) -> Callable:
-    """A reward_func that POSTs {"queries", "prompts", "labels"} as JSON to url.
+    """A reward_func that POSTs ``{"query": [...], "prompts": [...], "labels": [...]}`` as JSON to url.
+
+    The body is OpenRLHF's (openrlhf/utils/remote_rm_utils.py ``remote_rm_fn``: ``{"query": queries, "prompts":
+    prompts, "labels": labels}``; its serve_rm reads ``query``), so a reward server written for OpenRLHF works
+    unchanged; the answer's ``rewards`` (and optional ``scores``, ``extra_logs``) are read as OpenRLHF's are.
 
     One deadline (``timeout_s``, --reward_timeout_s) covers every try; a connection error, a timeout or a 5xx is
     tried again up to ``retries`` more times (--remote_rm_retries) while time is left; a 4xx is final.
     """
     def call(queries, prompts, labels, **kwargs):
-        body = json.dumps({"queries": queries, "prompts": prompts, "labels": labels}).encode()
+        body = json.dumps({"query": queries, "prompts": prompts, "labels": labels}).encode()
         deadline = time.monotonic() + timeout_s
         what = f"the reward server's answer to POST {url} ({len(queries)} queries, {len(body)} bytes)"
         last, tries = "no try made", 0
