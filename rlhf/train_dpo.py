@@ -1,7 +1,9 @@
 """Direct preference optimisation (sigmoid / ipo / hinge).  torchrun -m rlhf.train_dpo [flags | --config configs/x.yaml]"""
 from rlhf.config import main_entry
 
-DEFAULTS = {"learning_rate": 1e-4, "train_batch_size": 32, "micro_train_batch_size": 8}
+# learning rate: OpenRLHF's (openrlhf/cli/train_dpo.py: --learning_rate default 1e-5), so a command that leaves it out
+# trains as it does there; the tiny demo sets its own in configs/*_tiny.yaml
+DEFAULTS = {"learning_rate": 1e-5, "train_batch_size": 32, "micro_train_batch_size": 8}
 
 
 def run(cfg):

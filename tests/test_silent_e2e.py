@@ -48,7 +48,7 @@ def test_sft_resume_on_another_number_of_ranks(tiny_kit, tmp_path):
     logs = str(tmp_path / "logs")
     common = ["--pretrain", tiny_kit, "--dataset", f"{d}/sft_train.jsonl", "--max_samples", 200, "--eval_split", 0,
               "--train_batch_size", 8, "--micro_train_batch_size", 2, "--save_path", tmp_path / "out",
-              "--ckpt_path", tmp_path / "ck", "--save_steps", 2]
+              "--ckpt_path", tmp_path / "ck", "--save_steps", 2, "--learning_rate", 1e-3]
     first, _, _ = torchrun("rlhf.train_sft", 2, common + ["--max_global_steps", 2], tmp_path, logs)
     second, _, out = torchrun("rlhf.train_sft", 1, common + ["--max_global_steps", 4, "--load_checkpoint"],
                               tmp_path, logs)

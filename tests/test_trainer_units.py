@@ -218,3 +218,20 @@ def test_supervised_batches_reach_the_models_device(tiny_kit, packing):
             assert loss.is_meta and loss.dim() == 0, (task.name, loss)
     assert seen and set(seen) == {"meta"}, seen
     assert lm.seen and ref.seen and rm.seen and set(lm.seen + ref.seen + rm.seen) == {"meta"}
+
+
+def test_supervised_learning_rate_defaults_are_openrlhfs():
+    """A command that leaves --learning_rate out trains at OpenRLHF's rate (openrlhf/cli/train_sft.py 5e-6,
+    train_rm.py 9e-6, train_dpo.py 1e-5), not the tiny demo's 1e-3 / 1e-4; the demo's YAML sets its own."""
+    import yaml
+
+    from rlhf.config import parse
+    from rlhf.train_dpo import DEFAULTS as DPO
+    from rlhf.train_rm import DEFAULTS as RM
+    from rlhf.train_sft import DEFAULTS as SFT
+
+    for kind, defaults, want in (("sft", SFT, 5e-6), ("rm", RM, 9e-6), ("dpo", DPO, 1e-5)):
+        got = parse(kind, [], defaults).optim.learning_rate
+        assert got == want, f"{kind}: default learning rate {got}, OpenRLHF's is {want}"
+    with open("configs/sft_tiny.yaml") as fh:
+        assert yaml.safe_load(fh)["optim"]["learning_rate"] == 3e-3, "the demo's SFT must set its own rate"
