@@ -12,6 +12,7 @@ from mp import spawn
 
 from rlhf.algorithms import (
     IS_CORRECTIONS,
+    IS_GATES,
     POLICY_LOSSES,
     LossTotals,
     aggregate,
@@ -166,6 +167,77 @@ def test_is_corrections_by_hand():
     close(importance_weights(old, roll, mask, "seq-mask-tis", 0.5, 5.0), [[0.25, 1.0, 8.0]])
     close(importance_weights(old, roll, mask, "seq-mask-tis", 0.5, 1.2), [[0.0, 0.0, 0.0]])
     assert sorted(IS_CORRECTIONS) == ["icepop", "seq-mask-tis", "tis"]
+
+
+def test_is_divergence_gates_by_hand():
+    """OpenRLHF 0.11.2 is_correction_gating binary_kl / tv (openrlhf/models/loss.py PolicyLoss): p = rollout prob,
+    q = trainer prob of the sampled token; mask mode keeps the survivors' weight q / p."""
+    # tokens: (p, q) = (0.5, 0.5), (0.5, 0.25), (0.2, 0.4); ratio q / p = 1, 0.5, 2
+    roll = T([[math.log(0.5), math.log(0.5), math.log(0.2)]])
+    old = T([[math.log(0.5), math.log(0.25), math.log(0.4)]])
+    mask = torch.ones(1, 3)
+    bkl = [0.0, 0.5 * math.log(2) + 0.5 * math.log(0.5 / 0.75), 0.2 * math.log(0.5) + 0.8 * math.log(0.8 / 0.6)]
+    # = 0, 0.143841, 0.091516
+    close(IS_GATES["binary_kl"](old, roll), [bkl])
+    close(IS_GATES["tv"](old, roll), [[0.0, 0.25, 0.2]])
+    # token level, mask: binary KL <= 0.1 keeps tokens 0 and 2 (0.1438 > 0.1 is dropped)
+    close(importance_weights(old, roll, mask, "icepop", 0.0, 0.1, gating="binary_kl"), [[1.0, 0.0, 2.0]])
+    close(importance_weights(old, roll, mask, "icepop", 0.0, 0.21, gating="tv"), [[1.0, 0.0, 2.0]])
+    # seq level: mean binary KL (0 + 0.143841 + 0.091516) / 3 = 0.078452: inside 0.08, outside 0.07
+    close(importance_weights(old, roll, mask, "seq-mask-tis", 0.0, 0.08, gating="binary_kl"), [[1.0, 0.5, 2.0]])
+    close(importance_weights(old, roll, mask, "seq-mask-tis", 0.0, 0.07, gating="binary_kl"), [[0.0, 0.0, 0.0]])
+    # seq level, tv: masked mean over the first two tokens only, (0 + 0.25) / 2 = 0.125 <= 0.13; padding weighs 0
+    pad = T([[1.0, 1.0, 0.0]])
+    close(importance_weights(old, roll, pad, "seq-mask-tis", 0.0, 0.13, gating="tv"), [[1.0, 0.5, 0.0]])
+    close(importance_weights(old, roll, pad, "seq-mask-tis", 0.0, 0.12, gating="tv"), [[0.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match="use --is_correction_type icepop"):   # a divergence cannot clamp
+        importance_weights(old, roll, mask, "tis", 0.0, 0.1, gating="tv")
+    assert sorted(IS_GATES) == ["binary_kl", "tv"]
+
+
+@pytest.mark.parametrize("level,mode,gating,thr,kind", [
+    ("token", "clip", "ratio", ["0.3", "3"], "tis"),
+    ("token", "mask", "ratio", ["0.3", "3"], "icepop"),
+    ("seq", "mask", "ratio", ["0.3", "3"], "seq-mask-tis"),
+    ("seq", "mask", "binary_kl", ["5e-3"], "seq-mask-tis"),
+    ("token", "mask", "tv", ["0.1"], "icepop"),
+])
+def test_is_correction_0_11_2_flags(level, mode, gating, thr, kind):
+    """OpenRLHF 0.11.2's --algo.advantage.is_correction_level / _mode / _gating / _threshold [LOW] HIGH land on
+    the flat flags: level+mode pick the kind, one threshold value is the upper bound (LOW 0)."""
+    from rlhf.config.cli import parse
+
+    argv = ["--advantage_estimator", "reinforce", "--algo.advantage.is_correction_level", level,
+            "--algo.advantage.is_correction_mode", mode, "--algo.advantage.is_correction_gating", gating,
+            "--algo.advantage.is_correction_threshold", *thr, "--actor.loss_agg_mode", "seq-mean-token-mean"]
+    a = parse("ppo", argv).algorithm
+    lo, hi = (0.0, float(thr[0])) if len(thr) == 1 else (float(thr[0]), float(thr[1]))
+    assert (a.enable_is_correction, a.is_correction_type, a.is_correction_gating) == (True, kind, gating)
+    assert (a.is_truncated_threshold_low, a.is_truncated_threshold) == (lo, hi)
+    assert a.loss_agg_mode == "seq-mean-token-mean"
+    off = parse("ppo", ["--advantage_estimator", "reinforce", "--enable_is_correction",
+                        "--algo.advantage.is_correction_level", "off"]).algorithm
+    assert not off.enable_is_correction   # level off wins over the 0.11.0 switch
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode", "clip"],
+     "needs --is_correction_level token (got seq); use --is_correction_mode mask"),
+    (["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "clip",
+      "--algo.advantage.is_correction_gating", "tv", "--algo.advantage.is_correction_threshold", "0.1"],
+     "cannot clamp"),
+    (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_gating", "binary_kl"],
+     "takes an upper bound only"),
+    (["--algo.advantage.is_correction_level", "diag"], "diag"),
+])
+def test_is_correction_0_11_2_errors(argv, msg):
+    import click
+
+    from rlhf.config.cli import parse
+
+    with pytest.raises(click.UsageError) as e:
+        parse("ppo", ["--advantage_estimator", "reinforce", *argv])
+    assert msg in str(e.value), str(e.value)
 
 
 def test_kl_in_reward_requires_actor_logprobs():

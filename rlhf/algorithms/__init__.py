@@ -5,11 +5,12 @@ from .aggregation import LossTotals, aggregate, local_totals
 from .kl import compute_kl, fold_kl_into_rewards, kl_unbiased_gradient, make_kl_controller
 from .logprob import entropy_chunked, logprobs_from_logits
 from .masked import masked_mean, masked_whiten
-from .policy_loss import entropy_from_logits, importance_weights, value_loss
+from .policy_loss import IS_LEVEL_MODE_KIND, divergence_gated_weights, entropy_from_logits, importance_weights, value_loss
 from .preference import dpo_loss, sft_token_loss
 from .registry import (
                        ADVANTAGE_ESTIMATORS,
                        IS_CORRECTIONS,
+                       IS_GATES,
                        KL_ESTIMATORS,
                        LOSS_AGGREGATIONS,
                        POLICY_LOSSES,

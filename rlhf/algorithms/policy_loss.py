@@ -12,7 +12,7 @@ import torch
 
 from .aggregation import LossTotals, aggregate
 from .masked import masked_mean
-from .registry import IS_CORRECTIONS, POLICY_LOSSES
+from .registry import IS_CORRECTIONS, IS_GATES, POLICY_LOSSES
 
 Tensor = torch.Tensor
 
@@ -145,11 +145,65 @@ def is_seq_mask_tis(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, low: f
     return torch.exp(log_w) * keep * mask
 
 
+# ---- OpenRLHF 0.11.2's divergence gates (--is_correction_gating binary_kl | tv) -----------------------------------
+# openrlhf/models/loss.py PolicyLoss (is_correction_level / _mode / _gating): with p = rollout prob, q = trainer
+# (old) prob of the sampled token, both clamped to [1e-6, 1 - 1e-6], a gate statistic is read per token (level
+# token) or as its masked mean per sequence (level seq); units outside [low, high] are dropped (mode mask) and the
+# survivors keep the token weight exp(old - rollout).  A divergence takes an upper bound only.
+
+def _probs(old_logp: Tensor, rollout_logp: Tensor) -> Tuple[Tensor, Tensor]:
+    p = torch.exp(rollout_logp.float()).clamp(1e-6, 1 - 1e-6)
+    q = torch.exp(old_logp.float()).clamp(1e-6, 1 - 1e-6)
+    return p, q
+
+
+@IS_GATES.register("binary_kl")
+def gate_binary_kl(old_logp: Tensor, rollout_logp: Tensor) -> Tensor:
+    """Sampled-token binary KL(rollout || trainer): d_t = p log(p / q) + (1 - p) log((1 - p) / (1 - q)),
+    p = exp(rollout_t), q = exp(old_t) clamped to [1e-6, 1 - 1e-6] (OpenRLHF 0.11.2 ``binary_kl``)."""
+    p, q = _probs(old_logp, rollout_logp)
+    return p * torch.log(p / q) + (1 - p) * torch.log((1 - p) / (1 - q))
+
+
+@IS_GATES.register("tv")
+def gate_tv(old_logp: Tensor, rollout_logp: Tensor) -> Tensor:
+    """Sampled-token total variation: d_t = |p - q|, p = exp(rollout_t), q = exp(old_t) clamped to
+    [1e-6, 1 - 1e-6] (OpenRLHF 0.11.2 ``tv``)."""
+    p, q = _probs(old_logp, rollout_logp)
+    return (p - q).abs()
+
+
+def divergence_gated_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, gating: str, level: str,
+                             low: float = 0.0, high: float = 5e-3) -> Tensor:
+    """Mask-mode IS weights gated by a divergence d (IS_GATES[gating]):
+    level token: w_t = exp(old_t - rollout_t) * [low <= d_t <= high];
+    level seq:   D_i = sum_t m_t d_t / sum_t m_t,  w_t = exp(old_t - rollout_t) * [low <= D_i <= high]."""
+    d = IS_GATES.get_fn(gating)(old_logp, rollout_logp)
+    if level == "seq":
+        d = ((d * mask).sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1)
+    elif level != "token":
+        raise ValueError(f"--is_correction_level {level!r}: use token or seq")
+    keep = ((d >= low) & (d <= high)).to(torch.float32)
+    return torch.exp(_is_log_w(old_logp, rollout_logp, mask)) * keep * mask
+
+
+# (level, mode) of OpenRLHF 0.11.2 -> the correction kind of 0.11.0 / the flat --is_correction_type
+IS_LEVEL_MODE_KIND = {("token", "clip"): "tis", ("token", "mask"): "icepop", ("seq", "mask"): "seq-mask-tis"}
+
+
 def importance_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, kind: str = "tis", low: float = 0.5,
-                       high: float = 5.0) -> Tensor:
-    """Detached (B, T) weights of the chosen correction; 0 outside the mask."""
+                       high: float = 5.0, gating: str = "ratio") -> Tensor:
+    """Detached (B, T) weights of the chosen correction; 0 outside the mask.  gating "ratio" gates the IS ratio
+    itself (IS_CORRECTIONS[kind]); "binary_kl" / "tv" gate a divergence at the level of the mask kind
+    (icepop: token, seq-mask-tis: seq; see divergence_gated_weights)."""
     with torch.no_grad():
-        return IS_CORRECTIONS.get_fn(kind)(old_logp, rollout_logp, mask.float(), low, high)
+        if gating == "ratio":
+            return IS_CORRECTIONS.get_fn(kind)(old_logp, rollout_logp, mask.float(), low, high)
+        level = {"icepop": "token", "seq-mask-tis": "seq"}.get(kind)
+        if level is None:
+            raise ValueError(f"--is_correction_gating {gating} drops units (mode mask); --is_correction_type {kind} "
+                             f"clamps: use --is_correction_type icepop (token) or seq-mask-tis (seq)")
+        return divergence_gated_weights(old_logp, rollout_logp, mask.float(), gating, level, low, high)
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

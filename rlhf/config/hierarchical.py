@@ -100,6 +100,11 @@ HIERARCHICAL: Dict[str, Entry] = {
     "algo.advantage.is_correction_enable": "enable_is_correction",
     "algo.advantage.is_correction_type": "is_correction_type",
     "algo.advantage.is_correction_threshold": Split("is_truncated_threshold_low", "is_truncated_threshold"),
+    # OpenRLHF 0.11.2 (is_correction_enable / _type are gone there): level, mode, gating; one threshold value = HIGH
+    "algo.advantage.is_correction_level": "is_correction_level",
+    "algo.advantage.is_correction_mode": "is_correction_mode",
+    "algo.advantage.is_correction_gating": "is_correction_gating",
+    "actor.loss_agg_mode": "loss_agg_mode",
     "algo.kl.init_coef": "init_kl_coef", "algo.kl.target": "kl_target", "algo.kl.horizon": "kl_horizon",
     "algo.kl.estimator": "kl_estimator", "algo.kl.use_loss": "use_kl_loss",
     "algo.kl.unbiased_gradient": "kl_unbiased_gradient",
@@ -212,6 +217,10 @@ def _expand(dotted: str, entry: Entry, values: List[str]) -> List[Tuple[str, Opt
             return [(entry, [",".join(values)])]
         return [(entry, values if values else None)]
     if isinstance(entry, Split):
+        if len(values) == 1 and dotted in _UPPER_ONLY:  # OpenRLHF 0.11.2: "[LOW] HIGH", one value = upper bound
+            return [(entry.first, [_UPPER_ONLY[dotted]]), (entry.second, [values[0]])]
+        if len(values) != 2:
+            raise HierarchicalError(f"--{dotted} takes 2 values, got {len(values)}")
         return [(entry.first, [values[0]]), (entry.second, [values[1]])]
     if isinstance(entry, Fanout):
         return [(t, list(values)) for t in entry.targets]
@@ -225,9 +234,16 @@ def _expand(dotted: str, entry: Entry, values: List[str]) -> List[Tuple[str, Opt
     raise TypeError(entry)
 
 
+# Split flags whose first value may be left out, and the first value then: is_correction_threshold's LOW is 0 (the
+# gate statistics -- ratio, binary_kl, tv -- are all >= 0, so 0 is no lower bound, as upstream's -inf)
+_UPPER_ONLY = {"algo.advantage.is_correction_threshold": "0"}
+
+
 def _arity(dotted: str, entry: Entry) -> Union[int, str]:
     if isinstance(entry, Notice):
         return entry.nargs
+    if dotted in _UPPER_ONLY:
+        return "+"
     if dotted in _SWITCHES:
         return 0
     if dotted in _LISTS:
@@ -260,6 +276,13 @@ def translate_argv(argv: Sequence[str], flat_names: Sequence[str] = (), stream=N
         n = _arity(name, entry)
         if inline:
             values = [inline]
+        elif n == "+":  # one or two numbers
+            values = []
+            while i < len(args) and len(values) < 2 and (not args[i].startswith("--") or _is_number(args[i])):
+                values.append(args[i])
+                i += 1
+            if not values:
+                raise HierarchicalError(f"--{name} takes 1 or 2 value(s)")
         elif n == "*":
             values = []
             while i < len(args) and not args[i].startswith("--"):

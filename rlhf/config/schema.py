@@ -170,6 +170,16 @@ class AlgorithmConfig:
                                   choices=("tis", "icepop", "seq-mask-tis"))
     is_truncated_threshold: float = opt(5.0, "upper bound (high) of the importance-weight band")
     is_truncated_threshold_low: float = opt(0.5, "lower bound (low) of the importance-weight band (0 = none)")
+    is_correction_level: Optional[str] = opt(None, "OpenRLHF 0.11.2: off, or gate per token / per sequence; when set "
+                                                   "it decides --enable_is_correction and, with --is_correction_mode, "
+                                                   "--is_correction_type (token+clip = tis, token+mask = icepop, "
+                                                   "seq+mask = seq-mask-tis)", choices=("off", "token", "seq"))
+    is_correction_mode: str = opt("mask", "OpenRLHF 0.11.2: mask drops units outside the band (survivors keep their "
+                                          "weight); clip clamps the token ratio (token level and ratio gating only); "
+                                          "read with --is_correction_level", choices=("mask", "clip"))
+    is_correction_gating: str = opt("ratio", "statistic the band gates: the IS ratio, or the sampled token's "
+                                             "binary_kl / tv divergence (rollout vs trainer; upper bound only: "
+                                             "--is_truncated_threshold_low 0)", choices=("ratio", "binary_kl", "tv"))
     overlong_buffer_len: int = opt(0, "overlong penalty: soft buffer length in tokens (0 = off)")
     overlong_penalty_factor: float = opt(1.0, "overlong penalty: max penalty (the penalty never goes below -factor)")
     stop_properly_penalty_coef: Optional[float] = opt(None, "ProRL: truncated samples' reward times c (c in [0, 1]) or "

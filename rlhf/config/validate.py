@@ -59,6 +59,7 @@ def _validate_rl(cfg) -> None:
     from .algorithm_checks import validate_algorithm
 
     o, r, a, d, t, m = cfg.optim, cfg.rollout, cfg.algorithm, cfg.data, cfg.topology, cfg.model
+    resolve_is_correction(a)
     validate_algorithm(cfg)
     for flag, val in (("n_samples_per_prompt", r.n_samples_per_prompt),
                       ("micro_rollout_batch_size", r.micro_rollout_batch_size),
@@ -105,3 +106,31 @@ def _validate_rl(cfg) -> None:
     if d.prompt_data is not None and r.remote_rm_url is None and m.reward_pretrain is None and r.agent_func_path is None:
         raise ConfigError("remote_rm_url", "--prompt_data is set but no reward source: give --reward_pretrain, "
                                            "--remote_rm_url (reward_func.py or http URL) or --agent_func_path")
+
+
+def resolve_is_correction(a) -> None:
+    """OpenRLHF 0.11.2's IS-correction interface (openrlhf/models/loss.py PolicyLoss: is_correction_level
+    off|token|seq, is_correction_mode mask|clip, is_correction_gating ratio|binary_kl|tv) onto the flat flags:
+    a set --is_correction_level decides --enable_is_correction and (with the mode) --is_correction_type; the
+    gating is read by importance_weights.  Upstream's constructor checks, each naming the flag and a value that works:
+    clip needs token level and ratio gating; a divergence gate takes an upper bound only."""
+    from rlhf.algorithms import IS_LEVEL_MODE_KIND
+
+    level, mode, gating = a.is_correction_level, a.is_correction_mode, a.is_correction_gating
+    if level is not None:
+        a.enable_is_correction = level != "off"
+        if level != "off":
+            if (level, mode) not in IS_LEVEL_MODE_KIND:
+                raise ConfigError("is_correction_mode", f"--is_correction_mode clip clamps the per-token ratio: it "
+                                  f"needs --is_correction_level token (got {level}); use --is_correction_mode mask")
+            a.is_correction_type = IS_LEVEL_MODE_KIND[(level, mode)]
+    if not a.enable_is_correction or gating == "ratio":
+        return
+    if a.is_correction_type == "tis":
+        raise ConfigError("is_correction_gating", f"--is_correction_gating {gating} is a rejection filter and "
+                          f"cannot clamp (mode clip / --is_correction_type tis): use --is_correction_mode mask "
+                          f"(or --is_correction_gating ratio)")
+    if a.is_truncated_threshold_low > 0:
+        raise ConfigError("is_correction_gating", f"--is_correction_gating {gating} takes an upper bound only, got "
+                          f"the band [{a.is_truncated_threshold_low}, {a.is_truncated_threshold}]: give one value, "
+                          f"e.g. --algo.advantage.is_correction_threshold 5e-3 (or --is_truncated_threshold_low 0)")

@@ -118,7 +118,8 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
                             ratio_base = roll
                         else:
                             is_w = importance_weights(old, roll, mask, a.is_correction_type,
-                                                      a.is_truncated_threshold_low, a.is_truncated_threshold)
+                                                      a.is_truncated_threshold_low, a.is_truncated_threshold,
+                                                      gating=a.is_correction_gating)
                         step["vllm_kl"] += float(masked_mean(roll - old, mask)) / max(len(micro_rows), 1)
                     pl, met = loss_fn(logp, ratio_base, mb.advantages.to(dev), mask,
                                       clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
