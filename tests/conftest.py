@@ -55,7 +55,8 @@ def sft_model(tiny_kit, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_kit(tmp_path_factory):
-    """A kit vLLM runs on CPU (head_dim 32: hidden 128, 4 heads); same tokenizer and task data as tiny_kit."""
+    """A kit vLLM runs on CPU (head_dim 32: hidden 128, 4 heads) with a tied LM head (``VLLM_KIT``); same tokenizer
+    and task data as tiny_kit."""
     from rlhf.tools.make_tiny import VLLM_KIT, make_tiny
 
     return make_tiny(str(tmp_path_factory.mktemp("vkit") / "tiny"), **VLLM_KIT)

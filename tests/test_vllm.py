@@ -151,6 +151,25 @@ def test_weight_sync_bucketed_then_greedy_and_logprobs_match_hf(engine, vllm_kit
     assert gap < 1e-4, f"after the sync, vLLM log-probs differ from the new HF model's by {gap}"
 
 
+def test_tied_head_follows_the_embedding_over_several_syncs(engine, vllm_kit):
+    """The kit ties lm_head to the embedding (VLLM_KIT).  Only the embedding moves, three syncs in a row: vLLM's
+    head must follow each time (issue 26 item 1: before the fix the head kept its first weights, gap ~0.1)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.distributed.weight_sync import WeightSync
+
+    model = AutoModelForCausalLM.from_pretrained(vllm_kit)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    g = torch.Generator().manual_seed(7)
+    for step in range(3):
+        with torch.no_grad():
+            model.model.embed_tokens.weight.add_(torch.randn(model.model.embed_tokens.weight.shape, generator=g) * 0.2)
+        WeightSync(None, engine, bucket_mb=0.05).sync_colocated(model)
+        out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=8))
+        gap = logprob_gap(model, out, 1.0)
+        assert gap < 1e-4, f"sync {step + 1}: vLLM's tied head did not follow the embedding (max |HF - vLLM| {gap})"
+
+
 def test_lora_merged_into_engine(engine, vllm_kit):
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM

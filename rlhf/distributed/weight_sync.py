@@ -75,15 +75,44 @@ def _lora_scalings(model) -> dict:
             if hasattr(mod, "lora_A") and hasattr(mod, "scaling") and "default" in getattr(mod, "scaling", {})}
 
 
-def _export(model, materialize: bool):
+def tied_aliases(model) -> dict:
+    """{name of a parameter's first occurrence: [its other names]} for parameters reachable under several names,
+    i.e. tied weights (``tie_word_embeddings``: ``lm_head.weight`` is ``model.embed_tokens.weight``).
+    ``named_parameters()`` yields a shared parameter once, under its first name, so without this the tied
+    ``lm_head.weight`` is never sent."""
+    first, out = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out.setdefault(first[id(p)], []).append(name)
+        else:
+            first[id(p)] = name
+    return out
+
+
+def _export(model, materialize: bool, aliases: bool = False):
     """(engine name, full shape, dtype, tensor or None) for every weight the engine receives, in one fixed order
     (``named_parameters``, the same on every rank).
 
     LoRA layers are merged: W = W_base + scaling * B @ A, emitted where lora_B appears,
     so the metadata pass (materialize=False, no collectives: shapes from ``full_shape``) and the tensor pass
     agree.  The tensor pass gathers every parameter (``full_tensor``), a collective under FSDP2 and ZeRO-3.
+
+    ``aliases``: a tied parameter is also emitted under each of its other names (``tied_aliases``), right after
+    its first name, with the same gathered tensor (no second gather).  vLLM needs it: its ``lm_head`` does not
+    follow a reloaded embedding.  vLLM 0.32 ties by sharing the Parameter (``ParallelLMHead.tie_weights``,
+    vllm/model_executor/layers/vocab_parallel_embedding.py; qwen2.py / llama.py ``if config.tie_word_embeddings:
+    self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)``), but on CPU each layer's
+    ``process_weights_after_loading`` packs its own copy for the GEMM (``dispatch_cpu_unquantized_gemm``,
+    vllm/model_executor/layers/utils.py: ``create_onednn_mm(origin_weight.t(), ...)`` / ``convert_weight_packed``),
+    and the in-place reload re-runs that step only for layers that received weights
+    (model_loader/reload/layerwise.py ``finalize_layerwise_processing``: a layer that loaded nothing gets its
+    old kernel tensors back).  The reload puts every layer on meta first (``initialize_layerwise_reload``), which
+    unties them, so ``AutoWeightsLoader`` no longer skips ``lm_head.weight`` as an alias
+    (models/utils.py ``_get_tied_embedding_params``) and loads it into the head, which then re-packs.  Engines
+    that share the tensor (the HF engine) take the first name only.
     """
     scal = _lora_scalings(model)
+    tied = tied_aliases(model) if aliases else {}
     pending = {}
     for name, p in model.named_parameters():
         mod = None
@@ -92,7 +121,8 @@ def _export(model, materialize: bool):
                 mod, part = name[: -len(key)], key
         t = full_tensor(p) if materialize else None
         if mod is None:
-            yield _engine_name(name), full_shape(p), p.dtype, t
+            for n in [name] + tied.get(name, []):
+                yield _engine_name(n), full_shape(p), p.dtype, t
             continue
         slot = pending.setdefault(mod, {})
         slot[part] = t if materialize else p
@@ -106,9 +136,25 @@ def _export(model, materialize: bool):
             del pending[mod]
 
 
-def param_meta(model: torch.nn.Module) -> List[Meta]:
-    """(engine name, full shape, dtype) of every weight the engine receives; local, no collective."""
-    return [(n, shape, dt) for n, shape, dt, _ in _export(model, materialize=False)]
+def param_meta(model: torch.nn.Module, aliases: bool = False) -> List[Meta]:
+    """(engine name, full shape, dtype) of every weight the engine receives; local, no collective.  ``aliases``:
+    tied weights under every name (see ``_export``)."""
+    return [(n, shape, dt) for n, shape, dt, _ in _export(model, materialize=False, aliases=aliases)]
+
+
+def wants_tied_aliases(engine) -> bool:
+    """Does this engine need a tied weight under each of its names?  An engine says so with
+    ``tied_weights_apart = True`` (vLLM: see ``_export``); the HF engine shares the tensor and takes one name."""
+    return bool(getattr(engine, "tied_weights_apart", False))
+
+
+def _alias_names(engine) -> set:
+    """The tied names an in-process engine's model shares with another name (it loads the first name only);
+    empty where the engine exposes no ``model``."""
+    model = getattr(engine, "model", None)
+    if model is None:
+        return set()
+    return {_engine_name(n) for names in tied_aliases(model).values() for n in names}
 
 
 def bucket_plan(meta: List[Meta], bucket_bytes: int, dtype: Optional[torch.dtype] = None) -> List[List[int]]:
@@ -148,15 +194,16 @@ class WeightSync:
         self._meta: Optional[List[Meta]] = None
 
     # ---- colocated -------------------------------------------------------------------------------------------
-    def _named_full(self, model) -> Iterator[Tuple[str, torch.Tensor]]:
+    def _named_full(self, model, aliases: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
         """Full (unsharded, LoRA-merged) weights under the engine's names; collective over the actor group."""
-        for name, _, _, t in _export(model, materialize=True):
+        for name, _, _, t in _export(model, materialize=True, aliases=aliases):
             yield name, (t.to(self.dtype) if self.dtype is not None else t)
 
     def sync_colocated(self, model) -> int:
         """Gather and load bucket by bucket; returns bytes loaded."""
-        meta = param_meta(model)
-        it = self._named_full(model)
+        aliases = wants_tied_aliases(self.engine)
+        meta = param_meta(model, aliases)
+        it = self._named_full(model, aliases)
         total = 0
         for bucket in bucket_plan(meta, self.bucket_bytes, self.dtype):
             batch = [next(it) for _ in bucket]
@@ -184,15 +231,17 @@ class WeightSync:
                 pass
             return 0
         src = plan.sync_ranks[0]
-        if self._meta is None:
-            self._meta = comm.broadcast_object(param_meta(model) if rank == src else None, src, self.groups.sync)
         if self._link is None:
             self._link = self._connect(src)
+        aliases = self._link["aliases"]
+        if self._meta is None:
+            self._meta = comm.broadcast_object(param_meta(model, aliases) if rank == src else None, src,
+                                               self.groups.sync)
         wire = self._wire()
         if not self._link["direct"]:
-            return self._sync_in_process(model, wire, src)
+            return self._sync_in_process(model, wire, src, aliases)
         if rank == src:
-            return self._send_direct(model, wire)
+            return self._send_direct(model, wire, aliases)
         if self._link["joined"]:
             self.engine.receive_weights([p for bucket in wire for p in bucket])
             self.engine.reset_prefix_cache()
@@ -219,9 +268,11 @@ class WeightSync:
         eng = self.engine
         direct = bool(getattr(eng, "direct_weights", False))
         workers = eng.weight_workers() if direct else 0
-        info = comm.all_gather_object((direct, workers), group=self.groups.sync)
+        info = comm.all_gather_object((direct, workers, wants_tied_aliases(eng)), group=self.groups.sync)
+        aliases = any(a for _, _, a in info)  # tied weights under every name if any engine needs them
+        info = [(d, w) for d, w, _ in info]
         if not any(d for d, _ in info):
-            return {"direct": False}
+            return {"direct": False, "aliases": aliases}
         world = 1 + sum(w for _, w in info)
         is_src = self.groups.rank == src
         store = addr = None
@@ -234,23 +285,23 @@ class WeightSync:
             group = transfer.TransferGroup(store, 0, world, backend, self.timeout_s, self.device)
             print(f"[weights] direct to {world - 1} vLLM worker(s) of {sum(1 for _, w in info if w)} engine(s) "
                   f"over {backend} (weight-transfer group at {host}:{port})", flush=True)
-            return {"direct": True, "group": group}
+            return {"direct": True, "group": group, "aliases": aliases}
         if workers:
             me = comm.rank(self.groups.sync)
             offset = 1 + sum(w for _, w in info[:me])
             eng.join_weight_group(host, port, offset, world, backend, self.timeout_s)
-        return {"direct": True, "joined": bool(workers)}
+        return {"direct": True, "joined": bool(workers), "aliases": aliases}
 
     def _pack(self, tensors: dict, piece: transfer.Piece) -> torch.Tensor:
         dt = getattr(torch, piece[0])
         return torch.cat([tensors[n].reshape(-1).to(dt) for n, _ in piece[1]]).to(self.device)
 
-    def _send_direct(self, model, wire: List[List[transfer.Piece]]) -> int:
+    def _send_direct(self, model, wire: List[List[transfer.Piece]], aliases: bool) -> int:
         """Actor rank 0: gather, pack and broadcast each piece to every vLLM worker.  Double-buffered: the next
         piece is gathered and packed while the previous one is on the wire (peak: two packed pieces and one
         bucket of gathered tensors)."""
         group = self._link["group"]
-        it = self._named_full(model)
+        it = self._named_full(model, aliases)
         inflight, total = None, 0
         for bucket in wire:
             tensors = dict(next(it) for _ in range(sum(len(entries) for _, entries in bucket)))
@@ -264,11 +315,12 @@ class WeightSync:
             _wait(inflight[0], self.timeout_s, inflight[2])
         return total
 
-    def _sync_in_process(self, model, wire: List[List[transfer.Piece]], src: int) -> int:
+    def _sync_in_process(self, model, wire: List[List[transfer.Piece]], src: int, aliases: bool) -> int:
         """Engines in the trainer's process: each piece is broadcast over the sync group, every rollout rank
-        loads it."""
+        loads it (tied aliases only where its engine wants them, ``wants_tied_aliases``)."""
         rank, is_actor = self.groups.rank, model is not None
-        it = self._named_full(model) if is_actor else None
+        it = self._named_full(model, aliases) if is_actor else None
+        skip = set() if wants_tied_aliases(self.engine) or not aliases else _alias_names(self.engine)
         total = 0
         for bucket in wire:
             tensors = dict(next(it) for _ in range(sum(len(entries) for _, entries in bucket))) if is_actor else {}
@@ -286,7 +338,7 @@ class WeightSync:
                                             f"sync group did not join within --dist_timeout_s. Cause: {e}") from None
                 total += flat.numel() * flat.element_size()
                 if not is_actor:
-                    loaded += transfer.split_flat(flat, piece)
+                    loaded += [(n, t) for n, t in transfer.split_flat(flat, piece) if n not in skip]
             if loaded and self.engine is not None:
                 self.engine.load_weights(loaded)
         if not is_actor and self.engine is not None:

@@ -466,6 +466,10 @@ class VLLMEngine(RolloutEngine):
                                [c.finish_reason == "length" for _, c in rows], self.pad)
 
     # ---- weights -----------------------------------------------------------------------------------------------
+    # A tied LM head must be sent under its own name too: vLLM repacks each layer's weight on CPU and re-packs only
+    # the layers a reload fed, so a head that shares the embedding keeps the old logits (weight_sync._export).
+    tied_weights_apart = True
+
     def load_weights(self, named_tensors) -> None:
         """Colocated: buffer the bucket and send every complete decoder layer; the last layer of the bucket waits for
         the next bucket or for ``reset_prefix_cache`` (vLLM's in-place reload must see all tensors of a fused layer

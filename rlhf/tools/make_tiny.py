@@ -1,6 +1,6 @@
 """Write an offline tiny kit: causal LM, reward model, tokenizer, task data.
 
-    python -m rlhf.tools.make_tiny --out DIR [--arch llama|qwen2] [--layers 2] [--hidden 64] [--heads 4]
+    python -m rlhf.tools.make_tiny --out DIR [--arch llama|qwen2] [--layers 2] [--hidden 64] [--heads 4] [--tie]
 
 DIR            HF causal LM + tokenizer (AutoModelForCausalLM.from_pretrained(DIR))
 DIR/reward     HF sequence-classification reward model + tokenizer
@@ -19,7 +19,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
-VLLM_KIT = dict(hidden=128, heads=4, kv_heads=2)  # head_dim 32: the smallest vLLM's CPU attention supports
+# head_dim 32: the smallest vLLM's CPU attention supports; tied LM head like most small Qwen2.5 / Llama-3.2 / SmolLM
+# checkpoints (the weight sync must then send the head vLLM keeps apart; issue 26 item 1)
+VLLM_KIT = dict(hidden=128, heads=4, kv_heads=2, tie=True)
 DEFAULT_KIT = os.path.join(os.path.expanduser(os.environ.get("RLHF_CACHE", "~/.cache/rlhf")), "tiny-llama-v1")
 
 
@@ -42,7 +44,8 @@ def build_tokenizer(vocab_size: int = 160):
     return fast
 
 
-def build_config(arch: str, vocab: int, layers: int, hidden: int, tok, heads: int = 4, kv_heads: int = 2):
+def build_config(arch: str, vocab: int, layers: int, hidden: int, tok, heads: int = 4, kv_heads: int = 2,
+                 tie: bool = False):
     from transformers import LlamaConfig, Qwen2Config
 
     if hidden % heads or heads % kv_heads:
@@ -50,16 +53,17 @@ def build_config(arch: str, vocab: int, layers: int, hidden: int, tok, heads: in
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
                   pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                  tie_word_embeddings=False)
+                  tie_word_embeddings=tie)
     return (Qwen2Config if arch == "qwen2" else LlamaConfig)(**common)
 
 
 def make_tiny(out: str, arch: str = "llama", layers: int = 2, hidden: int = 64, seed: int = 0, heads: int = 4,
-              kv_heads: int = 2) -> str:
+              kv_heads: int = 2, tie: bool = False) -> str:
     """Build the kit into ``out`` atomically (temp dir + rename); returns ``out``.
 
     The default kit has head_dim 16 (hidden 64 / 4 heads); vLLM's CPU attention needs head_dim >= 32:
-    ``make_tiny(out, hidden=128)`` (= VLLM_KIT) builds a kit vLLM runs."""
+    ``make_tiny(out, hidden=128)`` (= VLLM_KIT) builds a kit vLLM runs.  ``tie``: the policy's LM head shares the
+    input embedding (``tie_word_embeddings``, saved once); the reward model is never tied."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -71,7 +75,7 @@ def make_tiny(out: str, arch: str = "llama", layers: int = 2, hidden: int = 64, 
     tmp = tempfile.mkdtemp(prefix=".tiny-", dir=parent)
     try:
         tok = build_tokenizer()
-        cfg = build_config(arch, len(tok), layers, hidden, tok, heads, kv_heads)
+        cfg = build_config(arch, len(tok), layers, hidden, tok, heads, kv_heads, tie)
         AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp)
         tok.save_pretrained(tmp)
         rm_cfg = build_config(arch, len(tok), layers, hidden, tok, heads, kv_heads)
@@ -117,8 +121,10 @@ def ensure_tiny(path: str = DEFAULT_KIT) -> str:
 @click.option("--heads", default=4, show_default=True, help="attention heads (head_dim = hidden / heads; vLLM on CPU "
               "needs head_dim >= 32, e.g. --hidden 128)")
 @click.option("--kv_heads", default=2, show_default=True)
-def main(out, arch, layers, hidden, seed, heads, kv_heads):
-    make_tiny(out, arch, layers, hidden, seed, heads, kv_heads)
+@click.option("--tie", is_flag=True, help="tie the LM head to the input embedding (tie_word_embeddings), as most "
+              "small Qwen2.5 / Llama-3.2 / SmolLM checkpoints do")
+def main(out, arch, layers, hidden, seed, heads, kv_heads, tie):
+    make_tiny(out, arch, layers, hidden, seed, heads, kv_heads, tie)
     click.echo(f"wrote tiny {arch} kit to {out}")
 
 
