@@ -235,3 +235,45 @@ def test_supervised_learning_rate_defaults_are_openrlhfs():
         assert got == want, f"{kind}: default learning rate {got}, OpenRLHF's is {want}"
     with open("configs/sft_tiny.yaml") as fh:
         assert yaml.safe_load(fh)["optim"]["learning_rate"] == 3e-3, "the demo's SFT must set its own rate"
+
+
+def test_rm_training_and_ppo_score_the_same_position_when_pad_is_eos(tiny_kit):
+    """pad == eos (many chat checkpoints): RM training (padded and packed), PPO's reward role and serve_rm
+    (score_sequences) read the score at one position, each sequence's last real token (OpenRLHF's
+    ``eos_indices``), so the same sequences get the same scores; transformers' pad-id pooling would read the
+    token before the eos (it did in training: scores uncorrelated with PPO's)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf.config import parse
+    from rlhf.data.formatting import pad_batch
+    from rlhf.models.load import load_tokenizer
+    from rlhf.rewards.reward_model import score_positions, score_sequences
+    from rlhf.trainers.tasks import RMTask
+
+    tok = load_tokenizer(tiny_kit, padding_side="right")
+    tok.pad_token = tok.eos_token
+    assert tok.pad_token_id == tok.eos_token_id
+    rm = AutoModelForSequenceClassification.from_pretrained(os.path.join(tiny_kit, "reward"), num_labels=1).eval()
+    rm.config.pad_token_id = tok.pad_token_id
+    torch.manual_seed(0)
+    with torch.no_grad():  # a score head that tells positions apart
+        rm.score.weight.normal_(0, 1.0)
+    rows = [{"input": "1+2=", "chosen": "3", "rejected": "4"}, {"input": "12+9=", "chosen": "21", "rejected": "211"}]
+    train = []
+    for packing in (False, True):
+        task = RMTask(parse("rm", ["--packing_samples"] if packing else []), tok)
+        samples = [task.make_sample(r) for r in rows]
+        with torch.no_grad():
+            train.append(torch.cat(task.scores(rm, samples)))
+    seqs = [s[0] for s in samples] + [s[1] for s in samples]
+    assert all(s[-1] == tok.eos_token_id for s in seqs)
+    ids, att = pad_batch(seqs, tok.pad_token_id, side="left")  # as PPO's rollouts and serve_rm's batches are
+    ppo = score_sequences(rm, ids, att)
+    assert torch.allclose(train[0], ppo, atol=1e-4), f"RM training scored {train[0]}, PPO / serve_rm {ppo}"
+    assert torch.allclose(train[1], ppo, atol=1e-4), f"packed RM training scored {train[1]}, PPO / serve_rm {ppo}"
+    with torch.no_grad():  # the pad-id pooling reads another position here: the test tells the two apart
+        hf = rm(*pad_batch(seqs, tok.pad_token_id)).logits.squeeze(-1)
+    assert not torch.allclose(hf, ppo, atol=1e-2), "pad-id pooling coincided with the eos position"
+    assert score_positions(att).tolist() == [att.size(1) - 1] * len(seqs)
+    assert score_positions(pad_batch(seqs, 0)[1]).tolist() == [len(s) - 1 for s in seqs]
+    assert score_positions(seq_lens=[3, 2, 4]).tolist() == [2, 4, 8]

@@ -117,8 +117,8 @@ class RMTask(Task):
         return self.cfg.algorithm.margin
 
     def collate(self, samples):
-        """[chosen..., rejected...] padded (or packed into one row with each sequence's last position in
-        ``ends``), and the pairs' margins as a (n,) tensor."""
+        """[chosen..., rejected...] padded (or packed into one row with each sequence's length in ``seq_lens``),
+        and the pairs' margins as a (n,) tensor."""
         seqs = [s[0] for s in samples] + [s[1] for s in samples]
         n = len(samples)
         m = self.margins(samples)
@@ -126,7 +126,7 @@ class RMTask(Task):
         if self.cfg.model.packing_samples:
             p = collate_packed([(s, [1] * len(s)) for s in seqs])
             b.update(input_ids=p["input_ids"], position_ids=p["position_ids"],
-                     ends=torch.tensor([len(s) for s in seqs]).cumsum(0) - 1)
+                     seq_lens=torch.tensor([len(s) for s in seqs]))
         else:
             b["input_ids"], b["attention_mask"] = pad_batch(seqs, self.tokenizer.pad_token_id)
         return b
@@ -137,16 +137,15 @@ class RMTask(Task):
 
     @staticmethod
     def batch_scores(model, b):
-        """(chosen, rejected) scores of a collated batch; packed: the score head's per-token output is read at
-        each sequence's last token."""
-        if "ends" in b:
-            from rlhf.rewards.reward_model import per_token_scores
+        """(chosen, rejected) scores of a collated batch, read where PPO and serve_rm read them
+        (rlhf.rewards.reward_model.score_positions: each sequence's last real token, OpenRLHF's ``eos_indices``),
+        never by transformers' pad-id pooling, which lands before the eos when pad == eos."""
+        from rlhf.rewards.reward_model import scores_at_positions
 
-            z = per_token_scores(model, input_ids=b["input_ids"], position_ids=b["position_ids"])
-            out = z[0, b["ends"]].float()
+        if "seq_lens" in b:
+            out = scores_at_positions(model, b["input_ids"], position_ids=b["position_ids"], seq_lens=b["seq_lens"])
         else:
-            out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                        use_cache=False).logits.squeeze(-1).float()
+            out = scores_at_positions(model, b["input_ids"], b["attention_mask"])
         n = out.size(0) // 2
         return out[:n], out[n:]
 
