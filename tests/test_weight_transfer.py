@@ -137,3 +137,47 @@ def test_transfer_group_missing_peer_fails_within_timeout():
     assert time.perf_counter() - t0 < 20
     with pytest.raises(vllm_worker.WeightTransferError, match="RLHF_WEIGHT_SYNC_BACKEND=gloo"):
         vllm_worker.TransferGroup(store, 0, 2, "nccl", 2, torch.device("cpu"))
+
+
+# ---- tied weights (issue 26 items 1 and 10) -------------------------------------------------------------------------
+def _tied_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.tools.make_tiny import make_tiny
+
+    kit = make_tiny(str(tmp_path / "tied"), tie=True)
+    return AutoModelForCausalLM.from_pretrained(kit)
+
+
+def test_tied_head_is_exported_under_its_own_name_only_on_request(tmp_path):
+    """vLLM needs lm_head.weight sent (its CPU head re-packs only when fed); the HF engine shares the tensor."""
+    from rlhf.distributed.weight_sync import param_meta, tied_aliases
+
+    m = _tied_model(tmp_path)
+    assert tied_aliases(m) == {"model.embed_tokens.weight": ["lm_head.weight"]}
+    plain = [n for n, _, _ in param_meta(m)]
+    both = [n for n, _, _ in param_meta(m, aliases=True)]
+    assert "lm_head.weight" not in plain
+    assert both[:2] == ["model.embed_tokens.weight", "lm_head.weight"], both[:3]
+    assert both[2:] == plain[1:]
+
+
+def test_save_hf_stores_a_tied_matrix_once_and_reloads_identical(tmp_path):
+    """A full state dict (FSDP2 / a gather) holds the head and the embedding as two tensors: saved once, re-tied."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.utils.checkpoint import save_hf
+
+    m = _tied_model(tmp_path)
+    full = {k: v.detach().clone() for k, v in m.state_dict().items()}  # distinct tensors, as gathered
+    assert "lm_head.weight" in full
+    save_hf(full, m, None, str(tmp_path / "out"))
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys, f"tied matrix stored twice: {keys}"
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert back.lm_head.weight is back.model.embed_tokens.weight
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, m(ids).logits), "reloaded tied model gives other logits"

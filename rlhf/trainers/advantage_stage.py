@@ -160,6 +160,16 @@ def _vmean(t: torch.Tensor, valid: torch.Tensor) -> float:
     return float(t.float()[valid].mean()) if bool(valid.any()) else 0.0
 
 
+def _gap_metric(old: Optional[torch.Tensor], rollout: torch.Tensor, mask: torch.Tensor) -> Dict[str, float]:
+    """``rollout_logprob_gap``: mean |trainer - rollout engine| log-prob of the sampled tokens, ~0 on-policy,
+    > 0 one step off-policy (async) or when the engine's weights are stale.  Only when measured, i.e. when the
+    trainer computed its own (old) log-probs this step (``needs_old_logprobs``); absent otherwise, never a 0.0
+    that was not measured (issue 26 item 4: a fake 0.0 hid a stale vLLM LM head)."""
+    if old is None:
+        return {}
+    return {"rollout_logprob_gap": float(masked_mean((old - rollout).abs(), mask))}
+
+
 def _metrics(x, valid, rewards, shaped, resp_len, mask, adv, kl_mean, kl_coef, filtered, pen, group) -> Dict[str, float]:
     n = rewards.numel()
     vr = rewards[valid]
@@ -178,7 +188,6 @@ def _metrics(x, valid, rewards, shaped, resp_len, mask, adv, kl_mean, kl_coef, f
         "reward_all_invalid": float(not bool(valid.any())), "filtered_frac": filtered,
         "overlong_penalized": float((pen < 0).sum()),
         "adv_mean": float(masked_mean(adv, vmask)), "adv_abs": float(masked_mean(adv.abs(), vmask)),
-        # rollout engine vs trainer log-probs of the same tokens: ~0 on-policy, > 0 one step off-policy (async)
-        "rollout_logprob_gap": 0.0 if old is None else float(masked_mean((old - x.rollout_logprobs).abs(), mask)),
+        **_gap_metric(old, x.rollout_logprobs, mask),
         **{f"reward_{k}": _vmean(v, valid & torch.isfinite(v.float())) for k, v in x.extra_logs.items()},
     }

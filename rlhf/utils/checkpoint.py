@@ -124,6 +124,23 @@ def load_rank_state(path: str) -> dict:
     return s
 
 
+def drop_tied_copies(state: dict, model) -> dict:
+    """The state dict without the copies of tied weights, so a tied matrix is stored once (a full state dict from
+    FSDP2's ``get_model_state_dict`` or a gather holds ``lm_head.weight`` and ``model.embed_tokens.weight`` as two
+    tensors, which ``save_pretrained`` can no longer recognise as one).  Tied pairs: the model's own
+    ``_tied_weights_keys`` (transformers 5: {tied name: source name}) when ``config.tie_word_embeddings``, and
+    any parameter the model reaches under two names; a copy is dropped only when its source key is kept.
+    from_pretrained re-ties on load."""
+    from rlhf.distributed.weight_sync import tied_aliases
+
+    pairs = {alias: src for src, names in tied_aliases(model).items() for alias in names}
+    tied_keys = getattr(model, "_tied_weights_keys", None)
+    if isinstance(tied_keys, dict) and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        pairs.update(tied_keys)
+    drop = {a for a, src in pairs.items() if a in state and src in state and a != src}
+    return {k: v for k, v in state.items() if k not in drop} if drop else state
+
+
 def save_hf(model_state: Optional[dict], model, tokenizer, path: str) -> None:
     """Rank 0: write an HF model (safetensors) + tokenizer under a temp name, then rename."""
     if model_state is None:
@@ -132,7 +149,7 @@ def save_hf(model_state: Optional[dict], model, tokenizer, path: str) -> None:
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     base = getattr(model, "module", model)  # a peft model saves its adapter from the full state dict
-    base.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
+    base.save_pretrained(tmp, state_dict=drop_tied_copies(model_state, base), safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if os.path.exists(path):
