@@ -84,6 +84,42 @@ def test_dpo_and_rm_samples_keep_both_responses(tiny_kit):
     assert c[-1] == tok.eos_token_id and tok.decode(c[-3:-1]) .replace(" ", "") == "18" and len(c) == 12
 
 
+def _msgs(text):
+    return [{"role": "assistant", "content": text}]
+
+
+def test_message_list_responses_are_chat_templated_like_openrlhf(tiny_kit, capsys):
+    """OpenRLHF-style responses ``[{"role": "assistant", "content": ...}]`` train on the chat template's rendering
+    of prompt + response minus the prompt's (openrlhf/datasets/sft_dataset.py, reward_dataset.py), not on the
+    Python repr: with the tiny template that is the content itself, so samples equal the plain-text rows'; the
+    data check sees the rendered text (an identical pair is dropped as such). Without --apply_chat_template the
+    rows are refused with the flag to pass."""
+    from transformers import AutoTokenizer
+
+    from rlhf.data.formatting import format_response
+    from rlhf.trainers.tasks import DPOTask, RMTask, SFTTask
+
+    tok = AutoTokenizer.from_pretrained(tiny_kit)
+    chat = {"max_len": 32, "apply_chat_template": True}
+    plain = {"input": "1+2=", "output": "3", "chosen": "3", "rejected": "4"}
+    msgs = {"input": [{"role": "user", "content": "1+2="}], "output": _msgs("3"), "chosen": _msgs("3"),
+            "rejected": _msgs("4")}
+    assert format_response(msgs["chosen"], msgs["input"], tok, True) == "3"
+    for task in (SFTTask, RMTask, DPOTask):
+        cfg = build_config(chat, task.name)
+        got, want = task(cfg, tok).make_sample(msgs), task(cfg, tok).make_sample(plain)
+        assert got == want, f"{task.name}: message-list sample {got} differs from the plain-text one {want}"
+    rows = [msgs, dict(msgs, rejected=_msgs("3")), dict(msgs, chosen=_msgs("  "))]
+    kept, rep = screen_rows(rows, tok, build_config(chat, "rm"), "rm")
+    assert (rep.kept, rep.dropped_identical, rep.dropped_empty) == (1, 1, 1), rep
+    capsys.readouterr()
+    for kind in ("sft", "rm", "dpo"):
+        with pytest.raises(ValueError, match=r"row 0: .*is a chat message list .*pass --apply_chat_template"):
+            screen_rows([msgs], tok, build_config({"max_len": 32}, kind), kind)
+    with pytest.raises(ValueError, match="pass --apply_chat_template"):
+        SFTTask(build_config({"max_len": 32}, "sft"), tok).make_sample(dict(plain, output=_msgs("3")))
+
+
 def test_malformed_jsonl_names_file_and_line(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text('{"input": "a", "output": "b"}\n\n{"input": "c", "output": \n{"input": "e"}\n')

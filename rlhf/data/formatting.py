@@ -17,6 +17,38 @@ def format_prompt(raw, tokenizer, apply_chat_template: bool, input_template: Opt
     return input_template.format(text) if input_template else text
 
 
+def is_messages(raw) -> bool:
+    """A chat message list, OpenRLHF style: ``[{"role": ..., "content": ...}, ...]``."""
+    return isinstance(raw, list) and bool(raw) and all(isinstance(m, dict) and "content" in m for m in raw)
+
+
+def format_response(raw, prompt_raw, tokenizer, apply_chat_template: bool, key: str = "output_key") -> str:
+    """A response as text: plain text as it is; a message list through the chat template, as OpenRLHF does
+    (openrlhf/datasets/sft_dataset.py and reward_dataset.py ``preprocess_data``: ``apply_chat_template(prompt +
+    response, tokenize=False)[len(prompt):]`` with ``prompt = apply_chat_template(prompt, tokenize=False,
+    add_generation_prompt=True)``), with the trailing newline and eos text removed since ``tokenize_pair`` ends
+    every response with the eos id. A message list without --apply_chat_template is a ValueError that says so
+    (``str()`` would train on the Python repr).
+    """
+    if not isinstance(raw, list):
+        return raw if isinstance(raw, str) else str(raw)
+    if not is_messages(raw):
+        raise ValueError(f"--{key} response {str(raw)[:80]!r} is a list but not of chat messages; give text or "
+                         '[{"role": "assistant", "content": "..."}]')
+    if not apply_chat_template:
+        raise ValueError(f"--{key} response is a chat message list ({str(raw)[:80]!r}); pass --apply_chat_template "
+                         "to render it with the tokenizer's chat template (as OpenRLHF does), or give plain text")
+    msgs = prompt_raw if isinstance(prompt_raw, list) else [{"role": "user", "content": str(prompt_raw)}]
+    prompt = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(msgs + raw, tokenize=False)
+    if not full.startswith(prompt):
+        raise ValueError(f"--{key}: the chat template renders prompt + response without the prompt's own text as a "
+                         "prefix, so the response cannot be cut out; give the response as plain text")
+    text = full[len(prompt):].rstrip("\n")
+    eos = getattr(tokenizer, "eos_token", None)
+    return text[:-len(eos)] if eos and text.endswith(eos) else text
+
+
 @dataclass
 class PromptItem:
     prompt: str

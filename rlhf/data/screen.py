@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from .formatting import format_prompt, tokenize_pair
+from .formatting import format_prompt, format_response, tokenize_pair
 
 RESPONSE_KEYS = {"sft": ("output_key",), "rm": ("chosen_key", "rejected_key"), "dpo": ("chosen_key", "rejected_key")}
 
@@ -64,17 +64,22 @@ def screen_rows(rows: List[Dict], tokenizer, cfg, kind: str, split: str = "train
     rep = DataReport(split, d.max_len, rows=len(rows))
     kept = []
     for i, row in enumerate(rows):
-        responses = [row.get(k) for k in keys]
-        if any(x is None or not str(x).strip() for x in responses):
+        try:  # message lists rendered as training will see them (a list without --apply_chat_template: an error)
+            responses = [None if row.get(k) is None else
+                         format_response(row[k], row.get(d.input_key, ""), tokenizer, d.apply_chat_template, flag)
+                         for k, flag in zip(keys, RESPONSE_KEYS[kind])]
+        except ValueError as e:
+            raise ValueError(f"{split} data, row {i}: {e}") from None
+        if any(x is None or not x.strip() for x in responses):
             rep.dropped_empty += 1
             rep.examples.setdefault("empty", i)
             continue
-        if len(responses) == 2 and str(responses[0]).strip() == str(responses[1]).strip():
+        if len(responses) == 2 and responses[0].strip() == responses[1].strip():
             rep.dropped_identical += 1
             rep.examples.setdefault("identical", i)
             continue
         prompt = format_prompt(row[d.input_key], tokenizer, d.apply_chat_template, d.input_template)
-        hows = {tokenize_pair(tokenizer, prompt, str(x), d.max_len, return_how=True)[2] for x in responses}
+        hows = {tokenize_pair(tokenizer, prompt, x, d.max_len, return_how=True)[2] for x in responses}
         for how in ("response", "prompt"):
             if how in hows:
                 setattr(rep, f"{how}_truncated", getattr(rep, f"{how}_truncated") + 1)

@@ -8,7 +8,7 @@ import torch
 
 from rlhf.algorithms import logprobs_from_logits
 from rlhf.algorithms.preference import REWARD_MODEL_LOSSES, dpo_loss, sft_token_loss
-from rlhf.data.formatting import collate_packed, collate_supervised, format_prompt, pad_batch, tokenize_pair
+from rlhf.data.formatting import collate_packed, collate_supervised, format_prompt, format_response, pad_batch, tokenize_pair
 from rlhf.models.lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_params, head_removed
 from rlhf.models.load import RM_NORM_FILE, attn_implementation, from_pretrained_or_meta, load_causal_lm, weight_dtype
 
@@ -18,6 +18,13 @@ from .supervised import Task
 def _prompt(cfg, tok, row):
     d = cfg.data
     return format_prompt(row[d.input_key], tok, d.apply_chat_template, d.input_template)
+
+
+def _response(cfg, tok, row, key: str) -> str:
+    """The row's response under the flag ``key`` (output_key / chosen_key / rejected_key) as text; message lists
+    through the chat template (rlhf.data.formatting.format_response)."""
+    d = cfg.data
+    return format_response(row[getattr(d, key)], row[d.input_key], tok, d.apply_chat_template, key)
 
 
 def token_logprobs(model, batch, chunk: int, fused: bool = True, keep_bytes: int = KEEP_BYTES):
@@ -69,8 +76,8 @@ class SFTTask(Task):
         return build_policy(self.cfg, path, on_meta)
 
     def make_sample(self, row):
-        return tokenize_pair(self.tokenizer, _prompt(self.cfg, self.tokenizer, row), str(row[self.cfg.data.output_key]),
-                             self.cfg.data.max_len)
+        return tokenize_pair(self.tokenizer, _prompt(self.cfg, self.tokenizer, row),
+                             _response(self.cfg, self.tokenizer, row, "output_key"), self.cfg.data.max_len)
 
     def collate(self, samples):
         return _collate(self.cfg, self.tokenizer, samples)
@@ -104,8 +111,8 @@ class RMTask(Task):
     def make_sample(self, row):
         d, tok = self.cfg.data, self.tokenizer
         p = _prompt(self.cfg, tok, row)
-        c = tokenize_pair(tok, p, str(row[d.chosen_key]), d.max_len)[0]
-        r = tokenize_pair(tok, p, str(row[d.rejected_key]), d.max_len)[0]
+        c = tokenize_pair(tok, p, _response(self.cfg, tok, row, "chosen_key"), d.max_len)[0]
+        r = tokenize_pair(tok, p, _response(self.cfg, tok, row, "rejected_key"), d.max_len)[0]
         if self.cfg.algorithm.margin_loss:
             return c, r, float(row[d.margin_key])
         return c, r
@@ -205,8 +212,8 @@ class DPOTask(Task):
         p = _prompt(self.cfg, tok, row)
         ref = tuple(float(row[k]) for k in self.REF_KEYS) if all(row.get(k) is not None for k in self.REF_KEYS) \
             else None
-        return (tokenize_pair(tok, p, str(row[d.chosen_key]), d.max_len),
-                tokenize_pair(tok, p, str(row[d.rejected_key]), d.max_len), ref)
+        return (tokenize_pair(tok, p, _response(self.cfg, tok, row, "chosen_key"), d.max_len),
+                tokenize_pair(tok, p, _response(self.cfg, tok, row, "rejected_key"), d.max_len), ref)
 
     def collate(self, samples):
         """One batch of [chosen..., rejected...] for the policy and the reference alike; ``ref``: the rows'
