@@ -466,9 +466,15 @@ class VLLMEngine(RolloutEngine):
                                [c.finish_reason == "length" for _, c in rows], self.pad)
 
     # ---- weights -----------------------------------------------------------------------------------------------
-    # A tied LM head must be sent under its own name too: vLLM repacks each layer's weight on CPU and re-packs only
-    # the layers a reload fed, so a head that shares the embedding keeps the old logits (weight_sync._export).
-    tied_weights_apart = True
+    @property
+    def tied_weights_apart(self) -> bool:
+        """Send a tied LM head under its own name too (``weight_sync.wants_tied_aliases``) with vLLM's in-place
+        reload: it re-runs the post-load step (on CPU, the head's own packed GEMM copy) only for layers it was fed,
+        so a head that shares the embedding would keep the old logits (``weight_sync._export``).  Not with the
+        direct loader (CUDA): the head shares the embedding's Parameter and nothing is repacked, and vLLM 0.32's
+        ``AutoWeightsLoader`` skips ``lm_head.weight`` as an alias and raises when the embedding is not in the
+        same call (vllm/model_executor/models/utils.py ``_check_skipped_aliases``)."""
+        return self.loader == "reload"
 
     def load_weights(self, named_tensors) -> None:
         """Colocated: buffer the bucket and send every complete decoder layer; the last layer of the bucket waits for
