@@ -117,13 +117,27 @@ class AgentExecutorBase:
 
 
 def load_agent(path: str):
-    """(AgentInstance class, AgentExecutor class) from a user file, checked before training starts."""
+    """(AgentInstance class, AgentExecutor class) from a user file, checked before training starts.
+
+    An OpenRLHF agent file loads unchanged: while it executes, ``openrlhf.utils.agent`` resolves to
+    rlhf.agents.openrlhf_agent (import time only; see ``openrlhf_names``).  Its ``AgentExecutor`` -- a subclass of
+    OpenRLHF's AgentExecutorBase / MultiTurnAgentExecutor implementing ``execute(...)`` -- is run through
+    ``ExecuteAdapter``; OpenRLHF requires only AgentExecutor (openrlhf/trainer/ray/vllm_engine.py)."""
+    from . import openrlhf_agent as orl
+
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
         raise ValueError(f"--agent_func_path {path}: no such file")
     spec = importlib.util.spec_from_file_location("rlhf_user_agent", path)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    with orl.openrlhf_names():
+        spec.loader.exec_module(mod)
+    exe = getattr(mod, "AgentExecutor", None)
+    if orl.is_openrlhf_executor(exe):
+        if inspect.isabstract(exe):
+            raise ValueError(f"{path}: AgentExecutor must implement async execute(prompt, label, sampling_params, "
+                             f"max_length, hf_tokenizer, llm_engine, images=None) (OpenRLHF's AgentExecutorBase)")
+        return getattr(mod, "AgentInstance", None), orl.adapter_for(exe)
     inst = getattr(mod, "AgentInstance", None)
     if inst is None or not (isinstance(inst, type) and issubclass(inst, AgentInstanceBase)):
         raise ValueError(f"{path} must define class AgentInstance(AgentInstanceBase)")

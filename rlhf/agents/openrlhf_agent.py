@@ -1,0 +1,265 @@
+"""OpenRLHF's agent interface (``openrlhf.utils.agent``), so an OpenRLHF ``agent_func.py`` loads unchanged.
+
+``load_agent`` makes ``import openrlhf.utils.agent`` resolve to this module while the agent file executes
+(``openrlhf_names``; nothing is installed and a real ``openrlhf`` is not shadowed afterwards).  The contract
+follows OpenRLHF's openrlhf/utils/agent.py and openrlhf/trainer/ray/vllm_engine.py (read at OpenRLHF main,
+2026-08, version.txt 0.11.0; the agent interface is unchanged since):
+
+* ``AgentInstanceBase``: ``async reset(states)`` / ``async step(states)``; step returns ``rewards`` (a tensor or
+  number), ``scores``, ``environment_feedback``, ``done``, optionally ``sampling_params`` and ``extra_logs``;
+* ``AgentExecutorBase``: ``async execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine,
+  images=None)`` returning ``observation_tokens`` (prompt + actions + feedback), ``action_ranges`` ([start, end)
+  spans of model tokens in it), ``rollout_log_probs`` (one per observation token, or None), ``reward``,
+  ``scores``, optionally ``truncated`` and ``extra_logs``; the file's ``AgentExecutor`` is built with no
+  arguments and ``execute`` runs once per sample;
+* ``llm_engine``: ``await llm_engine.generate(prompt_token_ids, sampling_params, multi_modal_data=None)`` returns
+  a vLLM ``RequestOutput``-like object: ``outputs[0].token_ids / .text / .logprobs`` (a list of {token id: obj
+  with .logprob}) / ``.finish_reason`` ("length" or "stop");
+* ``MultiTurnAgentExecutor(AgentInstance)``: OpenRLHF's multi-turn loop (the reward is the sum of the step
+  rewards; the score the last step's ``scores``); text only (no images here).
+
+``ExecuteAdapter`` runs such an executor under this project's executor contract (``run(prompt_ids, prompts,
+labels, params) -> RolloutBatch``), batching the concurrent ``generate`` calls into one engine call per
+sampling setting.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+import types
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from copy import deepcopy
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from rlhf.rollout.base import RolloutBatch, SamplingParams, batch_from_rows
+
+from .base import AgentExecutorBase as NativeExecutorBase
+from .base import AgentInstanceBase
+
+__all__ = ["AgentInstanceBase", "AgentExecutorBase", "MultiTurnAgentExecutor", "ExecuteAdapter", "openrlhf_names"]
+
+MODULE = "openrlhf.utils.agent"
+
+
+class AgentExecutorBase(ABC):
+    """OpenRLHF's executor contract: one ``execute`` call per sample (openrlhf/utils/agent.py)."""
+
+    @abstractmethod
+    async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
+        raise NotImplementedError("AgentExecutorBase.execute is not implemented")
+
+
+def _scalar(x) -> float:
+    return float(x.item() if hasattr(x, "item") else x)
+
+
+class MultiTurnAgentExecutor(AgentExecutorBase):
+    """OpenRLHF's MultiTurnAgentExecutor: reset, then generate / step until done or the budget max_length (prompt
+    + response tokens) is spent; reward = sum of the step rewards, scores = the last step's (OpenRLHF: total_reward
+    when the step gives none); feedback tokens get log-prob 0 and lie outside ``action_ranges``."""
+
+    def __init__(self, agent_instance_cls):
+        if not (isinstance(agent_instance_cls, type) and issubclass(agent_instance_cls, AgentInstanceBase)):
+            raise TypeError("AgentInstance must inherit from AgentInstanceBase")
+        self.agent_instance_cls = agent_instance_cls
+
+    async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
+        if images:
+            raise ValueError("--agent_func_path: image observations are not supported here (text agents only)")
+        agent = self.agent_instance_cls()
+        observation = (await agent.reset({"observation": prompt, "label": label}))["observation"]
+        tokens = hf_tokenizer(text=observation, add_special_tokens=False)["input_ids"]
+        room = max_length - (getattr(sampling_params, "max_tokens", None) or 1)
+        if len(tokens) > room:  # OpenRLHF keeps the tail of an over-long first observation
+            tokens = tokens[-room:]
+            observation = hf_tokenizer.decode(tokens, skip_special_tokens=False)
+        ranges: List[Tuple[int, int]] = []
+        total, scores, logs, truncated = 0.0, None, {}, False
+        logprobs = [0.0] * len(tokens) if sampling_params.logprobs is not None else None
+        while True:
+            sampling_params.max_tokens = max_length - len(tokens)
+            if sampling_params.max_tokens <= 0:
+                truncated = True
+                break
+            out = (await llm_engine.generate(tokens, deepcopy(sampling_params))).outputs[0]
+            action = list(out.token_ids)
+            ranges.append((len(tokens), len(tokens) + len(action)))
+            res = await agent.step({"observation_text": observation, "action_text": out.text, "label": label,
+                                    "sampling_params": sampling_params})
+            total += _scalar(res["rewards"])
+            scores = res.get("scores", total)
+            logs = res.get("extra_logs", {})
+            feedback = res["environment_feedback"]
+            fb = hf_tokenizer(text=feedback, add_special_tokens=False)["input_ids"]
+            observation = observation + out.text + feedback
+            tokens = tokens + action + fb
+            if logprobs is not None:
+                logprobs += [lp[t].logprob for t, lp in zip(action, out.logprobs)] + [0.0] * len(fb)
+            if res.get("sampling_params"):
+                sampling_params = res["sampling_params"]
+            if res["done"]:
+                break
+        return {"prompt": prompt, "label": label, "images": images, "reward": total,
+                "scores": _scalar(scores if scores is not None else total), "observation_tokens": tokens,
+                "action_ranges": ranges, "rollout_log_probs": logprobs, "extra_logs": logs, "truncated": truncated}
+
+
+@contextmanager
+def openrlhf_names():
+    """While the block runs, ``openrlhf.utils.agent`` is this module (parent packages are stubbed only where no
+    real ``openrlhf`` is importable); afterwards sys.modules is as before, so other code still gets a real
+    installed openrlhf."""
+    me = sys.modules[__name__]
+    real = "openrlhf" in sys.modules or importlib.util.find_spec("openrlhf") is not None
+    entries: Dict[str, types.ModuleType] = {MODULE: me}
+    if not real:
+        pkg, utils = types.ModuleType("openrlhf"), types.ModuleType("openrlhf.utils")
+        pkg.__path__, utils.__path__ = [], []
+        pkg.utils, utils.agent = utils, me
+        entries.update({"openrlhf": pkg, "openrlhf.utils": utils})
+    saved = {k: sys.modules.get(k) for k in entries}
+    sys.modules.update(entries)
+    try:
+        yield
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = old
+
+
+@dataclass
+class OpenRLHFSamplingParams:
+    """The vLLM SamplingParams fields OpenRLHF's executors read and set (samples_generator.py builds it with
+    logprobs=1 under IS correction; here rollout log-probs are always recorded) and skip_special_tokens=False."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: Optional[int] = None
+    min_tokens: int = 1
+    skip_special_tokens: bool = False
+    logprobs: Optional[int] = 1
+    n: int = 1
+    seed: Optional[int] = None
+    stop_token_ids: Tuple[int, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class _Logprob:
+    logprob: float
+
+
+class AsyncEngine:
+    """``await generate(token_ids, sampling_params)`` over this project's batched, synchronous engine: calls made
+    in the same event-loop turn with the same sampling setting go to the engine as one batch."""
+
+    def __init__(self, engine, tokenizer, default_max_tokens: int):
+        self.engine, self.tokenizer, self.default_max_tokens = engine, tokenizer, default_max_tokens
+        self.pending: List[Tuple[tuple, List[int], Any, asyncio.Future]] = []
+
+    def _key(self, sp) -> tuple:
+        mt = sp.max_tokens if sp.max_tokens is not None else self.default_max_tokens
+        return (sp.temperature, sp.top_p, sp.top_k, max(1, int(mt)), tuple(sp.stop_token_ids or ()), sp.seed,
+                sp.skip_special_tokens)
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        if multi_modal_data:
+            raise ValueError("--agent_func_path: multi_modal_data is not supported here (text agents only)")
+        fut = asyncio.get_running_loop().create_future()
+        if not self.pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self.pending.append((self._key(sampling_params), list(prompt_token_ids), sampling_params, fut))
+        return await fut
+
+    def _flush(self):
+        pending, self.pending = self.pending, []
+        groups: Dict[tuple, list] = {}
+        for item in pending:
+            groups.setdefault(item[0], []).append(item)
+        for key, items in groups.items():
+            temp, top_p, top_k, mt, stops, seed, skip = key
+            try:
+                out = self.engine.generate([ids for _, ids, _, _ in items],
+                                           SamplingParams(n=1, temperature=temp, top_p=top_p, top_k=top_k,
+                                                          max_new_tokens=mt, stop_token_ids=stops, seed=seed))
+                if out is None:
+                    raise RuntimeError("the rollout engine returned no rows on this rank (a non-first TP rank of a "
+                                       "vLLM engine): run the agent through RolloutRole.generate")
+                for i, (_, _, _, fut) in enumerate(items):
+                    fut.set_result(self._request_output(out, i, skip))
+            except Exception as e:  # every waiting execute() sees the failure
+                for _, _, _, fut in items:
+                    if not fut.done():
+                        fut.set_exception(e)
+
+    def _request_output(self, out: RolloutBatch, i: int, skip_special: bool):
+        m = out.action_mask[i].bool()
+        ids = out.sequences[i, out.prompt_len:][m].tolist()
+        lps = out.rollout_logprobs[i][m].tolist()
+        trunc = out.truncated is not None and bool(out.truncated[i])
+        comp = types.SimpleNamespace(token_ids=ids, text=self.tokenizer.decode(ids, skip_special_tokens=skip_special),
+                                     logprobs=[{t: _Logprob(lp)} for t, lp in zip(ids, lps)],
+                                     finish_reason="length" if trunc else "stop")
+        return types.SimpleNamespace(outputs=[comp])
+
+
+def result_to_row(res: Dict[str, Any], max_length: int):
+    """(prompt ids, response ids, action mask, log-probs, truncated, reward, score) from one ``execute`` result:
+    the prompt is observation_tokens before the first action range; the action mask is 1 inside the ranges."""
+    for k in ("observation_tokens", "action_ranges", "reward"):
+        if res.get(k) is None:
+            raise ValueError(f"--agent_func_path: AgentExecutor.execute must return {k!r} (OpenRLHF's contract: "
+                             f"observation_tokens, action_ranges, rollout_log_probs, reward, scores)")
+    obs, ranges = list(res["observation_tokens"]), [tuple(r) for r in res["action_ranges"]]
+    start = ranges[0][0] if ranges else len(obs)
+    mask = [0] * (len(obs) - start)
+    for s, e in ranges:
+        for j in range(max(s, start), min(e, len(obs))):
+            mask[j - start] = 1
+    lps = res.get("rollout_log_probs")
+    lps = [0.0] * len(mask) if lps is None else [float(x) * m for x, m in zip(lps[start:], mask)]
+    reward = _scalar(res["reward"])
+    score = _scalar(res["scores"]) if res.get("scores") is not None else reward
+    truncated = bool(res.get("truncated", False)) or len(obs) >= max_length
+    return obs[:start], obs[start:], mask, lps, truncated, reward, score
+
+
+class ExecuteAdapter(NativeExecutorBase):
+    """This project's executor contract over an OpenRLHF executor class (built with no arguments, as OpenRLHF
+    does): ``execute`` runs once per sample, all samples concurrently; max_length = prompt tokens + this
+    executor's response budget."""
+
+    openrlhf_cls: type = None  # set by adapter_for
+
+    def __init__(self, agent_cls, max_steps: int, max_length: int, engine, tokenizer):
+        super().__init__(agent_cls, max_steps, max_length, engine, tokenizer)
+        self.executor = self.openrlhf_cls()
+
+    async def _run(self, prompt_ids, prompts, labels, params: SamplingParams) -> RolloutBatch:
+        eng = AsyncEngine(self.engine, self.tokenizer, params.max_new_tokens)
+        sp = OpenRLHFSamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                    max_tokens=params.max_new_tokens, seed=params.seed,
+                                    stop_token_ids=tuple(params.stop_token_ids))
+        jobs, budgets = [], []
+        for ids, text, lab in zip(prompt_ids, prompts, labels):
+            for _ in range(params.n):
+                budgets.append(len(ids) + self.max_length)
+                jobs.append(self.executor.execute(prompt=text, label=lab, sampling_params=deepcopy(sp),
+                                                  max_length=budgets[-1], hf_tokenizer=self.tokenizer,
+                                                  llm_engine=eng, images=None))
+        rows = [result_to_row(r, b) for r, b in zip(await asyncio.gather(*jobs), budgets)]
+        p, r, am, lp, tr, rw, sc = (list(c) for c in zip(*rows))
+        return batch_from_rows(p, r, lp, tr, self.tokenizer.pad_token_id, action_masks=am, rewards=rw, scores=sc)
+
+
+def adapter_for(executor_cls: type) -> type:
+    """A subclass of ExecuteAdapter that builds ``executor_cls``."""
+    return type(f"{executor_cls.__name__}Adapter", (ExecuteAdapter,), {"openrlhf_cls": executor_cls})
+
+
+def is_openrlhf_executor(cls) -> bool:
+    return isinstance(cls, type) and issubclass(cls, AgentExecutorBase)
