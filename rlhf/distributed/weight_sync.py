@@ -109,7 +109,10 @@ def _export(model, materialize: bool, aliases: bool = False):
     old kernel tensors back).  The reload puts every layer on meta first (``initialize_layerwise_reload``), which
     unties them, so ``AutoWeightsLoader`` no longer skips ``lm_head.weight`` as an alias
     (models/utils.py ``_get_tied_embedding_params``) and loads it into the head, which then re-packs.  Engines
-    that share the tensor (the HF engine) take the first name only.
+    that share the tensor (the HF engine) take the first name only.  The other weights vLLM keeps in another
+    form, Llama's / Qwen2's fused ``qkv_proj`` and ``gate_up_proj`` (``stacked_params_mapping`` in their
+    ``load_weights``), are rebuilt from q/k/v and gate/up only when a reload gets all of a layer's tensors at
+    once: the loaders hold a decoder layer back until it is complete (``vllm_worker.split_last_layer``).
     """
     scal = _lora_scalings(model)
     tied = tied_aliases(model) if aliases else {}
