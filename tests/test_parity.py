@@ -220,6 +220,19 @@ def test_is_correction_0_11_2_flags(level, mode, gating, thr, kind):
     assert not off.enable_is_correction   # level off wins over the 0.11.0 switch
 
 
+def test_is_correction_0_11_2_yaml(tmp_path):
+    """The same names nested in YAML (FlashREINFORCE's setting): a scalar threshold is the upper bound."""
+    from rlhf.config.cli import parse
+
+    (tmp_path / "c.yaml").write_text("algo:\n  advantage: {estimator: reinforce, is_correction_level: seq, "
+                                     "is_correction_gating: binary_kl, is_correction_threshold: 5.0e-3}\n"
+                                     "actor: {loss_agg_mode: seq-mean-token-mean}\n")
+    a = parse("ppo", ["--config", str(tmp_path / "c.yaml")]).algorithm
+    assert (a.enable_is_correction, a.is_correction_type, a.is_correction_gating) == (True, "seq-mask-tis", "binary_kl")
+    assert (a.is_truncated_threshold_low, a.is_truncated_threshold, a.loss_agg_mode) == (0.0, 5e-3,
+                                                                                        "seq-mean-token-mean")
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode", "clip"],
      "needs --is_correction_level token (got seq); use --is_correction_mode mask"),
