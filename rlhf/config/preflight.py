@@ -24,6 +24,7 @@ def preflight(cfg, kind: str, world_size: Optional[int] = None) -> List[str]:
     check_flash_attn(cfg)
     check_writable(cfg, kind)
     notices += check_resume(cfg, world)
+    notices += check_lock(cfg)
     check_batch_world(cfg, kind, world)
     if os.environ.get("RANK", "0") == "0":
         for n in notices:
@@ -114,10 +115,17 @@ def check_resume(cfg, world: int) -> List[str]:
     c = cfg.checkpoint
     if not c.load_checkpoint:
         return []
-    latest = ckpt.latest_checkpoint(c.ckpt_path)
+    try:  # sizes only here, on every rank; the trainer's resume verifies the hashes (rank 0) before loading
+        latest, notices = ckpt.pick_checkpoint(c.ckpt_path, c.strict_resume, hashes=False)
+        if latest is not None:
+            man = ckpt.read_manifest(latest) or {}
+            notices += ckpt.compare_identity(latest, man.get("identity", {}), ckpt.run_identity(cfg))
+    except ckpt.CheckpointError as e:
+        flag = "strict_resume" if "strict_resume" in str(e) else "load_checkpoint"
+        raise ConfigError(flag, str(e)) from None
     if latest is None:
         if os.path.isdir(c.ckpt_path):
-            entries = sorted(os.listdir(c.ckpt_path))
+            entries = sorted(e for e in os.listdir(c.ckpt_path) if e != ckpt.LOCK_FILE)
             seen = f"it holds {', '.join(entries[:6])}" if entries else "it is empty"
             partial = [e for e in entries if e.startswith(".tmp-")]
             if partial:
@@ -128,7 +136,7 @@ def check_resume(cfg, world: int) -> List[str]:
         if not c.start_fresh_if_no_checkpoint:
             raise ConfigError("ckpt_path", f"{msg}. Check --ckpt_path, or add --start_fresh_if_no_checkpoint to start "
                                            f"from step 0 (OpenRLHF's behaviour)")
-        return [f"[resume] {msg}; starting fresh (--start_fresh_if_no_checkpoint)"]
+        return notices + [f"[resume] {msg}; starting fresh (--start_fresh_if_no_checkpoint)"]
     saved = ckpt.saved_world_size(latest)
     if saved and saved != world:
         if cfg.topology.backend == "deepspeed":
@@ -137,9 +145,23 @@ def check_resume(cfg, world: int) -> List[str]:
                                                  f"Run with {saved} ranks (torchrun --nproc_per_node {saved}), or "
                                                  f"--backend fsdp2 checkpoints, which reshard")
         extra = f"; ranks {saved}..{world - 1} get rng seeds derived from the step and rank" if world > saved else ""
-        return [f"[resume] {latest} was saved by {saved} ranks, this run has {world}: model and optimizer shards "
+        return notices + [f"[resume] {latest} was saved by {saved} ranks, this run has {world}: model and optimizer shards "
                 f"are resharded (torch.distributed.checkpoint){extra}"]
-    return []
+    return notices
+
+
+def check_lock(cfg) -> List[str]:
+    """Rank 0 of a run that saves or resumes holds --ckpt_path's lock for its whole life (see
+    ``checkpoint.acquire_lock``); a folder held by another live run is refused naming the holder."""
+    from rlhf.utils import checkpoint as ckpt
+
+    c = cfg.checkpoint
+    if os.environ.get("RANK", "0") != "0" or not (c.save_steps > 0 or c.load_checkpoint):
+        return []
+    try:
+        return ckpt.acquire_lock(c.ckpt_path)
+    except ckpt.CheckpointError as e:
+        raise ConfigError("ckpt_path", str(e)) from None
 
 
 def check_batch_world(cfg, kind: str, world: int) -> None:

@@ -233,6 +233,10 @@ class CheckpointConfig:
     save_value_network: bool = opt(False, "PPO: also write the trained critic (backbone + value head) to "
                                           "<--save_path>_critic at the end")
     max_ckpt_num: int = opt(3, "keep at most this many checkpoints")
+    strict_resume: bool = opt(False, "with --load_checkpoint: refuse to resume when the newest checkpoint fails its "
+                                     "manifest check (default: fall back to the newest intact one, said in the log)")
+    max_nonfinite_steps: int = opt(3, "stop after this many steps in a row with a NaN/inf grad norm (the optimizer "
+                                      "step is skipped on each; 0 = never stop)")
 
 
 @dataclass

@@ -7,6 +7,8 @@ step.  A trainer provides the ``Steps`` protocol.
 """
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Dict, Optional, Protocol
 
 from rlhf.distributed import comm
@@ -46,6 +48,29 @@ def log0(msg: str) -> None:
         print(msg, flush=True)
 
 
+class NonFiniteGuard:
+    """Counts steps in a row whose grad norm (any ``*grad_norm`` metric, reduced so every rank sees the same value)
+    is NaN/inf -- the engine skipped the optimizer step -- warns on each, raises past --max_nonfinite_steps."""
+
+    def __init__(self, threshold: int):
+        self.threshold, self.streak = int(threshold), 0
+
+    def check(self, step: int, metrics: Dict[str, float]) -> None:
+        bad = sorted(k for k, v in metrics.items()
+                     if k.endswith("grad_norm") and isinstance(v, (int, float)) and not math.isfinite(v))
+        if not bad:
+            self.streak = 0
+            return
+        self.streak += 1
+        msg = (f"step {step}: {', '.join(bad)} is not finite: the optimizer step was skipped ({self.streak} such "
+               f"step(s) in a row)")
+        if self.threshold > 0 and self.streak >= self.threshold:
+            raise RuntimeError(f"{msg}; stopping after --max_nonfinite_steps {self.threshold}. Lower the learning "
+                               f"rate, check the data for empty/degenerate batches, resume from an earlier "
+                               f"checkpoint, or raise --max_nonfinite_steps (0 = never stop)")
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+
 class Cadence:
     """Step-boundary bookkeeping of one run (see module docstring)."""
 
@@ -55,6 +80,7 @@ class Cadence:
         self.stop = stop or StopSignal()
         self.last_eval_step = -1
         self.preempted = False
+        self.nonfinite = NonFiniteGuard(self.ck.max_nonfinite_steps)
 
     def start(self, t: Steps) -> None:
         self.stop.install()
@@ -66,6 +92,7 @@ class Cadence:
         if t.step % self.lg.logging_steps == 0 or t.step == t.total_steps:
             self.logger.log(t.step, metrics)
         self.logger.advance()
+        self.nonfinite.check(t.step, metrics)
         if self.lg.eval_steps > 0 and t.step % self.lg.eval_steps == 0:
             self.evaluate(t)
         if self.ck.save_steps > 0 and t.step % self.ck.save_steps == 0:

@@ -242,12 +242,13 @@ class RLTrainer:
         state = {"step": self.step, "kl_coef": self.kl_ctl.value,
                  "reward_norm": self.reward_norm.state_dict() if self.reward_norm else None}
         with self.watchdog.phase("save"):
-            path = ckpt.save_checkpoint(c.ckpt_path, self.step, write, state, c.max_ckpt_num)
+            path = ckpt.save_checkpoint(c.ckpt_path, self.step, write, state, c.max_ckpt_num,
+                                        identity=ckpt.run_identity(self.cfg))
             if c.save_hf_ckpt:
                 self.save_hf(os.path.join(path, "hf"))
 
     def resume(self) -> bool:
-        path = ckpt.latest_checkpoint(self.cfg.checkpoint.ckpt_path)
+        path = ckpt.resume_path(self.cfg.checkpoint.ckpt_path, self.cfg.checkpoint.strict_resume)
         if path is None:
             log0(f"[resume] no complete checkpoint in {self.cfg.checkpoint.ckpt_path}; starting fresh")
             return False

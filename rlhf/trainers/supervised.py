@@ -170,10 +170,10 @@ class SupervisedTrainer:
         with self.watchdog.phase("save"):
             ckpt.save_checkpoint(c.ckpt_path, self.step,
                                  lambda tmp: self.engine.save_checkpoint(os.path.join(tmp, "model")),
-                                 {"step": self.step}, c.max_ckpt_num)
+                                 {"step": self.step}, c.max_ckpt_num, identity=ckpt.run_identity(self.cfg))
 
     def resume(self) -> bool:
-        path = ckpt.latest_checkpoint(self.cfg.checkpoint.ckpt_path)
+        path = ckpt.resume_path(self.cfg.checkpoint.ckpt_path, self.cfg.checkpoint.strict_resume)
         if path is None:
             log0(f"[resume] no complete checkpoint in {self.cfg.checkpoint.ckpt_path}; starting fresh")
             return False

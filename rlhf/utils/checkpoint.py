@@ -1,17 +1,25 @@
 """Crash-safe checkpoint directories: ckpt_path/global_step_N/, written under a temporary name and renamed.
 
 A directory only gets its final name after every rank finished writing, so a
-crash mid-save leaves a ``.tmp-global_step_N`` that resume ignores (and the next
-save removes).
+crash mid-save leaves a ``.tmp-global_step_N-<run>`` that resume ignores (and the next
+save removes).  Every checkpoint holds ``manifest.json``: the size and a fast hash of every file (each rank hashes
+the files it wrote, rank 0 assembles them before the rename) and the run's identity (``run_identity``).
+``pick_checkpoint`` verifies the newest checkpoint against its manifest and falls back to the newest intact one.
+``acquire_lock`` keeps two runs off one --ckpt_path.
 """
 from __future__ import annotations
 
+import atexit
+import fcntl
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
-from typing import Callable, Optional
+import socket
+import time
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -20,6 +28,9 @@ from rlhf.distributed import comm
 
 STEP_RE = re.compile(r"^global_step_(\d+)$")
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
+LOCK_FILE = ".lock"
+_HELD_LOCKS: Dict[str, object] = {}  # abs ckpt_path -> open lock file (held for the life of the process)
 
 
 def _barrier():
@@ -58,31 +69,311 @@ def set_rng_state(s: dict) -> None:
 
 
 def save_checkpoint(root: str, step: int, write: Callable[[str], None], trainer_state: dict, max_keep: int = 3,
-                    extra_rank_state: Optional[dict] = None) -> str:
-    """Collective.  ``write(tmp_dir)`` saves the engines (all ranks); rank 0 writes the trainer state."""
+                    extra_rank_state: Optional[dict] = None, identity: Optional[dict] = None) -> str:
+    """Collective.  ``write(tmp_dir)`` saves the engines (all ranks); rank 0 writes the trainer state.
+
+    The temporary directory's name is unique to this run (host and pid of rank 0), so two runs never share one.
+    Every rank hashes the files it wrote; rank 0 gathers them into ``manifest.json`` (with ``identity``) before
+    the rename, so a checkpoint with its final name always has a manifest."""
     final = os.path.join(root, f"global_step_{step}")
-    tmp = os.path.join(root, f".tmp-global_step_{step}")
     rank = _rank()
+    tmp = comm.broadcast_object(
+        os.path.join(root, f".tmp-global_step_{step}-{socket.gethostname()}-{os.getpid()}") if rank == 0 else None, 0)
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         if os.path.exists(tmp):
             shutil.rmtree(tmp)
         os.makedirs(tmp)
     _barrier()
+    before = set(_walk(tmp))
     write(tmp)
     torch.save({"rng": rng_state(), **(extra_rank_state or {})}, os.path.join(tmp, f"rank_{rank}.pt"))
     _barrier()
+    # the files this rank wrote: new since the barrier, and its own rank file (rank 0 adds the shared ones)
+    mine = [f for f in _walk(tmp) if f not in before and not re.match(r"^rank_\d+\.pt$", f)] + [f"rank_{rank}.pt"]
+    gathered = comm.all_gather_object(hash_files(tmp, mine))
     if rank == 0:
         world = comm.world_size()
         with open(os.path.join(tmp, STATE_FILE), "w") as fh:
             json.dump({**trainer_state, "world_size": world}, fh)
+        files: Dict[str, dict] = {}
+        for part in gathered:
+            files.update(part)
+        files.update(hash_files(tmp, [f for f in _walk(tmp) if f not in files]))
+        write_manifest(tmp, files, identity)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
         for _, old in list_checkpoints(root)[:-max_keep] if max_keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
+        remove_cut_short_saves(root)
     _barrier()
     return final
+
+
+def remove_cut_short_saves(root: str) -> None:
+    """Remove the ``.tmp-*`` directories of saves cut short -- only while this process holds the folder's lock
+    (without it, a ``.tmp-*`` may be another live run's save in progress)."""
+    if os.path.abspath(root) not in _HELD_LOCKS:
+        return
+    for name in os.listdir(root):
+        if name.startswith(".tmp-global_step_"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+# ---------------------------------------------------------------- manifest: sizes and hashes of every file
+
+def _hasher():
+    """xxh3-128 when xxhash is installed (several GB/s), else blake2b (about 1 GB/s)."""
+    try:
+        import xxhash
+
+        return "xxh3_128", xxhash.xxh3_128
+    except ImportError:
+        return "blake2b", lambda: hashlib.blake2b(digest_size=16)
+
+
+def _walk(d: str) -> List[str]:
+    """Files under ``d`` as sorted paths relative to it ('/'-separated), the manifest left out."""
+    out = []
+    for base, _, names in os.walk(d):
+        for n in names:
+            rel = os.path.relpath(os.path.join(base, n), d).replace(os.sep, "/")
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def file_digest(path: str, chunk: int = 8 << 20) -> str:
+    """The hex hash of one file, read in 8 MiB chunks."""
+    _, make = _hasher()
+    h = make()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def hash_files(d: str, rels: List[str]) -> Dict[str, dict]:
+    """{relative path: {"size", "hash"}} of the files ``rels`` under ``d`` (those that exist)."""
+    return {r: {"size": os.path.getsize(os.path.join(d, r)), "hash": file_digest(os.path.join(d, r))}
+            for r in rels if os.path.isfile(os.path.join(d, r))}
+
+
+def write_manifest(d: str, files: Dict[str, dict], identity: Optional[dict] = None) -> None:
+    with open(os.path.join(d, MANIFEST), "w") as fh:
+        json.dump({"version": 1, "hash": _hasher()[0], "files": files, "identity": identity or {}}, fh, indent=1)
+
+
+def read_manifest(path: str) -> Optional[dict]:
+    """The checkpoint's manifest, or None when it has none (written before manifests existed) or it is unreadable."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def verify_checkpoint(path: str, hashes: bool = True) -> Optional[str]:
+    """None when every file the manifest lists is there with its size (and hash); else what is wrong, naming
+    the file.  A checkpoint without a manifest (older saves) passes with sizes unchecked."""
+    man = read_manifest(path)
+    if man is None:
+        return None if not os.path.exists(os.path.join(path, MANIFEST)) else f"{MANIFEST} is unreadable"
+    algo = man.get("hash")
+    for rel, want in sorted(man.get("files", {}).items()):
+        f = os.path.join(path, rel)
+        if not os.path.isfile(f):
+            return f"{rel} is missing"
+        size = os.path.getsize(f)
+        if size != want["size"]:
+            return f"{rel} has {size} bytes, the manifest says {want['size']} (truncated or rewritten)"
+        if hashes and algo == _hasher()[0] and file_digest(f) != want["hash"]:
+            return f"{rel} does not match its checksum (the bytes changed after the save)"
+    return None
+
+
+def pick_checkpoint(root: str, strict: bool = False, hashes: bool = True) -> Tuple[Optional[str], List[str]]:
+    """(the newest intact checkpoint or None, notices).  A damaged newer checkpoint is named in a notice and
+    skipped; with ``strict`` a damaged newest checkpoint raises ``CheckpointError`` instead.  ``hashes=False``
+    checks presence and sizes only (cheap: preflight on every rank)."""
+    notices: List[str] = []
+    for _, path in reversed(list_checkpoints(root)):
+        why = verify_checkpoint(path, hashes)
+        if why is None:
+            if notices:
+                notices.append(f"[resume] falling back to {path}, the newest intact checkpoint")
+            return path, notices
+        if strict:
+            raise CheckpointError(f"checkpoint {path} is damaged: {why}. --strict_resume refuses to fall back; "
+                                  f"drop --strict_resume to resume from the newest intact checkpoint, or delete "
+                                  f"{path}")
+        notices.append(f"[resume] checkpoint {path} is damaged ({why}); skipping it")
+    return None, notices
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (damaged, or saved by a different run); the message names it and a fix."""
+
+
+# ---------------------------------------------------------------- the run's identity
+
+SHAPE_FLAGS = ("pretrain_shape", "lora_rank", "needs_critic", "critic_pretrain_shape")
+SAME_RUN_FLAGS = ("pretrain", "ref_pretrain", "critic_pretrain", "reward_pretrain", "dataset", "prompt_data",
+                  "advantage_estimator")
+REPORTED_FLAGS = ("learning_rate", "actor_learning_rate", "critic_learning_rate", "max_epochs", "num_episodes",
+                  "max_global_steps", "train_batch_size")
+
+
+def _model_shape(path: Optional[str]) -> Optional[dict]:
+    """The shape-deciding fields of an HF config.json (None when unreadable)."""
+    if not path:
+        return None
+    try:
+        with open(os.path.join(path, "config.json")) as fh:
+            c = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "vocab_size")
+    return {k: c.get(k) for k in keys}
+
+
+def _norm_path(p):
+    return os.path.abspath(os.path.expanduser(p)) if p and os.path.exists(os.path.expanduser(p)) else p
+
+
+def run_identity(cfg) -> dict:
+    """What makes a checkpoint this run's: shapes, models and data, the objective, and harmless settings."""
+    m, a, o = cfg.model, cfg.algorithm, cfg.optim
+    d = cfg.data
+    from rlhf.algorithms import advantages  # noqa: F401 - registers the estimators
+    from rlhf.algorithms.registry import ADVANTAGE_ESTIMATORS
+
+    spec = ADVANTAGE_ESTIMATORS.get(a.advantage_estimator)
+    needs_critic = getattr(spec, "needs_critic", None)
+    ident = {"pretrain_shape": _model_shape(m.pretrain), "lora_rank": m.lora_rank, "needs_critic": needs_critic,
+             "critic_pretrain_shape": _model_shape(m.critic_pretrain),
+             "pretrain": _norm_path(m.pretrain), "ref_pretrain": _norm_path(m.ref_pretrain),
+             "critic_pretrain": _norm_path(m.critic_pretrain), "reward_pretrain": _norm_path(m.reward_pretrain),
+             "dataset": getattr(d, "dataset", None), "prompt_data": getattr(d, "prompt_data", None),
+             "advantage_estimator": a.advantage_estimator}
+    for k in REPORTED_FLAGS:
+        for grp in (o, a, d):
+            if hasattr(grp, k):
+                ident[k] = getattr(grp, k)
+                break
+    return ident
+
+
+def compare_identity(path: str, saved: dict, now: dict) -> List[str]:
+    """Raise CheckpointError when checkpoint ``path`` was saved by a different run (a shape-changing flag, or a
+    different model / data / objective); return notices for harmless changes (learning rate, steps)."""
+    if not saved:
+        return []
+    for k in SHAPE_FLAGS + SAME_RUN_FLAGS:
+        if k in saved and saved[k] != now.get(k):
+            flag = k.replace("_shape", "").replace("needs_critic", "advantage_estimator")
+            kind = "changes the model's shapes" if k in SHAPE_FLAGS else "makes it a different run"
+            raise CheckpointError(
+                f"checkpoint {path} was saved with --{flag} {_show(saved, k)}, this run has {_show(now, k)}: "
+                f"that {kind}, so resuming it would load another run's weights. Give this run its own --ckpt_path, "
+                f"or rerun with the saved --{flag}")
+    changed = [f"--{k} {saved[k]} -> {now.get(k)}" for k in REPORTED_FLAGS if k in saved and saved[k] != now.get(k)]
+    return [f"[resume] {path}: changed since the save: {', '.join(changed)}"] if changed else []
+
+
+def _show(ident: dict, k: str):
+    if k.endswith("_shape"):
+        return ident.get(k.replace("_shape", ""), ident.get(k))
+    return ident.get(k)
+
+
+# ---------------------------------------------------------------- one run per --ckpt_path
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _holder_alive(text: str) -> bool:
+    """Whether the lock file's holder (``host=.. pid=..``) is a live process on this host (other hosts: assumed)."""
+    kv = dict(p.split("=", 1) for p in text.split() if "=" in p)
+    if not kv.get("pid"):
+        return False
+    return kv.get("host") != socket.gethostname() or _pid_alive(int(kv["pid"]))
+
+
+def acquire_lock(root: str) -> List[str]:
+    """Hold --ckpt_path for this process: an advisory ``flock`` on ``root/.lock``, whose text names the holder
+    (host, pid, SLURM job id).  Another live run holding it raises CheckpointError naming it; a lock left by a
+    dead process (the flock is released when a process dies) is taken over with a notice.  Idempotent."""
+    root = os.path.abspath(root)
+    if root in _HELD_LOCKS:
+        return []
+    os.makedirs(root, exist_ok=True)
+    fh = open(os.path.join(root, LOCK_FILE), "a+")
+    fh.seek(0)
+    prev = fh.read().strip()
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        busy = False
+    except BlockingIOError:
+        busy = True
+    except OSError:  # a file system without flock: judge by the holder's pid when it is on this host
+        busy = _holder_alive(prev)
+    if busy:
+        fh.close()
+        raise CheckpointError(f"--ckpt_path {root} is in use by another run ({prev or 'holder unknown'}): two runs "
+                              f"on one folder overwrite each other's checkpoints. Give this run its own --ckpt_path, "
+                              f"or wait for that run to end") from None
+    notices = []
+    if prev:
+        notices.append(f"[ckpt] taking over the stale lock of {root} ({prev}): that process is gone")
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID", ""),
+          "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    fh.seek(0)
+    fh.truncate()
+    fh.write(" ".join(f"{k}={v}" for k, v in me.items()))
+    fh.flush()
+    _HELD_LOCKS[root] = fh
+    atexit.register(release_lock, root)
+    return notices
+
+
+def release_lock(root: str) -> None:
+    """Drop this process's lock on ``root`` (the file is emptied, so the next run sees no stale holder)."""
+    fh = _HELD_LOCKS.pop(os.path.abspath(root), None)
+    if fh is not None:
+        fh.seek(0)
+        fh.truncate()
+        fh.flush()
+        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        fh.close()
+
+
+def resume_path(root: str, strict: bool = False) -> Optional[str]:
+    """Collective: the checkpoint every rank resumes from.  Rank 0 verifies the hashes (``pick_checkpoint``) and
+    prints the fallback lines; the verdict (a path, None, or the error) is broadcast so every rank takes the same
+    branch and raises the same error."""
+    verdict = None
+    if _rank() == 0:
+        try:
+            path, notices = pick_checkpoint(root, strict)
+            for n in notices:
+                print(n, flush=True)
+            verdict = ("ok", path)
+        except CheckpointError as e:
+            verdict = ("error", str(e))
+    kind, value = comm.broadcast_object(verdict, 0)
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
 
 
 def load_trainer_state(path: str) -> dict:
