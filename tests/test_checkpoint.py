@@ -191,3 +191,30 @@ def test_cut_short_saves_removed_only_under_lock(tmp_path):
         assert not (root / ".tmp-global_step_4-otherhost-1").exists(), "a save cut short was left behind"
     finally:
         ckpt.release_lock(str(root))
+
+
+def test_cli_sft_resume_falls_back_from_corrupted_shard(tiny_kit, tmp_path):
+    """The one real run (1 rank, plain python): save steps 1 and 2, overwrite 4 KiB inside a model shard of step 2
+    (size unchanged), resume: the log names the damaged checkpoint and the fallback, training redoes step 2 with a
+    finite loss."""
+    import math
+
+    from e2e import torchrun
+
+    d = os.path.join(tiny_kit, "data")
+    common = ["--pretrain", tiny_kit, "--dataset", f"{d}/sft_train.jsonl", "--max_samples", 64, "--eval_split", 0,
+              "--train_batch_size", 4, "--micro_train_batch_size", 2, "--save_path", tmp_path / "out",
+              "--ckpt_path", tmp_path / "ck", "--save_steps", 1, "--learning_rate", 1e-3]
+    torchrun("rlhf.train_sft", 0, common + ["--max_global_steps", 2], tmp_path, str(tmp_path / "logs"))
+    p1, p2 = str(tmp_path / "ck" / "global_step_1"), str(tmp_path / "ck" / "global_step_2")
+    shards = sorted(f for f in ckpt.read_manifest(p2)["files"] if f.startswith("model/") and "distcp" in f)
+    assert shards, ckpt.read_manifest(p2)["files"].keys()
+    f = os.path.join(p2, shards[0])
+    with open(f, "r+b") as fh:
+        fh.seek(os.path.getsize(f) // 2)
+        fh.write(b"\x7f" * 4096)
+    train, _, out = torchrun("rlhf.train_sft", 0, common + ["--max_global_steps", 3, "--load_checkpoint"], tmp_path,
+                             str(tmp_path / "logs2"))
+    assert f"{p2} is damaged" in out and f"falling back to {p1}" in out and "at step 1" in out, out[-3000:]
+    assert [r["step"] for r in train] == [2, 3], train
+    assert all(math.isfinite(r["loss"]) for r in train), train

@@ -89,8 +89,10 @@ def save_checkpoint(root: str, step: int, write: Callable[[str], None], trainer_
     write(tmp)
     torch.save({"rng": rng_state(), **(extra_rank_state or {})}, os.path.join(tmp, f"rank_{rank}.pt"))
     _barrier()
-    # the files this rank wrote: new since the barrier, and its own rank file (rank 0 adds the shared ones)
-    mine = [f for f in _walk(tmp) if f not in before and not re.match(r"^rank_\d+\.pt$", f)] + [f"rank_{rank}.pt"]
+    # each rank hashes a 1/world share of the engine files (every file once, in parallel) and its own rank file;
+    # rank 0 then hashes whatever no rank could see (trainer state, files outside the shares)
+    new = [f for f in _walk(tmp) if f not in before and not re.match(r"^rank_\d+\.pt$", f)]
+    mine = new[rank::comm.world_size()] + [f"rank_{rank}.pt"]
     gathered = comm.all_gather_object(hash_files(tmp, mine))
     if rank == 0:
         world = comm.world_size()
