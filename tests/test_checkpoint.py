@@ -218,3 +218,14 @@ def test_cli_sft_resume_falls_back_from_corrupted_shard(tiny_kit, tmp_path):
     assert f"{p2} is damaged" in out and f"falling back to {p1}" in out and "at step 1" in out, out[-3000:]
     assert [r["step"] for r in train] == [2, 3], train
     assert all(math.isfinite(r["loss"]) for r in train), train
+
+
+def test_missing_manifest_of_a_new_checkpoint_is_damage(tmp_path):
+    root, p1, p2 = _two(tmp_path)
+    os.remove(os.path.join(p2, ckpt.MANIFEST))
+    assert ckpt.verify_checkpoint(p2) == f"{ckpt.MANIFEST} is missing"
+    assert ckpt.pick_checkpoint(str(root))[0] == p1
+    with open(os.path.join(p1, ckpt.STATE_FILE), "w") as fh:  # a save from before manifests: accepted
+        fh.write('{"step": 1, "world_size": 1}')
+    os.remove(os.path.join(p1, ckpt.MANIFEST))
+    assert ckpt.verify_checkpoint(p1) is None

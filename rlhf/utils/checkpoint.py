@@ -97,7 +97,7 @@ def save_checkpoint(root: str, step: int, write: Callable[[str], None], trainer_
     if rank == 0:
         world = comm.world_size()
         with open(os.path.join(tmp, STATE_FILE), "w") as fh:
-            json.dump({**trainer_state, "world_size": world}, fh)
+            json.dump({**trainer_state, "world_size": world, "manifest": MANIFEST}, fh)
         files: Dict[str, dict] = {}
         for part in gathered:
             files.update(part)
@@ -178,10 +178,17 @@ def read_manifest(path: str) -> Optional[dict]:
 
 def verify_checkpoint(path: str, hashes: bool = True) -> Optional[str]:
     """None when every file the manifest lists is there with its size (and hash); else what is wrong, naming
-    the file.  A checkpoint without a manifest (older saves) passes with sizes unchecked."""
+    the file.  A checkpoint saved before manifests existed (its trainer state does not name one) passes
+    unchecked."""
     man = read_manifest(path)
     if man is None:
-        return None if not os.path.exists(os.path.join(path, MANIFEST)) else f"{MANIFEST} is unreadable"
+        if os.path.exists(os.path.join(path, MANIFEST)):
+            return f"{MANIFEST} is unreadable"
+        try:
+            wrote_one = load_trainer_state(path).get("manifest")
+        except (OSError, ValueError):
+            return f"{STATE_FILE} is unreadable"
+        return f"{MANIFEST} is missing" if wrote_one else None
     algo = man.get("hash")
     for rel, want in sorted(man.get("files", {}).items()):
         f = os.path.join(path, rel)
