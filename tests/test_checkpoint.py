@@ -229,3 +229,12 @@ def test_missing_manifest_of_a_new_checkpoint_is_damage(tmp_path):
         fh.write('{"step": 1, "world_size": 1}')
     os.remove(os.path.join(p1, ckpt.MANIFEST))
     assert ckpt.verify_checkpoint(p1) is None
+
+
+def test_every_checkpoint_damaged_is_refused_not_started_fresh(tmp_path):
+    root, p1, p2 = _two(tmp_path)
+    for p in (p1, p2):
+        os.remove(os.path.join(p, SHARD))
+    with pytest.raises(ckpt.CheckpointError, match="no intact checkpoint") as e:
+        ckpt.pick_checkpoint(str(root))
+    assert p1 in str(e.value) and p2 in str(e.value)

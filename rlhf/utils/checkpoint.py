@@ -203,8 +203,9 @@ def verify_checkpoint(path: str, hashes: bool = True) -> Optional[str]:
 
 
 def pick_checkpoint(root: str, strict: bool = False, hashes: bool = True) -> Tuple[Optional[str], List[str]]:
-    """(the newest intact checkpoint or None, notices).  A damaged newer checkpoint is named in a notice and
-    skipped; with ``strict`` a damaged newest checkpoint raises ``CheckpointError`` instead.  ``hashes=False``
+    """(the newest intact checkpoint or None when there is none at all, notices).  A damaged newer checkpoint is
+    named in a notice and skipped; with ``strict`` a damaged newest checkpoint raises ``CheckpointError``, as does
+    a folder whose every checkpoint is damaged (even with --start_fresh_if_no_checkpoint).  ``hashes=False``
     checks presence and sizes only (cheap: preflight on every rank)."""
     notices: List[str] = []
     for _, path in reversed(list_checkpoints(root)):
@@ -218,6 +219,9 @@ def pick_checkpoint(root: str, strict: bool = False, hashes: bool = True) -> Tup
                                   f"drop --strict_resume to resume from the newest intact checkpoint, or delete "
                                   f"{path}")
         notices.append(f"[resume] checkpoint {path} is damaged ({why}); skipping it")
+    if notices:  # checkpoints exist but none is intact: starting fresh would silently train from scratch
+        raise CheckpointError(f"no intact checkpoint in --ckpt_path {root}: {'; '.join(notices)}. Move the damaged "
+                              f"checkpoints away (or give another --ckpt_path) to start from step 0")
     return None, notices
 
 
