@@ -89,6 +89,8 @@ def test_resume_path_fallback_one_rank(tmp_path, capsys):
         fh.write(b"\0" * 16)
     assert ckpt.resume_path(str(root)) == p1
     assert f"falling back to {p1}" in capsys.readouterr().out
+    with pytest.raises(ckpt.CheckpointError, match="--strict_resume refuses"):
+        ckpt.resume_path(str(root), strict=True)
 
 
 def _holder(root):
