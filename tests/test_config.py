@@ -61,6 +61,7 @@ def test_trainer_defaults_below_yaml_and_flags(tmp_path):
     (["--reward_clip_range", "2", "1"], "lo < hi"),
     (["--prompt_data", "x.jsonl"], "no reward source"),
     (["--dynamic_filtering"], "n_samples_per_prompt > 1"),
+    (["--logprob_chunk_size", "0"], "--logprob_chunk_size must be > 0"),
 ])
 def test_rejections_name_the_flag(argv, needle):
     with pytest.raises(click.UsageError) as e:

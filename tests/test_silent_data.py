@@ -205,3 +205,20 @@ def test_rl_prompts_truncated_are_counted(tiny_kit, capsys):
     items = build_prompts([{"input": "1+2=", "label": 3}, {"input": "12+34+56=", "label": 102}], tok, d)
     assert [len(i.ids) for i in items] == [4, 6] and items[1].label == "102"
     assert "1 of 2 prompts are longer than --prompt_max_len 6" in capsys.readouterr().out
+
+
+def test_empty_prompts_dropped_and_an_all_empty_file_refused_at_load(tiny_kit, capsys):
+    """A prompt with no tokens would break the rollout's shapes at step 1: dropped and counted, and a file of
+    nothing else is refused when it is loaded, naming --input_key."""
+    from rlhf.config import parse
+    from rlhf.data.formatting import build_prompts
+    from rlhf.models.load import load_tokenizer
+
+    tok = load_tokenizer(tiny_kit)
+    d = parse("grpo", ["--remote_rm_url", "builtin:arithmetic"]).data
+    rows = [{d.input_key: "", d.label_key: "1"}, {d.input_key: "1+2=", d.label_key: "3"}]
+    kept = build_prompts(rows, tok, d)
+    assert [p.label for p in kept] == ["3"] and kept[0].ids
+    assert "1 of 2 prompts are empty" in capsys.readouterr().out
+    with pytest.raises(DataError, match="all 2 prompts are empty .*--input_key"):
+        build_prompts([{d.input_key: ""}, {d.input_key: ""}], tok, d)

@@ -47,6 +47,9 @@ def validate(cfg, kind: str) -> None:
     _check(o.lr_warmup_ratio >= 0 and o.lr_warmup_ratio < 1, "lr_warmup_ratio", "--lr_warmup_ratio must lie in [0, 1)")
     if m.lora_rank < 0:
         raise ConfigError("lora_rank", "--lora_rank must be >= 0")
+    _check(m.logprob_chunk_size > 0, "logprob_chunk_size",
+           f"--logprob_chunk_size must be > 0 (rows of logits computed at once), got {m.logprob_chunk_size}; "
+           f"e.g. --logprob_chunk_size 1024")
     if kind in RL_KINDS:
         _validate_rl(cfg)
     if kind in ("sft", "rm", "dpo"):

@@ -57,16 +57,30 @@ class PromptItem:
 
 
 def build_prompts(rows: List[Dict], tokenizer, cfg_data) -> List[PromptItem]:
-    """Prompts left-truncated to --prompt_max_len; how many were cut is said once (not silently)."""
-    out, cut = [], 0
+    """Prompts left-truncated to --prompt_max_len; how many were cut is said once (not silently).  A prompt with
+    no tokens at all (an empty --input_key, no chat template) has nothing to condition on and would break the
+    rollout's shapes: such rows are dropped and counted; a file of nothing else is refused here, at load."""
+    out, cut, empty = [], 0, 0
     for r in rows:
         text = format_prompt(r[cfg_data.input_key], tokenizer, cfg_data.apply_chat_template, cfg_data.input_template)
         full = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not full:
+            empty += 1
+            continue
         ids = full[-cfg_data.prompt_max_len:]
         cut += len(ids) < len(full)
         label = r.get(cfg_data.label_key) if cfg_data.label_key else None
         out.append(PromptItem(text, None if label is None else str(label), ids))
-    if cut and os.environ.get("RANK", "0") == "0":
+    if rows and not out:
+        from .loading import DataError
+
+        raise DataError(f"all {len(rows)} prompts are empty (no tokens in --input_key {cfg_data.input_key!r}): check "
+                        f"--input_key names the column that holds the prompts, or use --apply_chat_template")
+    say = os.environ.get("RANK", "0") == "0"
+    if empty and say:
+        print(f"[data] {empty} of {len(rows)} prompts are empty (no tokens in --input_key {cfg_data.input_key!r}) "
+              f"and are left out", flush=True)
+    if cut and say:
         print(f"[data] {cut} of {len(rows)} prompts are longer than --prompt_max_len {cfg_data.prompt_max_len} and "
               f"lost their first tokens; raise --prompt_max_len to keep them whole", flush=True)
     return out
