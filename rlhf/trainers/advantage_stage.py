@@ -33,6 +33,8 @@ from rlhf.algorithms import (
     stop_properly_penalty,
 )
 
+from .cadence import StreakGuard
+
 
 @dataclass
 class StageInputs:
@@ -68,24 +70,16 @@ def needs_old_logprobs(cfg, on_policy_single_update: bool) -> bool:
     return not on_policy_single_update or kl_in_reward(cfg)
 
 
-class InvalidRewardGuard:
-    """Counts consecutive batches without a single valid reward; warns on each, raises past the threshold."""
+class InvalidRewardGuard(StreakGuard):
+    """Consecutive batches without a single valid reward."""
 
-    def __init__(self, threshold: int):
-        self.threshold, self.streak = int(threshold), 0
+    flag = "--max_invalid_reward_batches"
+    fix = "Check the reward function / reward model output"
 
     def check(self, n_valid: int, n: int) -> None:
-        if n_valid > 0:
-            self.streak = 0
-            return
-        self.streak += 1
-        msg = (f"all {n} rewards of this batch are invalid (NaN or failed reward call): nothing trains "
-               f"({self.streak} such batch(es) in a row)")
-        if self.threshold > 0 and self.streak >= self.threshold:
-            raise RuntimeError(f"{msg}; stopping after --max_invalid_reward_batches {self.threshold}. Check the "
-                               f"reward function / reward model output, or raise --max_invalid_reward_batches "
-                               f"(0 = never stop)")
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        self.record(None if n_valid > 0 else (
+            lambda k: f"all {n} rewards of this batch are invalid (NaN or failed reward call): nothing trains "
+                      f"({k} such batch(es) in a row)"), stacklevel=3)
 
 
 _WARNED = set()

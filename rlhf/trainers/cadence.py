@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Dict, Optional, Protocol
+from typing import Callable, Dict, Optional, Protocol
 
 from rlhf.distributed import comm
 from rlhf.utils.logging import MetricsLogger
@@ -48,27 +48,43 @@ def log0(msg: str) -> None:
         print(msg, flush=True)
 
 
-class NonFiniteGuard:
-    """Counts steps in a row whose grad norm (any ``*grad_norm`` metric, reduced so every rank sees the same value)
-    is NaN/inf -- the engine skipped the optimizer step -- warns on each, raises past --max_nonfinite_steps."""
+class StreakGuard:
+    """Counts bad steps in a row: a warning for each, an error once ``threshold`` of them (0: never) came in a
+    row; a good step resets the count.  The error names ``flag`` and ``fix``.  Decided from values every rank
+    shares, so every rank stops at the same step."""
+
+    flag = ""
+    fix = ""
 
     def __init__(self, threshold: int):
         self.threshold, self.streak = int(threshold), 0
 
-    def check(self, step: int, metrics: Dict[str, float]) -> None:
-        bad = sorted(k for k, v in metrics.items()
-                     if k.endswith("grad_norm") and isinstance(v, (int, float)) and not math.isfinite(v))
-        if not bad:
+    def record(self, message: Optional[Callable[[int], str]], stacklevel: int) -> None:
+        """``message(streak)`` for a bad step, None for a good one."""
+        if message is None:
             self.streak = 0
             return
         self.streak += 1
-        msg = (f"step {step}: {', '.join(bad)} is not finite: the optimizer step was skipped ({self.streak} such "
-               f"step(s) in a row)")
+        msg = message(self.streak)
         if self.threshold > 0 and self.streak >= self.threshold:
-            raise RuntimeError(f"{msg}; stopping after --max_nonfinite_steps {self.threshold}. Lower the learning "
-                               f"rate, check the data for empty/degenerate batches, resume from an earlier "
-                               f"checkpoint, or raise --max_nonfinite_steps (0 = never stop)")
-        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            raise RuntimeError(f"{msg}; stopping after {self.flag} {self.threshold}. {self.fix}, or raise "
+                               f"{self.flag} (0 = never stop)")
+        warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel + 1)
+
+
+class NonFiniteGuard(StreakGuard):
+    """Steps in a row whose grad norm (any ``*grad_norm`` metric, reduced so every rank sees the same value) is
+    NaN/inf -- the engine skipped the optimizer step."""
+
+    flag = "--max_nonfinite_steps"
+    fix = ("Lower the learning rate, check the data for empty/degenerate batches, resume from an earlier "
+           "checkpoint")
+
+    def check(self, step: int, metrics: Dict[str, float]) -> None:
+        bad = sorted(k for k, v in metrics.items()
+                     if k.endswith("grad_norm") and isinstance(v, (int, float)) and not math.isfinite(v))
+        self.record((lambda n: f"step {step}: {', '.join(bad)} is not finite: the optimizer step was skipped ({n} "
+                                f"such step(s) in a row)") if bad else None, stacklevel=2)
 
 
 class Cadence:
