@@ -139,15 +139,21 @@ def broadcast(t: torch.Tensor, src: int, group=None, timeout_s: Optional[float] 
     x = _on_device(t)
     work = dist.broadcast(x, src=src, group=group, async_op=timeout_s is not None)
     if timeout_s is not None:
-        try:
-            ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as e:  # gloo raises on timeout
-            raise TimeoutError(f"broadcast from rank {src} not finished after {timeout_s}s: {e}") from None
-        if ok is False:
-            raise TimeoutError(f"broadcast from rank {src} not finished after {timeout_s}s")
+        wait(work, timeout_s, f"broadcast from rank {src}")
     if x is not t:
         t.copy_(x)
     return t
+
+
+def wait(work, timeout_s: float, what: str) -> None:
+    """Wait for an async collective at most ``timeout_s``; ``TimeoutError`` naming ``what`` past it (gloo raises
+    on timeout, NCCL's ``wait`` returns False)."""
+    try:
+        ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise TimeoutError(f"{what} not finished after {timeout_s}s: {e}") from None
+    if ok is False:
+        raise TimeoutError(f"{what} not finished after {timeout_s}s")
 
 
 def broadcast_object(obj: Any, src: int, group=None) -> Any:

@@ -12,7 +12,6 @@ once.  Every wait has a timeout (``--dist_timeout_s``).
 """
 from __future__ import annotations
 
-import datetime
 from typing import Iterator, List, Optional, Tuple
 
 import torch
@@ -176,13 +175,12 @@ def bucket_plan(meta: List[Meta], bucket_bytes: int, dtype: Optional[torch.dtype
 
 
 def _wait(work, timeout_s: float, what: str):
+    """``comm.wait``, raising ``WeightSyncTimeout`` with what a stuck sync usually means."""
     try:
-        ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as e:  # gloo raises on timeout
+        comm.wait(work, timeout_s, what)
+    except TimeoutError as e:
         raise WeightSyncTimeout(f"weight sync timed out after {timeout_s}s during {what}: a rank of the sync group "
                                 f"did not join (crashed, or is stuck in another phase). Cause: {e}") from None
-    if ok is False:
-        raise WeightSyncTimeout(f"weight sync timed out after {timeout_s}s during {what}")
 
 
 class WeightSync:
