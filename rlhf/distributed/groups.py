@@ -9,16 +9,6 @@ from . import comm
 from .placement import ROLES, Placement
 
 
-def default_backend() -> str:
-    """The default group's backend string (see ``comm.backend_string``)."""
-    return comm.backend_string()
-
-
-def init_distributed(timeout_s: int = 1800) -> tuple:
-    """(rank, world_size, local_rank, device): ``comm.init`` (torchrun's env, or a 1-rank group)."""
-    return comm.init(timeout_s)
-
-
 def nnodes_from_env() -> int:
     """Nodes in the job, from torchrun / SLURM env (1 if unknown)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -18,7 +18,7 @@ from rlhf.algorithms import ADVANTAGE_ESTIMATORS, RunningMeanStd, make_kl_contro
 from rlhf.config.preflight import preflight
 from rlhf.data.formatting import build_prompts
 from rlhf.data.loading import load_train_eval
-from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, init_distributed, make_placement, nnodes_from_env
+from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, make_placement, nnodes_from_env
 from rlhf.distributed.failfast import Watchdog, guarded, refill_deadlines
 from rlhf.distributed.sharding import all_gather_objects
 from rlhf.models.load import load_tokenizer, resolve_pretrain
@@ -134,7 +134,7 @@ class RLTrainer:
                                                   else "") + f"; {len(self.eval_prompts)} eval prompts"
                  + ("" if self.eval_prompts else " (eval off)")] + ([capped] if capped else [])
         # --- process groups, roles, watchdog ---
-        self.rank, self.world, _, self.device = init_distributed(t.dist_timeout_s)
+        self.rank, self.world, _, self.device = comm.init(t.dist_timeout_s)
         # a dynamic-filtering refill is up to max_rounds + 1 rounds of generation + scoring: each round has its own
         # deadline (refill_rollout_stage), the whole stage the sum
         self.refill_round_s, refill_s = refill_deadlines(t.watchdog_timeout_s, t.watchdog_slow_timeout_s,

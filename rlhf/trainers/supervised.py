@@ -15,7 +15,7 @@ from rlhf.backends.base import EngineSpec, make_engine, reads_weights, spec_from
 from rlhf.config.preflight import preflight
 from rlhf.data.loading import load_train_eval
 from rlhf.data.screen import screen_rows
-from rlhf.distributed import comm, init_distributed, micro_plan, shard_rows
+from rlhf.distributed import comm, micro_plan, shard_rows
 from rlhf.distributed.failfast import Watchdog, guarded
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.utils import checkpoint as ckpt
@@ -102,7 +102,7 @@ class SupervisedTrainer:
         if self.steps_per_epoch == 0:
             raise ValueError(f"{len(self.train_samples)} samples is fewer than --train_batch_size {o.train_batch_size}")
         self.total_steps, capped = planned_steps(self.steps_per_epoch, o.max_epochs, o.max_global_steps, "--max_epochs")
-        self.rank, self.world, _, self.device = init_distributed(t.dist_timeout_s)
+        self.rank, self.world, _, self.device = comm.init(t.dist_timeout_s)
         if capped:
             log0(capped)
         self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
