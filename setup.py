@@ -19,6 +19,8 @@ setup(
         "submitit>=1.5",
         "wandb",
         "tensorboard",
+        "uvicorn>=0.30",  # rlhf.serve_rm (the reward server); the trainer's client is stdlib only
+        "h11>=0.14",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "peft", "deepspeed>=0.16", "ruff==0.17.6"],

@@ -2,6 +2,7 @@
 import json
 import math
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -160,3 +161,116 @@ def test_serve_rm_cli_end_to_end(tiny_kit):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# ---- issue 27 item 5: silently wrong rewards --------------------------------------------------------------------
+def test_reward_tensor_with_a_graph_is_detached(tmp_path):
+    """A reward_func that returns a tensor still attached to autograd (an RM called outside no_grad): before the fix
+    its graph rode into the advantages and the second micro-batch's backward raised "Trying to backward through
+    the graph a second time"."""
+    from rlhf.algorithms import compute_advantages
+
+    src = make_reward_source(_write(tmp_path, "import torch\nw = torch.tensor(2.0, requires_grad=True)\n"
+                                              "def reward_func(q, p, l, **kw):\n"
+                                              "    return {'rewards': w * torch.tensor([float(len(x)) for x in q])}\n"))
+    out = src(["a", "abc", "ab", "abcd"], [""] * 4, [None] * 4)
+    assert not out["rewards"].requires_grad and out["rewards"].tolist() == [2.0, 6.0, 4.0, 8.0]
+    adv, _ = compute_advantages("group_norm", out["rewards"], torch.ones(4, 3), group_size=4)
+    logp = torch.zeros(4, 3, requires_grad=True)
+    for rows in (slice(0, 2), slice(2, 4)):  # two micro-batches, one backward each
+        (-(adv[rows] * logp[rows]).sum()).backward()
+    assert logp.grad.abs().sum() > 0
+
+
+def test_group_statistics_survive_a_huge_reward():
+    """One reward of 1e20 in a group: in float32 the std's square overflowed to inf and every advantage of the group
+    was 0; in float64, (s - mean) / std = [1.5, -0.5, -0.5, -0.5] (mean 2.5e19, std 5e19, n = 4)."""
+    from rlhf.algorithms import compute_advantages
+
+    scores = torch.tensor([1e20, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0])
+    # scale="batch": centred on the group mean (2.5e19), over the batch's std (sqrt(8.75e39 / 7) = 3.5355e19)
+    for scale, want in (("group", [1.5, -0.5, -0.5, -0.5]), ("batch", [2.12132, -0.707107, -0.707107, -0.707107])):
+        adv, _ = compute_advantages("group_norm", scores, torch.ones(8, 2), group_size=4, scale=scale,
+                                    clip_range=(-10.0, 10.0))
+        assert adv.dtype == torch.float32 and torch.isfinite(adv).all()
+        assert adv[:4, -1].tolist() == pytest.approx(want, abs=1e-5), (scale, adv[:, -1])
+    adv, _ = compute_advantages("group_norm", scores, torch.ones(8, 2), group_size=4)
+    assert adv[4:, -1].tolist() == pytest.approx([-1.1619, -0.3873, 0.3873, 1.1619], abs=1e-4)
+
+
+SIGNAL_ALARM = """
+import signal, time
+class Timeout(Exception):
+    pass
+def _raise(signum, frame):
+    raise Timeout()
+def reward_func(queries, prompts, labels, **kw):
+    out = []
+    for q in queries:
+        signal.signal(signal.SIGALRM, _raise)      # math_verify-style per-answer timeout
+        signal.alarm(1)
+        try:
+            if q == "hang":
+                time.sleep(10)
+            out.append(float(len(q)))
+        except Timeout:
+            out.append(-1.0)
+        finally:
+            signal.alarm(0)
+    return {"rewards": out}
+"""
+
+
+def test_reward_func_using_signal_alarm(tmp_path):
+    """A reward function with its own signal.alarm timeout: before the fix every call ran on a worker thread and
+    failed with Python's "signal only works in main thread"; called from the main thread (the trainers) it now
+    runs there; from another thread the error says why."""
+    src = make_reward_source(_write(tmp_path, SIGNAL_ALARM), timeout_s=30)
+    t0 = time.monotonic()
+    assert src(["ab", "hang", "abc"], [""] * 3, [None] * 3)["rewards"].tolist() == [2.0, -1.0, 3.0]
+    assert time.monotonic() - t0 < 5
+    box = {}
+    th = threading.Thread(target=lambda: box.setdefault("err", _raises(src, ["ab"], [""], [None])))
+    th.start()
+    th.join(30)
+    msg = str(box["err"])
+    assert "signal handler" in msg and "only on the main thread" in msg and "not the main thread" in msg, msg
+
+
+def _raises(fn, *args):
+    try:
+        fn(*args)
+    except RewardError as e:
+        return e
+    return None
+
+
+def test_deadline_ends_a_reward_func_that_swallows_exceptions(tmp_path):
+    """The main-thread deadline raises a BaseException inside the function: its own `except Exception` does not
+    keep it running past --reward_timeout_s."""
+    src = make_reward_source(_write(tmp_path, "import time\ndef reward_func(q, p, l, **kw):\n    while True:\n"
+                                              "        try:\n            time.sleep(10)\n"
+                                              "        except Exception:\n            pass\n"), timeout_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(RewardError, match="did not return within 0.3s"):
+        src(["a"], [""], [0])
+    assert time.monotonic() - t0 < 3
+
+
+def test_several_reward_urls_split_each_batch(tmp_path):
+    """--remote_rm_url URL1,URL2: each batch is split in contiguous chunks of ceil(n / 2) across the servers, as
+    OpenRLHF does (before the fix only the first URL was used, silently); a comma list of files is refused."""
+    from test_serve_rm import Served
+
+    with Served() as a, Served() as b:
+        src = make_reward_source(f"{a.url}, {b.url}", timeout_s=10)
+        q = ["a", "bb", "ccc", "dddd", "eeeee"]
+        out = src(q, [""] * 5, [None] * 5)
+        assert out["rewards"].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+        assert out["extra_logs"]["rm_query_truncated"].tolist() == [0.0] * 5
+        assert (a.app.batches_scored, b.app.batches_scored) == (1, 1), "the batch did not reach both servers"
+        assert src(["z"], [""], [None])["rewards"].tolist() == [1.0]  # one query: the second server is not called
+        assert b.app.batches_scored == 1
+    for spec in (f"{_write(tmp_path, GOOD)},{_write(tmp_path, GOOD, 'b.py')}", f"{_write(tmp_path, GOOD)},http://h/x"):
+        with pytest.raises(RewardError, match="comma list must be http.s. reward servers only.*silently ignore"):
+            make_reward_source(spec)

@@ -130,7 +130,7 @@ def test_serve_rm_half_sent_request_times_out(rm_server):
             if not chunk:
                 break
             data += chunk
-    assert b" 400 " in data.split(b"\r\n")[0] and b"is not a number" in data
+    assert b" 400 " in data.split(b"\r\n")[0] and b"Invalid HTTP request" in data  # h11 refuses it
 
 
 class _OpenRLHFStyleServer:

@@ -39,13 +39,17 @@ def _valid(scores: Tensor, valid: Optional[Tensor]) -> Tensor:
 
 
 def _groups(scores: Tensor, valid: Optional[Tensor], group_size: int) -> Tuple[Tensor, Tensor]:
-    """(G, n) scores with invalid entries zeroed, and the (G, n) float validity."""
+    """(G, n) scores with invalid entries zeroed, and the (G, n) validity, both float64.
+
+    Group statistics run in float64: in float32 one reward of 1e20 squares past float32's 3.4e38 in the std, the
+    std becomes inf and every advantage of the group 0 (issue 27 item 5); float64 gives that row
+    (s - mean) / std = 1.5 and the others -0.5 (n = 4).  The estimators return float32 (``_token_returns``)."""
     if group_size is None or group_size < 2:
         raise ValueError(f"group estimators need group_size (n_samples_per_prompt) > 1, got {group_size}")
     if scores.numel() % group_size:
         raise ValueError(f"batch of {scores.numel()} scores is not a whole number of groups of {group_size}")
-    v = _valid(scores, valid).float().view(-1, group_size)
-    g = torch.nan_to_num(scores.float(), nan=0.0, posinf=0.0, neginf=0.0).view(-1, group_size) * v
+    v = _valid(scores, valid).double().view(-1, group_size)
+    g = torch.nan_to_num(scores.double(), nan=0.0, posinf=0.0, neginf=0.0).view(-1, group_size) * v
     return g, v
 
 
@@ -110,7 +114,9 @@ def gae_advantages(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: f
 
 
 def _token_returns(seq_scores, mask, v_rows, kl, kl_coef, gamma, clip_range):
-    """Steps 2-4 for the return-to-go estimators; mask restricted to valid rows."""
+    """Steps 2-4 for the return-to-go estimators; mask restricted to valid rows (float32 out, whatever the
+    precision of the group statistics before)."""
+    v_rows = v_rows.float()
     m = mask.float() * v_rows.unsqueeze(1)
     s = clip_rewards(torch.nan_to_num(seq_scores.float(), nan=0.0) * v_rows, clip_range)
     return return_to_go(fold_kl_into_rewards(s, kl, kl_coef, m), m, gamma), m

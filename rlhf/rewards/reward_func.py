@@ -10,6 +10,7 @@ import importlib.util
 import inspect
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -56,6 +57,11 @@ def check_signature(fn: Callable, where: str) -> None:
 
 
 def _as_tensor(x, n: int, what: str, where: str) -> torch.Tensor:
+    """x as a flat float32 tensor of n values, detached: a reward computed with autograd on (a reward model's
+    output outside ``no_grad``) would otherwise carry its graph into the advantages, and the actor's second
+    backward would fail with "Trying to backward through the graph a second time" (issue 27 item 5)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
     try:
         t = torch.as_tensor(x, dtype=torch.float32).flatten()
     except Exception as e:
@@ -83,28 +89,114 @@ class RewardTimeout(Exception):
     pass
 
 
+class _DeadlinePassed(BaseException):
+    """Raised inside the reward function by the deadline signal; a BaseException, so a reward function's own
+    ``except Exception`` does not swallow it (as KeyboardInterrupt)."""
+
+
+# The signal that ends a reward call on the main thread at its deadline: a real-time signal nothing else here uses
+# (SIGALRM stays the reward function's own; the trainers take USR1, TERM, INT, HUP).  Its handler is installed once
+# and never removed, so a signal still in flight after a call returned finds a handler that does nothing.
+_DEADLINE_SIGNAL = getattr(signal, "SIGRTMIN", 0) + 7 if hasattr(signal, "pthread_kill") else None
+_ARMED: Dict[str, object] = {"call": None}
+_HANDLER_STATE = {"installed": False, "refused": None}
+
+
+def _deadline_handler(signum, frame):
+    if _ARMED["call"] is not None:
+        raise _DeadlinePassed()
+
+
+def main_thread_deadline_unavailable() -> Optional[str]:
+    """None if a reward call can run on this thread under the signal deadline, else why not (it then runs on a
+    worker thread, where ``signal.signal`` / ``signal.alarm`` handlers cannot be set)."""
+    if _DEADLINE_SIGNAL is None:
+        return "this platform has no signal.pthread_kill"
+    if threading.current_thread() is not threading.main_thread():
+        return f"the reward call came from thread {threading.current_thread().name!r}, not the main thread"
+    try:
+        asyncio.get_running_loop()
+        return "the reward call came from inside a running asyncio event loop"
+    except RuntimeError:
+        pass
+    if not _HANDLER_STATE["installed"]:
+        if _HANDLER_STATE["refused"] is None:
+            current = signal.getsignal(_DEADLINE_SIGNAL)
+            if current not in (signal.SIG_DFL, None):
+                _HANDLER_STATE["refused"] = f"signal {_DEADLINE_SIGNAL} already has a handler ({current!r})"
+            else:
+                signal.signal(_DEADLINE_SIGNAL, _deadline_handler)
+                _HANDLER_STATE["installed"] = True
+        if not _HANDLER_STATE["installed"]:
+            return _HANDLER_STATE["refused"]
+    return None
+
+
+def _run(fn: Callable, args: tuple, kwargs: dict):
+    out = fn(*args, **kwargs)
+    if inspect.isawaitable(out):
+        out = asyncio.run(_await(out))
+    return out
+
+
 def call_with_deadline(fn: Callable, args: tuple, kwargs: dict, timeout_s: float):
     """``fn(*args, **kwargs)`` (awaited when it returns an awaitable), given ``timeout_s`` seconds.
 
-    Runs in a daemon thread, so a sync function that blocks is given up on (RewardTimeout) instead of hanging
-    the rank; the thread is left behind (Python cannot kill it) and does not keep the process alive.
+    Called from the main thread (the trainers' case), fn runs right there, so a reward function may use
+    ``signal.signal`` / ``signal.alarm`` (math_verify's timeouts, sandbox helpers) as in a plain script and as under
+    OpenRLHF's Ray tasks; at the deadline a timer thread sends the main thread a real-time signal
+    (``_DEADLINE_SIGNAL``, re-sent every second until fn gives up) whose handler raises inside fn: blocking calls
+    (sleep, socket reads, subprocess waits) are interrupted, pure Python loops stop at the next bytecode; only a C
+    extension that never returns to Python outlasts it (then the watchdog's --watchdog_timeout_s ends the job).
+
+    From any other thread (or inside a running event loop), fn runs in a daemon thread instead and is given up on
+    at the deadline (the thread is left behind; Python cannot kill it); a reward function that sets a signal
+    handler fails there with Python's "signal only works in main thread", which RewardSource turns into a message
+    naming the cause (``main_thread_deadline_unavailable``).
     """
+    unlimited = not (timeout_s and timeout_s > 0)
+    if main_thread_deadline_unavailable() is None:
+        done = threading.Event()
+        main = threading.main_thread().ident
+
+        def timer():
+            if done.wait(timeout_s):
+                return
+            while not done.is_set():
+                signal.pthread_kill(main, _DEADLINE_SIGNAL)
+                done.wait(1.0)
+
+        _ARMED["call"] = fn
+        if not unlimited:
+            threading.Thread(target=timer, name="reward_deadline", daemon=True).start()
+        try:
+            try:
+                out = _run(fn, args, kwargs)
+            finally:
+                _ARMED["call"] = None
+        except _DeadlinePassed:  # also one that lands in the finally above, as fn returned at its deadline
+            _ARMED["call"] = None
+            done.set()
+            raise RewardTimeout() from None
+        except BaseException:
+            done.set()
+            raise
+        done.set()
+        return out
+
     box: Dict[str, object] = {}
     done = threading.Event()
 
     def work():
         try:
-            out = fn(*args, **kwargs)
-            if inspect.isawaitable(out):
-                out = asyncio.run(_await(out))
-            box["out"] = out
+            box["out"] = _run(fn, args, kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             box["err"] = e
         finally:
             done.set()
 
     threading.Thread(target=work, name="reward_func", daemon=True).start()
-    if not done.wait(timeout_s if timeout_s and timeout_s > 0 else None):
+    if not done.wait(None if unlimited else timeout_s):
         raise RewardTimeout()
     if "err" in box:
         raise box["err"]
@@ -134,6 +226,13 @@ class RewardSource:
                               f"{n} queries (first: {queries[0]!r}); make it faster or raise --reward_timeout_s") from None
         except Exception as e:
             tb = traceback.format_exc()
+            if isinstance(e, ValueError) and "signal only works in main thread" in str(e):
+                raise RewardError(
+                    f"{self.where}: reward_func set a signal handler (signal.signal / signal.alarm), which Python "
+                    f"allows only on the main thread, and this call ran on a worker thread because "
+                    f"{main_thread_deadline_unavailable() or 'of how it was called'}. Call the reward source from "
+                    f"the main thread, or use a timeout that works on any thread (a subprocess with a timeout, "
+                    f"concurrent.futures, math_verify's timeout_seconds=None)\n{tb}") from e
             raise RewardError(f"{self.where}: reward_func raised {type(e).__name__}: {e}\n"
                               f"first query of the batch: {queries[0]!r}\n{tb}") from e
         res = check_result(out, n, self.where)
@@ -151,7 +250,10 @@ class RewardSource:
         return res
 
 
-def http_reward_func(url: str, timeout_s: float = 120.0, retries: int = 2) -> Callable:
+API_KEY_ENV = "RLHF_RM_API_KEY"
+
+
+def http_reward_func(url: str, timeout_s: float = 120.0, retries: int = 2, api_key: Optional[str] = None) -> Callable:
     """A reward_func that POSTs ``{"query": [...], "prompts": [...], "labels": [...]}`` as JSON to url.
 
     The body is OpenRLHF's (openrlhf/utils/remote_rm_utils.py ``remote_rm_fn``: ``{"query": queries, "prompts":
@@ -160,9 +262,16 @@ def http_reward_func(url: str, timeout_s: float = 120.0, retries: int = 2) -> Ca
 
     One deadline (``timeout_s``, --reward_timeout_s) covers every try; a connection error, a timeout or a 5xx is
     tried again up to ``retries`` more times (--remote_rm_retries) while time is left; a 4xx is final.
+
+    ``api_key`` (default: the environment variable RLHF_RM_API_KEY, read at each call) is sent as
+    ``Authorization: Bearer <key>``, what ``rlhf.serve_rm --api_key`` checks; no key, no header.
     """
     def call(queries, prompts, labels, **kwargs):
         body = json.dumps({"query": queries, "prompts": prompts, "labels": labels}).encode()
+        headers = {"Content-Type": "application/json"}
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
         deadline = time.monotonic() + timeout_s
         what = f"the reward server's answer to POST {url} ({len(queries)} queries, {len(body)} bytes)"
         last, tries = "no try made", 0
@@ -171,14 +280,18 @@ def http_reward_func(url: str, timeout_s: float = 120.0, retries: int = 2) -> Ca
             if left <= 0:
                 break
             tries += 1
-            req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(url, data=body, headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=left) as resp:
                     return json.loads(resp.read())
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")[:500]
                 if 400 <= e.code < 500:
-                    raise RewardError(f"reward server {url} rejected the request ({e.code}): {detail}") from None
+                    hint = ""
+                    if e.code == 401:
+                        hint = (f" (set {API_KEY_ENV} to the server's --api_key; it is "
+                                f"{'set but differs' if key else 'not set'} here)")
+                    raise RewardError(f"reward server {url} rejected the request ({e.code}): {detail}{hint}") from None
                 last = f"HTTP {e.code}: {detail}"
             except urllib.error.URLError as e:
                 reason = e.reason
@@ -201,17 +314,64 @@ def http_reward_func(url: str, timeout_s: float = 120.0, retries: int = 2) -> Ca
     return call
 
 
+def sharded_http_reward_func(urls: List[str], timeout_s: float = 120.0, retries: int = 2,
+                             api_key: Optional[str] = None) -> Callable:
+    """Several reward servers: the batch is split into contiguous chunks of ceil(n / k) queries, chunk i goes to
+    server i, all in parallel, and the answers are joined in order: OpenRLHF's semantics for a comma list of URLs
+    (openrlhf/utils/remote_rm_utils.py ``RemoteRewardModel.get_rewards`` in 0.9, openrlhf/utils/agent.py
+    ``SingleTurnAgentExecutor._fetch_rewards_via_http`` in 0.10-0.11: ``batch_size = (n + num_servers - 1) //
+    num_servers``, server i gets ``[i * batch_size, (i + 1) * batch_size)``).  One difference: a server whose chunk
+    is empty (fewer queries than servers) is not called (OpenRLHF posts it an empty list).  Each call has the
+    whole deadline and retries of ``http_reward_func``; the first failure is raised, naming its server.
+    ``extra_logs`` keys that only some servers return are NaN (not logged) for the other servers' rows.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    fns = [http_reward_func(u, timeout_s, retries, api_key) for u in urls]
+
+    def call(queries, prompts, labels, **kwargs):
+        n, k = len(queries), len(urls)
+        size = (n + k - 1) // k
+        spans = [(i, i * size, min((i + 1) * size, n)) for i in range(k) if i * size < n]
+        with ThreadPoolExecutor(len(spans), thread_name_prefix="reward_http") as pool:
+            futs = [pool.submit(fns[i], queries[a:b], prompts[a:b], labels[a:b]) for i, a, b in spans]
+            parts = [check_result(f.result(), b - a, urls[i]) for f, (i, a, b) in zip(futs, spans)]
+        keys = sorted({key for p in parts for key in p["extra_logs"]})
+        return {"rewards": torch.cat([p["rewards"] for p in parts]), "scores": torch.cat([p["scores"] for p in parts]),
+                "extra_logs": {key: torch.cat([p["extra_logs"].get(key, torch.full_like(p["rewards"], float("nan")))
+                                               for p in parts]) for key in keys}}
+
+    return call
+
+
 def make_reward_source(spec: Optional[str], timeout_s: float = 120.0, log=print, retries: int = 2) -> Optional[RewardSource]:
-    """``--remote_rm_url``: a reward_func.py path, an http(s) URL (first of a comma list), or builtin:arithmetic."""
+    """``--remote_rm_url``: a reward_func.py path, builtin:arithmetic, or one or more http(s) URLs (comma separated:
+    each batch is split across the servers, ``sharded_http_reward_func``).
+
+    A comma list with anything but URLs is refused: OpenRLHF loads the first ``.py`` and silently ignores the rest
+    (openrlhf/utils/agent.py ``SingleTurnAgentExecutor.__init__``), so ``a.py,b.py`` would train on ``a.py`` alone.
+    """
     if not spec:
         return None
-    first = spec.split(",")[0].strip()
-    if first == "builtin:arithmetic":
-        return builtin_reward_source(log)
-    if first.startswith(("http://", "https://")):
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if not parts:
+        raise RewardError(f"--remote_rm_url {spec!r} names no reward source")
+    urls = [p for p in parts if p.startswith(("http://", "https://"))]
+    if len(parts) > 1 and len(urls) < len(parts):
+        others = [p for p in parts if p not in urls]
+        raise RewardError(
+            f"--remote_rm_url {spec}: a comma list must be http(s) reward servers only (each batch is split across "
+            f"them, as OpenRLHF does); {others} {'is' if len(others) == 1 else 'are'} not. OpenRLHF would use only "
+            f"the first entry and silently ignore the rest; to combine reward functions, write one reward_func.py "
+            f"that calls them (e.g. returns the sum of their rewards) and give that file alone")
+    if urls:
         # the client keeps its own deadline; the outer one only backs it up
-        return RewardSource(http_reward_func(first, timeout_s, retries), first, timeout_s + 5.0, log)
-    return RewardSource(load_reward_func(first), first, timeout_s, log)
+        fn = http_reward_func(urls[0], timeout_s, retries) if len(urls) == 1 else \
+            sharded_http_reward_func(urls, timeout_s, retries)
+        return RewardSource(fn, ",".join(urls), timeout_s + 5.0, log)
+    if parts[0] == "builtin:arithmetic":
+        return builtin_reward_source(log)
+    return RewardSource(load_reward_func(parts[0]), parts[0], timeout_s, log)
 
 
 def builtin_reward_source(log=print) -> RewardSource:

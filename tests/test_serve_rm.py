@@ -1,0 +1,211 @@
+"""rlhf.serve_rm under hostile and heavy clients (127.0.0.1 only, each bounded in count and time), and its
+truncation.  The server runs in a thread with a fake scorer whose micro-batch cost is known, so timings say
+what the server did, not how fast the model is; the truncation test uses the tiny reward model."""
+import json
+import os
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from rlhf.rewards.reward_func import RewardError, http_reward_func
+from rlhf.serve_rm import Limits, RewardApp, RewardServer
+
+
+class FakeScorer:
+    """score_batch as RewardScorer's: rewards = query lengths; ``cost_s`` seconds per micro-batch."""
+
+    def __init__(self, batch_size=4, cost_s=0.0):
+        self.batch_size, self.cost_s = batch_size, cost_s
+
+    def score_batch(self, queries):
+        time.sleep(self.cost_s)
+        return [float(len(q)) for q in queries], [False] * len(queries)
+
+
+class Served:
+    def __init__(self, scorer=None, **limits):
+        self.app = RewardApp(scorer or FakeScorer(), Limits(**limits))
+        self.server = RewardServer(self.app, "127.0.0.1", 0)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}/get_reward"
+        deadline = time.monotonic() + 10
+        while not self.server.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the server did not stop"
+
+
+def post(url, obj, headers=None, timeout=10):
+    data = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
+
+
+def raw_request(port, n_queries):
+    body = json.dumps({"query": ["q" * 5] * n_queries}).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+              % len(body) + body)
+    return s
+
+
+def test_100_concurrent_clients_all_served():
+    """100 clients connect at the same instant; the stdlib server's listen backlog of 5 reset 17-31% of them."""
+    with Served(FakeScorer(batch_size=8)) as srv:
+        go = threading.Barrier(100)
+        results = [None] * 100
+
+        def client(i):
+            go.wait()
+            try:
+                results[i] = post(srv.url, {"query": ["x" * (i % 7 + 1)]}, timeout=30)[:2]
+            except Exception as e:  # noqa: BLE001 - a reset connection is the failure under test
+                results[i] = (type(e).__name__, str(e))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(100)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    bad = [(i, r) for i, r in enumerate(results) if r is None or r[0] != 200]
+    assert not bad, f"{len(bad)} of 100 concurrent clients not served, e.g. {bad[:3]}"
+    assert all(r[1]["rewards"] == [float(i % 7 + 1)] for i, r in enumerate(results)), "answers were mixed up"
+
+
+def test_huge_request_rejected_small_one_answered_while_a_large_one_runs_and_a_gone_clients_work_stops():
+    with Served(FakeScorer(batch_size=4, cost_s=0.005), max_queries_per_request=4096) as srv:
+        t0 = time.monotonic()
+        code, out, _ = post(srv.url, {"query": ["a"] * 60000})
+        assert code == 413 and "--max_queries_per_request" in out["error"] and "60000" in out["error"], (code, out)
+        assert time.monotonic() - t0 < 5, "the 60,000-query request was not refused at once"
+        big = raw_request(srv.port, 4000)  # 1000 micro-batches x 5 ms = 5 s of work
+        while srv.app.batches_scored < 5:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        code, out, _ = post(srv.url, {"query": ["abc"]})
+        took = time.monotonic() - t0
+        assert code == 200 and out["rewards"] == [3.0]
+        assert took < 1.0, f"a 1-query request waited {took:.2f}s behind a 4000-query one"
+        assert srv.app.batches_scored < 900, "the small request was answered only after the large one"
+        big.close()  # the client leaves: its remaining ~900 micro-batches must not run
+        time.sleep(0.3)
+        at_close = srv.app.batches_scored
+        time.sleep(0.5)
+        assert srv.app.batches_scored - at_close <= 1, \
+            f"{srv.app.batches_scored - at_close} micro-batches ran for a client that had left"
+        assert srv.app.cancelled == 1 and srv.app.pending == 0
+
+
+def test_request_deadline_gives_504_and_drops_the_rest():
+    with Served(FakeScorer(batch_size=1, cost_s=0.05), request_deadline_s=0.3) as srv:
+        t0 = time.monotonic()
+        code, out, _ = post(srv.url, {"query": ["a"] * 200})  # 200 x 50 ms = 10 s of work
+        assert code == 504 and "--request_deadline_s" in out["error"] and time.monotonic() - t0 < 2, (code, out)
+        time.sleep(0.2)
+        n = srv.app.batches_scored
+        time.sleep(0.3)
+        assert srv.app.batches_scored - n <= 1 and n < 20, (n, srv.app.batches_scored)
+
+
+def test_pending_queries_bound_is_503_with_retry_after():
+    with Served(FakeScorer(batch_size=10, cost_s=0.2), max_pending_queries=30) as srv:
+        hog = raw_request(srv.port, 25)
+        while srv.app.pending == 0:
+            time.sleep(0.01)
+        code, out, headers = post(srv.url, {"query": ["a"] * 10})
+        assert code == 503 and "--max_pending_queries" in out["error"] and headers.get("retry-after") == "1"
+        hog.close()
+
+
+def _read_all(s):
+    data = b""
+    while True:
+        try:
+            chunk = s.recv(4096)
+        except (ConnectionResetError, TimeoutError):
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_trickling_clients_are_dropped():
+    """A client that sends a byte every 0.1 s never lets a per-read socket timeout expire (the stdlib server's
+    only bound); the request deadline drops it, headers or body."""
+    with Served(request_timeout_s=0.5) as srv:
+        for head, trickle in ((b"POST /get_reward HTTP/1.1\r\n", b"X-Slow: a" * 40),
+                              (b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n", b"[" * 500)):
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+                s.sendall(head)
+                t0 = time.monotonic()
+                dropped = None
+                for b in trickle:
+                    try:
+                        s.sendall(bytes([b]))
+                    except (BrokenPipeError, ConnectionResetError):
+                        dropped = time.monotonic() - t0
+                        break
+                    s.settimeout(0.1)
+                    try:
+                        if s.recv(4096, socket.MSG_PEEK) is not None:
+                            dropped = time.monotonic() - t0
+                            break
+                    except TimeoutError:
+                        pass
+                assert dropped is not None and dropped < 2.0, f"a trickling client was kept {time.monotonic() - t0:.1f}s"
+                s.settimeout(5)
+                data = _read_all(s)
+                assert data == b"" or b" 408 " in data.split(b"\r\n")[0], data[:100]
+
+
+def test_api_key(monkeypatch):
+    with Served(api_key="s3cret") as srv:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            code, out, h = post(srv.url, {"query": ["ab"]}, headers)
+            assert code == 401 and "API key" in out["error"] and h.get("www-authenticate") == "Bearer", (headers, code)
+        code, out, _ = post(srv.url, {"query": ["ab"]}, {"Authorization": "Bearer s3cret"})
+        assert code == 200 and out["rewards"] == [2.0]
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=10) as r:
+            assert r.status == 200  # health checks need no key
+        monkeypatch.delenv("RLHF_RM_API_KEY", raising=False)
+        with pytest.raises(RewardError, match=r"rejected the request \(401\).*RLHF_RM_API_KEY.*not set"):
+            http_reward_func(srv.url, timeout_s=10)(["ab"], ["a"], [None])
+        monkeypatch.setenv("RLHF_RM_API_KEY", "s3cret")
+        assert http_reward_func(srv.url, timeout_s=10)(["ab"], ["a"], [None])["rewards"] == [2.0]
+
+
+def test_long_query_keeps_its_response(tiny_kit):
+    """Two answers to one prompt longer than --max_len: truncating from the right (the tokenizer's default, and
+    OpenRLHF's serve_rm) cut both answers off and gave them the same reward; from the left each keeps its answer."""
+    from rlhf.serve_rm import RewardScorer, encode_left_truncated
+
+    scorer = RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2, max_len=24)
+    prompt = "1+2=3, " * 20
+    answers = [prompt + "4+4=8", prompt + "9+9=1"]
+    ids, mask, cut = encode_left_truncated(scorer.tok, answers, 24, 0)
+    full = scorer.tok(answers, add_special_tokens=False)["input_ids"]
+    assert cut == [True, True] and ids.shape[1] == 24 and ids[0].tolist() == full[0][-24:]
+    rewards, flags = scorer.score_batch(answers)
+    assert flags == [True, True]
+    assert abs(rewards[0] - rewards[1]) > 1e-4, f"two different answers got the same reward {rewards}"
+    with Served(scorer) as srv:
+        code, out, _ = post(srv.url, {"query": answers + ["1+2=3"]})
+        assert code == 200 and out["extra_logs"]["rm_query_truncated"] == [1.0, 1.0, 0.0]
+        assert out["rewards"][:2] == pytest.approx(rewards, abs=1e-5)
