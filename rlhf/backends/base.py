@@ -41,6 +41,8 @@ def spec_from_config(cfg, lr: float, total_steps: int, trainable: bool = True, g
         spec.train_batch_size = spec.micro_batch_size * group_size
     return spec
 
+    else:  # --ring_attn_size N: the N ranks of a sequence-parallel group run the same micro-batches, so the engine
+        spec.train_batch_size *= max(1, t.ring_attn_size)  # (over all ranks) sees N x the batch per step
 
 def loads_on_first(backend: str, group) -> bool:
     """FSDP2 over more than one rank: only the group's first rank reads the weights (host memory); the others

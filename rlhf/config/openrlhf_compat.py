@@ -111,8 +111,8 @@ COMPAT: Dict[str, Compat] = {
     "pretrain_data_probs": _unsupported("PPO-ptx is not implemented", str),
     "pretrain_split": _unsupported("PPO-ptx is not implemented", str, "train"),
     "aux_loss_coef": _unsupported("the MoE load-balancing loss is not implemented in this build", float, 0.0),
-    "ring_attn_size": _unsupported("ring attention (sequence parallelism) is not implemented", int, 1),
-    "ring_head_stride": _unsupported("ring attention (sequence parallelism) is not implemented", int, 1),
+    "ring_head_stride": _noop("--ring_attn_size runs Ulysses (heads split over the group by all-to-all), which has no "
+                              "head stride", int, 1),
     "ds_tensor_parallel_size": _unsupported("training tensor parallelism is not implemented (FSDP2 / ZeRO only)", int, 1),
     "load_in_4bit": _unsupported("4-bit (QLoRA) loading is not implemented"),
     "lora_dropout": _unsupported("LoRA dropout is fixed at 0 here", float, 0.0),

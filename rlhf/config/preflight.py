@@ -26,10 +26,25 @@ def preflight(cfg, kind: str, world_size: Optional[int] = None) -> List[str]:
     notices += check_resume(cfg, world)
     notices += check_lock(cfg)
     check_batch_world(cfg, kind, world)
+    check_sequence_parallel(cfg, kind, world)
     if os.environ.get("RANK", "0") == "0":
         for n in notices:
             print(n, flush=True)
     return notices
+
+
+def check_sequence_parallel(cfg, kind: str, world: int) -> None:
+    """--ring_attn_size against the model's heads and the world (each role's ranks: the placement)."""
+    from rlhf.distributed.sequence_parallel import check_sp, model_heads
+    from rlhf.models.load import resolve_pretrain
+
+    sp = cfg.topology.ring_attn_size
+    if sp > 1:
+        try:
+            check_sp(sp, kind, cfg.model.packing_samples, None if kind in RL_KINDS else world,
+                     model_heads(resolve_pretrain(cfg.model.pretrain)))
+        except ValueError as e:
+            raise ConfigError("ring_attn_size", str(e)) from None
 
 
 def check_models(cfg, kind: str) -> None:

@@ -108,6 +108,15 @@ class RolloutConfig:
                                       "else hf (measured: README, vLLM section)", choices=("auto", "hf", "vllm"))
     rollout_batch_size: int = opt(8, "prompts per RL step (global)")
     micro_rollout_batch_size: int = opt(8, "samples (not prompts: as OpenRLHF) per generation / inference "
+    ring_attn_size: int = opt(1, "sequence parallelism (Ulysses): ranks that split one packed sequence for training and "
+                                 "the actor/critic/ref log-prob and value forwards (OpenRLHF's flag; needs "
+                                 "--packing_samples, heads and each role's ranks divisible by it; groups of consecutive "
+                                 "ranks inside a node; generation is not split)")
+    gpu_memory_gb: Optional[float] = opt(None, "device memory per rank, GiB, for the memory plan (rlhf.plan --memory: "
+                                               "default 80, an H100; the trainers' start-up check: the GPU's own; on "
+                                               "CPU the check runs only when this is given)")
+    skip_memory_check: bool = opt(False, "start even when the memory plan says a stage cannot fit the device "
+                                         "(python -m rlhf.plan --memory prints the plan)")
                                            "micro batch per rank (reference, old log-probs, values, reward model)")
     n_samples_per_prompt: int = opt(1, "responses sampled per prompt")
     temperature: float = opt(1.0, "sampling temperature")
@@ -225,6 +234,14 @@ class OptimConfig:
 class CheckpointConfig:
     save_path: str = opt("./output/model", "final HF-format model")
     ckpt_path: str = opt("./output/ckpt", "training checkpoints (global_step_N/)")
+    use_dynamic_batch: bool = opt(False, "token-budget micro-batches: each optimizer step's rows are split over the "
+                                         "data-parallel ranks with near-equal token counts, then into micro-batches "
+                                         "of at most --train_max_tokens_per_gpu tokens (inference forwards: "
+                                         "--rollout_max_tokens_per_gpu); replaces --micro_train_batch_size / "
+                                         "--micro_rollout_batch_size as the micro-batch size (OpenRLHF "
+                                         "--train.dynamic_batch_enable)")
+    train_max_tokens_per_gpu: int = opt(16192, "--use_dynamic_batch: tokens per training micro-batch per rank (padded: "
+                                               "rows x padded width; --packing_samples: the packed row's length)")
     save_steps: int = opt(-1, "save a checkpoint every N steps (-1 = off)")
     load_checkpoint: bool = opt(False, "resume from the newest complete checkpoint in --ckpt_path (none there: an error)")
     start_fresh_if_no_checkpoint: bool = opt(False, "with --load_checkpoint: start from step 0 when --ckpt_path holds "

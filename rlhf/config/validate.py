@@ -50,6 +50,7 @@ def validate(cfg, kind: str) -> None:
     _check(m.logprob_chunk_size > 0, "logprob_chunk_size",
            f"--logprob_chunk_size must be > 0 (rows of logits computed at once), got {m.logprob_chunk_size}; "
            f"e.g. --logprob_chunk_size 1024")
+    _validate_sp(cfg, kind)
     if kind in RL_KINDS:
         _validate_rl(cfg)
     if kind in ("sft", "rm", "dpo"):
@@ -57,6 +58,22 @@ def validate(cfg, kind: str) -> None:
 
 
 def _validate_rl(cfg) -> None:
+    for flag, on in (("multiturn", d.multiturn), ("pretrain_mode", m.pretrain_mode)):  # rlhf.data.sft_modes
+        _check(not on or kind == "sft", flag, f"--{flag} is an SFT mode (rlhf.train_sft); drop it for {kind}")
+    _check(not (d.multiturn and m.pretrain_mode), "multiturn", "--multiturn and --pretrain_mode are two SFT modes, "
+           "pick one: --multiturn trains on the assistant turns of conversations, --pretrain_mode on plain text")
+    _check(not d.multiturn or d.apply_chat_template, "multiturn", "--multiturn renders each conversation with the "
+           "tokenizer's chat template: add --apply_chat_template")
+
+
+def _validate_sp(cfg, kind: str) -> None:
+    """--ring_attn_size: packing, trainer kind (heads and ranks: rlhf.config.preflight, placement)."""
+    from rlhf.distributed.sequence_parallel import check_sp
+
+    try:
+        check_sp(cfg.topology.ring_attn_size, kind, cfg.model.packing_samples)
+    except ValueError as e:
+        raise ConfigError("ring_attn_size", str(e)) from None
     from rlhf.algorithms import ADVANTAGE_ESTIMATORS
 
     from .algorithm_checks import validate_algorithm

@@ -6,7 +6,9 @@ import os
 import torch
 from torch import nn
 
-from .forward import position_ids_from_mask
+from rlhf.distributed.sequence_parallel import sp_of
+
+from .forward import position_ids_from_mask, sp_values
 
 
 class CriticModel(nn.Module):
@@ -48,6 +50,8 @@ class CriticModel(nn.Module):
     def save_hf(self, state_dict: dict, tokenizer, path: str) -> None:
         """Write the backbone (HF safetensors) and ``value_head.pt`` under a temporary name, then rename: the
         directory ``from_pretrained`` (and ``--critic_pretrain``) reads back.  ``state_dict``: the full weights."""
+        if sp_of(self) is not None:  # --ring_attn_size: this rank's slice of the packed row (0 at response padding)
+            return sp_values(self, sequences, attention_mask, num_actions)
         import shutil
 
         tmp = path.rstrip("/") + ".tmp"

@@ -233,7 +233,7 @@ def prefetch_stage(tr, st: StepState) -> None:
 def critic_update_stage(tr, st: StepState) -> None:
     c = tr.roles.critic
     if c.is_member:
-        st.metrics.update(train_critic(tr.cfg, c.engine, st.experience, c.index, c.size, st.step))
+        st.metrics.update(train_critic(tr.cfg, c.engine, st.experience, c.dp_index, c.dp_size, st.step))
 
 
 def actor_update_stage(tr, st: StepState) -> None:
@@ -241,7 +241,7 @@ def actor_update_stage(tr, st: StepState) -> None:
     if st.step < tr.cfg.optim.freezing_actor_steps:  # the step counter is shared: every rank skips alike
         return
     if a.is_member:
-        st.metrics.update(train_actor(tr.cfg, a.engine, st.experience, a.index, a.size, st.kl_coef,
+        st.metrics.update(train_actor(tr.cfg, a.engine, st.experience, a.dp_index, a.dp_size, st.kl_coef,
                                                     st.step))
 
 

@@ -23,6 +23,7 @@ from rlhf.distributed import comm, shard_rows
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
 
 
+from rlhf.distributed.sequence_parallel import sp_size
 def _minibatches(n_rows: int, rank: int, world: int, train_batch_size: int, micro: int, epoch_seed: int):
     """Per optimizer step, this rank's micro-batch row indices (global shuffle, then a DP shard per step).
     Yields once per step on every rank (an empty list when this rank's shard of the step is empty)."""
@@ -34,8 +35,9 @@ def _minibatches(n_rows: int, rank: int, world: int, train_batch_size: int, micr
         yield [mine[i:i + micro] for i in range(0, mine.numel(), micro)]
 
 
-def step_totals(masks: List[torch.Tensor], group=None) -> LossTotals:
-    """[tokens, non-empty sequences] of this rank's micro-batch masks, summed over the group: one all_reduce."""
+def step_totals(masks: List[torch.Tensor], group=None, replicas: int = 1) -> LossTotals:
+    """[tokens, non-empty sequences] of this rank's micro-batch masks, summed over the group: one all_reduce.
+    ``replicas``: ranks that hold the same micro-batches (an SP group, --ring_attn_size): each counted once."""
     t = torch.zeros(2, dtype=torch.float64)
     for m in masks:
         m = m.float()
@@ -94,8 +96,10 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
     try:
         for epoch in range(o.max_epochs):
             for micro_rows in _minibatches(n, rank, world, o.train_batch_size, o.micro_train_batch_size,
-                                           step_seed * 1000 + epoch):
-                tot = step_totals([exp.action_mask[rows] for rows in micro_rows], group)
+                                           step_seed * 1000 + epoch, dyn):
+                real = [mr for mr in micro_rows if mr.real]
+                tot = step_totals([exp.action_mask[mr.rows] for mr in real], group, sp_size(model))
+                n_step = max(sum(mr.rows.numel() for mr in real), 1)
                 step = defaultdict(float)
                 for i, rows in enumerate(micro_rows):
                     mb = exp.rows(rows)
@@ -127,6 +131,7 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
                                       is_weights=is_w, totals=tot, sapo_tau_pos=a.sapo_tau_pos,
                                       sapo_tau_neg=a.sapo_tau_neg)
                     loss = pl
+    t /= replicas
                     ent_term = aggregate(ent, mask, "token-mean", totals=tot)  # peers: entropy is token-mean
                     if ent_grad:
                         loss = loss - a.entropy_loss_coef * ent_term
@@ -173,8 +178,8 @@ def train_critic(cfg, engine, exp, rank: int, world: int, step_seed: int) -> Dic
     n = exp.sequences.size(0)
     for epoch in range(o.max_epochs):
         for micro_rows in _minibatches(n, rank, world, o.train_batch_size, o.micro_train_batch_size,
-                                       step_seed * 1000 + epoch + 7):
-            tot = step_totals([exp.action_mask[rows] for rows in micro_rows], group)
+                                       step_seed * 1000 + epoch + 7, dyn):
+            tot = step_totals([exp.action_mask[mr.rows] for mr in micro_rows if mr.real], group, sp_size(model))
             total = 0.0
             for i, rows in enumerate(micro_rows):
                 mb = exp.rows(rows)

@@ -20,6 +20,7 @@ import torch
 
 from rlhf.backends.base import TrainEngine, make_engine, reads_weights, spec_from_config
 from rlhf.distributed import Groups
+from rlhf.distributed.sequence_parallel import SP, attach
 from rlhf.distributed.sharding import gather_max, gather_rows, micro_plan, run_micro, shard_rows
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
 from rlhf.models.load import load_causal_lm, load_reward_model, load_tokenizer, resolve_pretrain
@@ -34,6 +35,7 @@ class Role:
     def __init__(self, name: str, members: List[int], group, rank: int):
         self.name, self.members, self.group, self.rank = name, list(members), group, rank
         self.engine = None
+        self.sp = SP()  # --ring_attn_size: this member's sequence-parallel group (size 1: none)
 
     @property
     def is_member(self) -> bool:
@@ -47,9 +49,19 @@ class Role:
     def index(self) -> Optional[int]:
         return self.members.index(self.rank) if self.is_member else None
 
+    @property
+    def dp_index(self) -> Optional[int]:
+        """This member's data-parallel rank: the members of an SP group share one (rlhf.distributed.sequence_parallel)."""
+        return self.index // self.sp.size if self.is_member else None
+
+    @property
+    def dp_size(self) -> int:
+        return self.size // self.sp.size
+
     def rows(self, n_rows: int) -> Optional[slice]:
-        """This member's rows of an n-row batch (None on non-members)."""
-        return shard_rows(n_rows, self.index, self.size) if self.is_member else None
+        """The rows this member reports of an n-row batch (None on non-members, and on an SP group's other ranks,
+        which compute the same rows: each row has one owner)."""
+        return shard_rows(n_rows, self.dp_index, self.dp_size) if self.is_member and self.sp.rank == 0 else None
 
     def sleep(self) -> None:
         if self.engine is not None:
@@ -84,7 +96,7 @@ class ModelRole(Role):
         member: sharded forwards are collectives), then one gather over the world."""
         local = None
         if self.is_member and n_rows > 0:
-            local = run_micro(fn, micro_plan(n_rows, self.index, self.size, micro), dummy=slice(0, 1))
+            local = run_micro(fn, micro_plan(n_rows, self.dp_index, self.dp_size, micro), dummy=slice(0, 1))
         return gather_rows(local, self.rows(n_rows), n_rows, width)
 
     @torch.no_grad()
@@ -238,9 +250,11 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
         if not members:
             return None
         role = ModelRole(name, members, groups.group(name), rank)
+        role.sp = groups.sp_of(name)
         if role.is_member:
             role.engine = make_engine(t.backend, load(not reads_weights(t.backend, role.group)), spec_fn(role),
                                       group=role.group, device=device)
+            attach(role.engine.model, role.sp)
         return role
 
     def trainable(lr):

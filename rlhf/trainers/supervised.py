@@ -17,6 +17,8 @@ from rlhf.data.loading import load_train_eval
 from rlhf.data.screen import screen_rows
 from rlhf.distributed import comm, micro_plan, shard_rows
 from rlhf.distributed.failfast import Watchdog, guarded
+from rlhf.distributed.groups import build_sp
+from rlhf.distributed.sequence_parallel import SP, attach, dp_coords
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.utils import checkpoint as ckpt
 from rlhf.utils.logging import MetricsLogger
@@ -94,15 +96,19 @@ class SupervisedTrainer:
         ev, _ = screen_rows(ev, self.tokenizer, cfg, self.task.name, "eval")
         self.train_samples = [self.task.make_sample(r) for r in rows]
         self.eval_samples = [self.task.make_sample(r) for r in ev]
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = int(os.environ.get("WORLD_SIZE", "1")) // max(1, t.ring_attn_size)  # data-parallel ranks
         if o.train_batch_size % (o.micro_train_batch_size * world):
             raise ValueError(f"--train_batch_size {o.train_batch_size} must be a multiple of --micro_train_batch_size "
-                             f"{o.micro_train_batch_size} x world size {world}")
+                             f"{o.micro_train_batch_size} x data-parallel ranks {world}")
         self.steps_per_epoch = len(self.train_samples) // o.train_batch_size
         if self.steps_per_epoch == 0:
             raise ValueError(f"{len(self.train_samples)} samples is fewer than --train_batch_size {o.train_batch_size}")
         self.total_steps, capped = planned_steps(self.steps_per_epoch, o.max_epochs, o.max_global_steps, "--max_epochs")
         self.rank, self.world, _, self.device = comm.init(t.dist_timeout_s)
+        # --ring_attn_size: consecutive ranks split each sequence; each such group is one data-parallel rank
+        self.sp = build_sp(range(self.world), t.ring_attn_size, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)),
+                           self.rank)
+        self.dp_rank, self.dp_world, _ = dp_coords(self.rank, self.world, self.sp.size)
         if capped:
             log0(capped)
         self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
@@ -113,6 +119,9 @@ class SupervisedTrainer:
         self.engine = make_engine(t.backend, self.task.build_model(self.path, on_meta=self.on_meta), spec,
                                   device=self.device)
         self.task.setup(self, spec)
+        attach(self.engine.model, self.sp)
+        if getattr(self.task, "ref", None) is not None:  # DPO's reference splits the same rows
+            attach(self.task.ref.model, SP(self.sp.size, self.sp.rank, self.sp.group))
         self.step = 0
         lg = cfg.logging
         self.logger = MetricsLogger(self.rank, lg.log_dir, self.total_steps, run_name=lg.wandb_run_name or self.task.name,
@@ -127,7 +136,7 @@ class SupervisedTrainer:
         epoch, j = divmod(step, self.steps_per_epoch)
         perm = torch.randperm(len(self.train_samples), generator=torch.Generator().manual_seed(o.seed + epoch))
         rows = perm[j * o.train_batch_size:(j + 1) * o.train_batch_size]
-        mine = rows[shard_rows(rows.numel(), self.rank, self.world)].tolist()
+        mine = rows[shard_rows(rows.numel(), self.dp_rank, self.dp_world)].tolist()
         mb = o.micro_train_batch_size
         return [[self.train_samples[i] for i in mine[s:s + mb]] for s in range(0, len(mine), mb)]
 
@@ -148,7 +157,7 @@ class SupervisedTrainer:
         self.engine.model.eval()
         mb = self.cfg.optim.micro_train_batch_size
         logs = defaultdict(list)
-        for part in micro_plan(n, self.rank, self.world, mb):
+        for part in micro_plan(n, self.dp_rank, self.dp_world, mb):
             chunk = self.eval_samples[part] if part is not None else self.eval_samples[:1]
             _, met = self.task.loss(self.engine.model, chunk)
             if part is not None:

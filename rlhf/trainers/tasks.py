@@ -9,6 +9,9 @@ import torch
 from rlhf.algorithms import logprobs_from_logits
 from rlhf.algorithms.preference import REWARD_MODEL_LOSSES, dpo_loss, sft_token_loss
 from rlhf.data.formatting import collate_packed, collate_supervised, format_prompt, format_response, pad_batch, tokenize_pair
+from rlhf.data.sft_modes import mode_of, mode_sample
+from rlhf.distributed.sequence_parallel import sp_of
+from rlhf.models.forward import sp_token_logprobs
 from rlhf.models.lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_params, head_removed
 from rlhf.models.load import RM_NORM_FILE, attn_implementation, from_pretrained_or_meta, load_causal_lm, weight_dtype
 
@@ -33,6 +36,8 @@ def token_logprobs(model, batch, chunk: int, fused: bool = True, keep_bytes: int
     With a plain-Linear LM head only the loss_mask positions are computed, fused and chunked (no (B, T, V)
     logits; rlhf.models.lm_head) and the other positions are 0; otherwise every position from full logits.
     """
+    if sp_of(model) is not None:  # --ring_attn_size: this rank's slice of the packed row, summed over the group
+        return sp_token_logprobs(model, batch, chunk, keep_bytes)
     kw = {"input_ids": batch["input_ids"]}
     if "position_ids" in batch:
         kw["position_ids"] = batch["position_ids"]
