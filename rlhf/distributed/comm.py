@@ -131,6 +131,70 @@ def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     return t
 
 
+class _AllToAll(torch.autograd.Function):
+    """Equal-split ``all_to_all_single`` over dim 0 with a gradient: the backward of an all-to-all is the same
+    all-to-all of the output's gradient (chunk j went to rank j, so its gradient comes back from rank j)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _a2a(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _a2a(g.contiguous(), ctx.group), None
+
+
+def _a2a(x: torch.Tensor, group) -> torch.Tensor:
+    y = _on_device(x.contiguous())
+    out = torch.empty_like(y)
+    dist.all_to_all_single(out, y, group=group)
+    return out if out.device == x.device else out.to(x.device)
+
+
+def all_to_all_single(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Rank r's chunk j of ``x`` (dim 0 split into ``world_size(group)`` equal chunks) becomes rank j's chunk r of
+    the result; differentiable (torch.distributed.nn.functional.all_to_all_single has the same contract).  Runs
+    on the collective device; the result lives where ``x`` lives."""
+    if not distributed(group):
+        return x
+    n = world_size(group)
+    if x.size(0) % n:
+        raise ValueError(f"all_to_all_single: dim 0 ({x.size(0)}) must split into {n} equal chunks")
+    return _AllToAll.apply(x, group)
+
+
+class _SumOver(torch.autograd.Function):
+    """y = sum_r x_r over the group; dL/dx_r = sum_s dL_s/dy (every rank's loss sees y), one all-reduce each way
+    (torch.distributed.nn.functional.all_reduce's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_reduce(x.clone(), "sum", group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g.clone(), "sum", ctx.group), None
+
+
+def sum_over(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The sum of every rank's ``x`` over ``group``, differentiable (out of place; ``x`` is left as it is)."""
+    if not distributed(group):
+        return x
+    return _SumOver.apply(x, group)
+
+
+def all_gather_tensor(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's ``x`` (same shape everywhere) concatenated along dim 0 in rank order; no gradient."""
+    if not distributed(group):
+        return x
+    y = _on_device(x.contiguous())
+    out = torch.empty((world_size(group) * y.size(0),) + tuple(y.shape[1:]), dtype=y.dtype, device=y.device)
+    dist.all_gather_into_tensor(out, y, group=group)
+    return out if out.device == x.device else out.to(x.device)
+
+
 def broadcast(t: torch.Tensor, src: int, group=None, timeout_s: Optional[float] = None) -> torch.Tensor:
     """``t`` from global rank ``src`` to every rank of ``group`` (in place, on ``t``'s device).  With
     ``timeout_s`` the wait is bounded: a rank of the group that never joins raises ``TimeoutError``."""

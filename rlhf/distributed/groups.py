@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional
 
 from . import comm
 from .placement import ROLES, Placement
+from .sequence_parallel import SP
 
 
 def nnodes_from_env() -> int:
@@ -26,9 +27,14 @@ class Groups:
     role_groups: Dict[str, Optional[Any]] = field(default_factory=dict)  # None where not a member
     tp_group: Optional[Any] = None    # this rank's rollout engine's TP ranks
     sync: Optional[Any] = None        # actor rank 0 + rollout ranks (separate rollout only)
+    sp: Dict[str, SP] = field(default_factory=dict)  # role -> this rank's sequence-parallel group (--ring_attn_size)
 
     def group(self, role: str):
         return self.role_groups.get(role)
+
+    def sp_of(self, role: str) -> SP:
+        """This rank's SP group for ``role`` (size 1 where the role splits no sequence)."""
+        return self.sp.get(role) or SP()
 
 
 def build_groups(plan: Placement, rank: int) -> Groups:
@@ -55,4 +61,24 @@ def build_groups(plan: Placement, rank: int) -> Groups:
         grp = make(plan.sync_ranks)
         if rank in plan.sync_ranks:
             g.sync = grp
+    for role, sp_groups in plan.sp_groups.items():  # one SP object per role (each wraps its model's attention)
+        for ranks in sp_groups:
+            grp = make(ranks)
+            if rank in ranks:
+                g.sp[role] = SP(len(ranks), ranks.index(rank), grp)
     return g
+
+
+def build_sp(ranks: List[int], sp_size: int, gpus_per_node: int, rank: int, what: str = "world") -> SP:
+    """The SP group of ``rank`` among ``ranks`` split into consecutive groups of ``sp_size`` (the supervised
+    trainers: every rank holds the one model); new_group for every SP group, on every rank, in order."""
+    from .placement import sp_groups_for
+
+    out = SP()
+    if sp_size <= 1:
+        return out
+    for grp_ranks in sp_groups_for(list(ranks), sp_size, gpus_per_node, what):
+        grp = comm.new_group(grp_ranks)
+        if rank in grp_ranks:
+            out = SP(sp_size, grp_ranks.index(rank), grp)
+    return out

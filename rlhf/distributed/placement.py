@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 ROLES = ("actor", "ref", "critic", "reward", "rollout")
+SP_ROLES = ("actor", "ref", "critic")  # roles whose forwards split a sequence over --ring_attn_size ranks
 
 
 class TopologyError(ValueError):
@@ -27,6 +28,16 @@ class Placement:
     colocated: bool                        # every role on every rank (hybrid engine)
     separate_rollout: bool                 # rollout ranks hold no actor shard
     sync_ranks: List[int] = field(default_factory=list)  # actor rank 0 + rollout ranks (broadcast weight sync)
+    sp_size: int = 1                       # --ring_attn_size: ranks that split one sequence (Ulysses)
+    sp_groups: Dict[str, List[List[int]]] = field(default_factory=dict)  # role -> its SP groups (consecutive ranks)
+
+    def sp_group_of(self, role: str, rank: int) -> Optional[List[int]]:
+        """The ranks of ``role``'s sequence-parallel group holding ``rank`` (None: no SP for the role, or not a
+        member)."""
+        for g in self.sp_groups.get(role, []):
+            if rank in g:
+                return g
+        return None
 
     def roles_of(self, rank: int) -> List[str]:
         return [r for r in ROLES if rank in self.ranks.get(r, [])]
@@ -54,6 +65,10 @@ class Placement:
         weights = "in-process (colocated)" if not self.separate_rollout else "broadcast over ranks " + _ranges(
             self.sync_ranks)
         rows.append(f"weights:  {weights}")
+        if self.sp_size > 1:
+            for name, groups in self.sp_groups.items():
+                rows.append(f"{'sp ' + name:>8}: {len(groups)} x {self.sp_size} ranks (--ring_attn_size; data-parallel "
+                            f"ranks {len(groups)}): " + "; ".join(_ranges(g) for g in groups))
         return "\n".join(rows)
 
 
@@ -103,8 +118,46 @@ def required_world_size(topo, need_ref: bool = True, need_critic: bool = False,
 
 
 def make_placement(topo, world_size: int, nnodes: int = 1, need_ref: bool = True, need_critic: bool = False,
-              need_reward_model: bool = False) -> Placement:
+                   need_reward_model: bool = False) -> Placement:
     """Compute and validate the placement.  Raises TopologyError naming the numbers that disagree."""
+    plan = _make_placement(topo, world_size, nnodes, need_ref, need_critic, need_reward_model)
+    return with_sp_groups(plan, int(getattr(topo, "ring_attn_size", 1) or 1))
+
+
+def sp_groups_for(ranks: List[int], sp: int, gpus_per_node: int, role: str = "actor") -> List[List[int]]:
+    """A role's ranks in consecutive chunks of ``sp`` (one chunk = one sequence-parallel group, one data-parallel
+    rank).  Raises TopologyError, with a size that works, when ``sp`` does not divide the ranks or a chunk would
+    cross a node boundary (Ulysses' all-to-alls stay inside a node, as OpenRLHF's ring groups and veRL's)."""
+    if sp < 1:
+        raise TopologyError(f"--ring_attn_size must be >= 1, got {sp}")
+    ok = [k for k in range(1, len(ranks) + 1) if len(ranks) % k == 0 and k <= gpus_per_node
+          and gpus_per_node % k == 0]
+    if len(ranks) % sp:
+        raise TopologyError(f"--ring_attn_size {sp} must divide the {role} ranks ({len(ranks)}): each group of {sp} "
+                            f"ranks splits one sequence; use --ring_attn_size {max(k for k in ok if k <= sp)}")
+    groups = [ranks[i:i + sp] for i in range(0, len(ranks), sp)]
+    for g in groups:
+        if g[0] // gpus_per_node != g[-1] // gpus_per_node:
+            raise TopologyError(f"--ring_attn_size {sp}: the {role}'s sequence-parallel group {_ranges(g)} crosses a "
+                                f"node boundary ({gpus_per_node} ranks per node); use --ring_attn_size "
+                                f"{max(k for k in ok if k <= sp)}")
+    return groups
+
+
+def with_sp_groups(plan: Placement, sp: int) -> Placement:
+    """``plan`` with the sequence-parallel groups of the model roles that split sequences (SP_ROLES)."""
+    plan.sp_size = sp
+    plan.sp_groups = {}
+    if sp <= 1:
+        return plan
+    for role in SP_ROLES:
+        if plan.ranks.get(role):
+            plan.sp_groups[role] = sp_groups_for(plan.ranks[role], sp, plan.gpus_per_node, role)
+    return plan
+
+
+def _make_placement(topo, world_size: int, nnodes: int, need_ref: bool, need_critic: bool,
+                    need_reward_model: bool) -> Placement:
     if world_size < 1:
         raise TopologyError(f"world size must be >= 1, got {world_size}")
     if nnodes < 1 or world_size % nnodes:

@@ -9,6 +9,9 @@ returns hidden states and the head, log-softmax and entropy run fused, chunk by 
 (head_logprobs): the (B, R, V) logits never exist at once.  Otherwise the logits are
 computed and the log-softmax runs in chunks (rlhf.algorithms.logprob).  ``fused=False``
 forces the plain path (the two agree to float32 rounding; tested).
+
+A model attached to a sequence-parallel group (rlhf.distributed.sequence_parallel.attach, ``--ring_attn_size``)
+runs the packed forwards on its slice of the row and sums the wanted rows over the group (``sp_*`` below).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from rlhf.algorithms.logprob import entropy_chunked, logprobs_from_logits
+from rlhf.distributed.sequence_parallel import SP, collect, local_hidden, positions_in, sp_of
 
 from .lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_params, head_removed
 
@@ -81,6 +85,13 @@ def packed_action_logprobs(model, sequences: torch.Tensor, attention_mask: torch
     """
     ids, pos, lengths = pack(sequences, attention_mask)
     head = fusable_head(model) if fused else None
+    sp = sp_of(model)
+    if sp is not None:
+        row, col, tgt = _response_targets(ids, lengths, attention_mask, action_mask.size(1))
+        lp, ent = sp_rows_logprobs(model, head, ids, pos, tgt, sp, temperature, chunk_size, with_entropy,
+                                   entropy_grad, keep_bytes)
+        out = _scatter(lp, row, col, lengths.numel(), action_mask.size(1))
+        return (out, _scatter(ent, row, col, lengths.numel(), action_mask.size(1))) if with_entropy else out
     if head is not None:
         return _packed_fused(model, head, ids, pos, lengths, attention_mask, action_mask.size(1), temperature,
                              chunk_size, with_entropy, entropy_grad, keep_bytes)
@@ -111,11 +122,7 @@ def _packed_fused(model, head, ids, pos, lengths, attention_mask, num_actions, t
     """packed_action_logprobs over the hidden states: one head_logprobs call over every sample's response rows."""
     with head_removed(model, head):
         hs = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
-    resp = attention_mask[:, -num_actions:].sum(1)  # real tokens in each sample's response slot
-    ends = lengths.cumsum(0)
-    row = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), resp)
-    col = torch.cat([torch.arange(int(r), device=ids.device) for r in resp.tolist()])
-    tgt = (ends - resp)[row] + col  # packed position of each response token; its logits sit one before
+    row, col, tgt = _response_targets(ids, lengths, attention_mask, num_actions)
     lp, ent = head_logprobs(hs[tgt - 1], *head_params(head), ids[0, tgt], _temp(temperature), chunk_size,
                             with_entropy, keep_bytes)
     B = lengths.numel()
@@ -124,3 +131,91 @@ def _packed_fused(model, head, ids, pos, lengths, attention_mask, num_actions, t
         return out
     ent = ent if entropy_grad else ent.detach()
     return out, torch.zeros((B, num_actions), dtype=ent.dtype, device=ent.device).index_put((row, col), ent)
+
+
+def _response_targets(ids, lengths, attention_mask, num_actions):
+    """(sample, response column, packed position) of every real response token of a packed row; a token's
+    logits (or value state) sit one position before it."""
+    resp = attention_mask[:, -num_actions:].sum(1)  # real tokens in each sample's response slot
+    ends = lengths.cumsum(0)
+    row = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), resp)
+    col = torch.cat([torch.arange(int(r), device=ids.device) for r in resp.tolist()])
+    return row, col, (ends - resp)[row] + col
+
+
+def _scatter(vals, row, col, B: int, width: int):
+    return torch.zeros((B, width), dtype=vals.dtype, device=vals.device).index_put((row, col), vals)
+
+
+def sp_rows_logprobs(model, head, ids, pos, tgt, sp: SP, temperature: float = 1.0, chunk_size: int = 1024,
+                     with_entropy: bool = False, entropy_grad: bool = True, keep_bytes: int = KEEP_BYTES):
+    """log p(ids[t] | ids[<t]) (and the entropy of that distribution) at the packed positions ``tgt``
+    (ascending), on every rank of ``sp``: each rank runs the model on its slice of the row and the head on the
+    predicting positions ``tgt - 1`` that fall in it (labels are read from the full row, so the next token of a
+    slice's last position is never lost), then one differentiable sum over the group gives all K values.
+
+    A rank whose slice holds no wanted position runs the head on one dummy row times 0, so every rank's head
+    takes part in backward (its gradient is reduced by FSDP / DeepSpeed like any other)."""
+    rows = tgt - 1
+    T = _temp(temperature)
+    if head is not None:
+        with head_removed(model, head):
+            hs, a, b = local_hidden(lambda i, p: model(input_ids=i, position_ids=p, use_cache=False).logits,
+                                    ids, pos, sp)
+        i, j = positions_in(rows, a, b)
+        sel, lab = (rows[i:j] - a, ids[0, tgt[i:j]]) if j > i else (rows.new_zeros(1), ids[0, :1])
+        lp, ent = head_logprobs(hs[sel], *head_params(head), lab, T, chunk_size, with_entropy, keep_bytes)
+    else:
+        logits, a, b = local_hidden(lambda i, p: model(input_ids=i, position_ids=p, use_cache=False).logits,
+                                    ids, pos, sp)
+        i, j = positions_in(rows, a, b)
+        sel, lab = (rows[i:j] - a, ids[0, tgt[i:j]]) if j > i else (rows.new_zeros(1), ids[0, :1])
+        z = logits[sel] / T if T != 1.0 else logits[sel]
+        lp = logprobs_from_logits(z.unsqueeze(0), lab.unsqueeze(0), chunk_size)[0]
+        ent = None
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ent = entropy_chunked(z if entropy_grad else z.detach(), chunk_size)
+    if with_entropy:
+        ent = ent if entropy_grad else ent.detach()
+        local = torch.stack([lp.float(), ent.float()], 1)
+    else:
+        local = lp.float().unsqueeze(1)
+    if j == i:  # nothing wanted here: keep the graph connected, contribute zeros
+        local, dummy = local[:0], local.sum() * 0
+    else:
+        dummy = None
+    out = collect(local, i, j, rows.numel(), sp)
+    if dummy is not None:
+        out = out + dummy
+    return out[:, 0], (out[:, 1] if with_entropy else None)
+
+
+def sp_token_logprobs(model, batch: dict, chunk_size: int = 1024, keep_bytes: int = KEEP_BYTES) -> torch.Tensor:
+    """The SP form of rlhf.trainers.tasks.token_logprobs on a packed batch: (1, T-1) log p(x_{t+1} | x_<=t),
+    computed at the loss_mask[:, 1:] positions only (0 elsewhere)."""
+    keep = batch["loss_mask"][:, 1:].bool()
+    tgt = keep[0].nonzero().squeeze(1) + 1
+    head = fusable_head(model)
+    lp, _ = sp_rows_logprobs(model, head, batch["input_ids"], batch["position_ids"], tgt, sp_of(model), 1.0,
+                             chunk_size, keep_bytes=keep_bytes)
+    return torch.zeros(keep.shape, dtype=lp.dtype, device=lp.device).masked_scatter(keep, lp)
+
+
+def sp_values(critic, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int) -> torch.Tensor:
+    """The SP form of CriticModel.forward: V(s_t) before each real response token, (B, num_actions), 0 at the
+    padding of the response slot (masked by every consumer).  The backbone runs on this rank's slice of the
+    packed row, the value head on the states in it; one differentiable sum over the group."""
+    sp = sp_of(critic)
+    ids, pos, lengths = pack(sequences, attention_mask)
+    row, col, tgt = _response_targets(ids, lengths, attention_mask, num_actions)
+    rows = tgt - 1
+    h, a, b = local_hidden(lambda i, p: critic.backbone(input_ids=i, position_ids=p, use_cache=False)
+                           .last_hidden_state, ids, pos, sp)
+    i, j = positions_in(rows, a, b)
+    v = critic.value_head(h[rows[i:j] - a] if j > i else h[:1]).squeeze(-1).float()
+    if j > i:
+        out = collect(v, i, j, rows.numel(), sp)
+    else:
+        out = collect(v[:0], i, i, rows.numel(), sp) + v.sum() * 0
+    return _scatter(out, row, col, lengths.numel(), num_actions)

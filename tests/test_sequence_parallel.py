@@ -1,0 +1,212 @@
+"""Sequence parallelism (Ulysses, --ring_attn_size): the pure pieces by hand, the flag's checks, the placement's
+SP groups, and on 2 gloo ranks (one launch) loss and every gradient with N=2 equal to N=1 for SFT, DPO, a
+GRPO/PPO actor step and a critic step."""
+import copy
+
+import pytest
+import torch
+from mp import spawn
+
+TOL = 1e-5
+
+
+# ---- pure functions -------------------------------------------------------------------------------------------
+def test_packed_causal_mask_is_block_diagonal_causal():
+    from rlhf.distributed.sequence_parallel import packed_causal_mask
+
+    m = packed_causal_mask(torch.tensor([[0, 1, 2, 0, 1, 0]]))[0, 0].int()
+    want = torch.tensor([[1, 0, 0, 0, 0, 0],
+                         [1, 1, 0, 0, 0, 0],
+                         [1, 1, 1, 0, 0, 0],
+                         [0, 0, 0, 1, 0, 0],
+                         [0, 0, 0, 1, 1, 0],
+                         [0, 0, 0, 0, 0, 1]])
+    assert torch.equal(m, want), f"sample boundaries or causality wrong:\n{m}"
+
+
+def test_padding_slices_and_dp_coords():
+    from rlhf.distributed.sequence_parallel import dp_coords, local_range, pad_packed, positions_in
+
+    ids, pos = pad_packed(torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[0, 1, 2, 0, 1]]), 4)
+    assert ids.tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]], "pad to a multiple of N with a token id"
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]], "the pad is a sample of its own (positions restart at 0)"
+    assert [local_range(8, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert positions_in(torch.tensor([1, 3, 4, 7]), 2, 6) == (1, 3), "rows 3 and 4 lie in [2, 6)"
+    # a role of 4 ranks with SP 2: members 0,1 are DP rank 0, members 2,3 DP rank 1
+    assert [dp_coords(i, 4, 2) for i in range(4)] == [(0, 2, 0), (0, 2, 1), (1, 2, 0), (1, 2, 1)]
+
+
+def test_placement_sp_groups_and_plan_print():
+    from types import SimpleNamespace
+
+    from rlhf.distributed.placement import TopologyError, make_placement
+
+    def topo(**kw):
+        base = dict(actor_num_nodes=1, actor_num_gpus_per_node=0, ref_num_nodes=1, ref_num_gpus_per_node=0,
+                    critic_num_nodes=1, critic_num_gpus_per_node=0, reward_num_nodes=1, reward_num_gpus_per_node=0,
+                    vllm_num_engines=0, vllm_tensor_parallel_size=1, colocate_all_models=False,
+                    colocate_actor_ref=False, colocate_critic_reward=False, ring_attn_size=1)
+        base.update(kw)
+        return SimpleNamespace(**base)
+
+    p = make_placement(topo(colocate_all_models=True, ring_attn_size=2), 4, need_critic=True)
+    assert p.sp_groups["actor"] == [[0, 1], [2, 3]] and p.sp_groups["critic"] == [[0, 1], [2, 3]]
+    assert "reward" not in p.sp_groups and "rollout" not in p.sp_groups, "generation is not split"
+    assert "sp actor: 2 x 2 ranks" in p.table(), p.table()
+    # actor 4 ranks + ref 2 ranks of its own: SP 4 does not divide the ref's 2 -> the error names a size that works
+    with pytest.raises(TopologyError, match=r"--ring_attn_size 4 must divide the ref ranks \(2\).*--ring_attn_size 2"):
+        make_placement(topo(actor_num_gpus_per_node=4, ref_num_gpus_per_node=2, ring_attn_size=4), 6)
+    # 2 nodes x 3 ranks, actor on all 6, SP 2: group 2-3 would straddle the node boundary
+    with pytest.raises(TopologyError, match="crosses a node boundary.*--ring_attn_size 1"):
+        make_placement(topo(colocate_all_models=True, ring_attn_size=2), 6, nnodes=2)
+
+
+def test_ring_attn_size_flag_checks(tiny_kit):
+    from rlhf.config import parse
+    from rlhf.distributed.sequence_parallel import check_sp, model_heads
+
+    # OpenRLHF's flat and dotted spellings set the same field
+    assert parse("sft", ["--ring_attn_size", "2", "--packing_samples"]).topology.ring_attn_size == 2
+    assert parse("sft", ["--ds.ring_attn_size", "2", "--packing_samples"]).topology.ring_attn_size == 2
+    with pytest.raises(Exception, match="--ring_attn_size 2 splits packed rows: add --packing_samples"):
+        parse("sft", ["--ring_attn_size", "2"])
+    with pytest.raises(Exception, match="train_rm does not split sequences; use --ring_attn_size 1"):
+        parse("rm", ["--ring_attn_size", "2", "--packing_samples"])
+    heads = model_heads(tiny_kit)
+    assert heads == (4, 2), heads
+    with pytest.raises(ValueError, match=r"key/value heads \(2\).*use --ring_attn_size 2"):
+        check_sp(4, "sft", True, world=4, heads=heads)
+    with pytest.raises(ValueError, match="must divide the world size 3; use --ring_attn_size 1"):
+        check_sp(2, "sft", True, world=3, heads=heads)
+    check_sp(2, "ppo", True, heads=heads)
+
+
+# ---- 2 gloo ranks: N=2 equals N=1 -------------------------------------------------------------------------------
+def _rollout(vocab, seed=0):
+    """A padded rollout batch: left-padded prompts (slot 6), right-padded responses (slot 5); sample 2 has a long
+    prompt and a 1-token response, so one SP slice of its rows holds no response token."""
+    g = torch.Generator().manual_seed(seed)
+    P, R = 6, 5
+    plens, rlens = [3, 6, 6], [5, 2, 1]
+    B = len(plens)
+    seq = torch.zeros((B, P + R), dtype=torch.long)
+    att = torch.zeros((B, P + R), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(plens, rlens)):
+        seq[i, P - p:P + r] = torch.randint(3, vocab, (p + r,), generator=g)
+        att[i, P - p:P + r] = 1
+    act = att[:, P:].clone()
+    return seq, att, act
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_sp_equal(what, ref_loss, ref_grads, sp_loss, sp_model, world):
+    """Loss identical on every SP rank and equal to N=1; the SP ranks' gradients sum to N x the N=1 gradient
+    (each rank gets N x its slice's share from the sum's backward; the engines then average over all ranks)."""
+    from rlhf.distributed import comm
+
+    assert abs(float(sp_loss) - float(ref_loss)) < TOL, f"{what}: loss {float(sp_loss)} != N=1 {float(ref_loss)}"
+    got = _grads(sp_model)
+    assert set(got) == set(ref_grads), f"{what}: parameters with gradients differ: {set(got) ^ set(ref_grads)}"
+    for n, g in got.items():
+        comm.all_reduce(g)
+        g /= world
+        err = float((g - ref_grads[n]).abs().max())
+        assert err < TOL, f"{what}: gradient of {n} differs from N=1 by {err}"
+
+
+def _core_checks(rank, world, kit):
+    """Model-level: each forward of rlhf.models.forward with SP against the same forward on the whole row."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.algorithms.preference import dpo_loss, sft_token_loss
+    from rlhf.data.formatting import collate_packed
+    from rlhf.distributed import comm
+    from rlhf.distributed.sequence_parallel import SP, attach
+    from rlhf.models.critic import CriticModel
+    from rlhf.models.forward import packed_action_logprobs
+    from rlhf.trainers.tasks import token_logprobs
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(kit, attn_implementation="sdpa", dtype=torch.float32)
+    vocab = base.config.vocab_size
+    seq, att, act = _rollout(vocab)
+    w = torch.randn(act.shape, generator=torch.Generator().manual_seed(1))
+
+    def sp_copy(m):
+        return attach(copy.deepcopy(m), SP(world, rank, comm.world_group()))
+
+    # actor: log-probs and entropy of the response tokens, fused head and plain head, with/without checkpointing
+    for fused, ckpt in ((True, False), (False, False), (True, True)):
+        ref = copy.deepcopy(base)
+        if ckpt:
+            ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ref.train()
+        sp = sp_copy(ref)
+
+        def loss_of(m):
+            lp, ent = packed_action_logprobs(m, seq, att, act, 0.7, 64, with_entropy=True, fused=fused)
+            return (lp * w * act).sum() + 0.1 * (ent * act).sum()
+
+        lr = loss_of(ref)
+        lr.backward()
+        ls = loss_of(sp)
+        ls.backward()
+        _assert_sp_equal(f"actor fused={fused} ckpt={ckpt}", lr, _grads(ref), ls, sp, world)
+
+    # SFT and DPO: packed [chosen..., rejected...] rows with a loss mask on the responses
+    g = torch.Generator().manual_seed(2)
+    samples = []
+    for n_p, n_r in ((4, 5), (7, 2), (3, 6), (5, 3)):
+        ids = torch.randint(3, vocab, (n_p + n_r,), generator=g).tolist()
+        samples.append((ids, [0] * n_p + [1] * n_r))
+    batch = collate_packed(samples)
+    lm = batch["loss_mask"].clone()
+    lm[0, 1:][batch["segment_ids"][0, 1:] != batch["segment_ids"][0, :-1]] = 0
+    batch["loss_mask"] = lm
+    ref, sp = copy.deepcopy(base), sp_copy(base)
+    lr = sft_token_loss(token_logprobs(ref, batch, 64), batch["loss_mask"][:, 1:])
+    lr.backward()
+    ls = sft_token_loss(token_logprobs(sp, batch, 64), batch["loss_mask"][:, 1:])
+    ls.backward()
+    _assert_sp_equal("sft", lr, _grads(ref), ls, sp, world)
+
+    def dpo_of(m):
+        lp = token_logprobs(m, batch, 64)
+        mask = batch["loss_mask"][:, 1:].float()
+        seg = batch["segment_ids"][0, 1:]
+        sums = torch.zeros(4).index_add(0, seg, (lp * mask)[0])
+        losses, _, _ = dpo_loss("sigmoid", sums[:2], sums[2:], sums[:2].detach() * 0.9, sums[2:].detach() * 1.1,
+                                0.1, 0.0)
+        return losses.mean()
+
+    ref, sp = copy.deepcopy(base), sp_copy(base)
+    lr = dpo_of(ref)
+    lr.backward()
+    ls = dpo_of(sp)
+    ls.backward()
+    _assert_sp_equal("dpo", lr, _grads(ref), ls, sp, world)
+
+    # critic: padded forward at N=1 (CriticModel's own path), packed slices at N=2
+    from transformers import AutoModel
+
+    torch.manual_seed(3)
+    crit = CriticModel(AutoModel.from_pretrained(kit, attn_implementation="sdpa", dtype=torch.float32),
+                       base.config.hidden_size)
+    csp = sp_copy(crit)
+    tgt = torch.randn(act.shape, generator=torch.Generator().manual_seed(4))
+    lr = (((crit(seq, att, act.size(1)) - tgt) ** 2) * act).sum()
+    lr.backward()
+    ls = (((csp(seq, att, act.size(1)) - tgt) ** 2) * act).sum()
+    ls.backward()
+    _assert_sp_equal("critic", lr, _grads(crit), ls, csp, world)
+
+
+def _sp_worker(rank, world, kit):
+    _core_checks(rank, world, kit)
+
+
+def test_sp2_equals_sp1_on_two_gloo_ranks(tiny_kit):
+    spawn(_sp_worker, 2, tiny_kit)
