@@ -45,9 +45,11 @@ CASES = {
     },
     2: {
         # the issue's own case: 16 prompts, default 10% eval split -> 1 eval prompt for 2 ranks
+        # (on-policy: the gap is measured by the logprob_gap stage; eval: 2 samples of the one prompt -> pass@2)
         "w2_issue_16_prompts": ("grpo", dict(prompts=16, eval_prompts=None, rollout_batch_size=8,
                                              n_samples_per_prompt=2, train_batch_size=16, micro_train_batch_size=8,
-                                             max_samples=16, colocate_all_models=True)),
+                                             max_samples=16, colocate_all_models=True,
+                                             eval_n_samples_per_prompt=2, eval_temperature=1.0)),
         "w2_colocated_sleep_rb1": ("grpo", dict(prompts=4, eval_prompts=1, rollout_batch_size=1,
                                                 n_samples_per_prompt=2, train_batch_size=2, micro_train_batch_size=1,
                                                 colocate_all_models=True, vllm_enable_sleep=True,
@@ -159,6 +161,13 @@ def case_argv(name: str, spec: dict, kit: str, data: str, out: str):
     return kind, argv, steps
 
 
+def _lines(path: str) -> int:
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as fh:
+        return sum(1 for _ in fh)
+
+
 def run_cases(cases: dict, kit: str, data: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -196,6 +205,9 @@ def run_cases(cases: dict, kit: str, data: str, out: str) -> None:
                                      "critic_exported": os.path.isfile(os.path.join(critic_dir, "value_head.pt")),
                                      "actor_updates": [("policy_loss" in r) for r in train],
                                      "refill": [(r.get("dynamic_filter_rounds"), r.get("filtered_frac")) for r in train],
+                                     "gap": [r.get("rollout_logprob_gap") for r in train],
+                                     "eval_last": ev[-1] if ev else None,
+                                     "generations": _lines(os.path.join(cfg.logging.log_dir, "generations.jsonl")),
                                      "last": {k: train[-1].get(k) for k in ("reward", "kl", "policy_loss",
                                                                            "value_loss", "response_len")}}) + "\n")
         del trainer

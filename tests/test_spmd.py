@@ -61,6 +61,12 @@ def test_sweep_every_placement_and_awkward_sizes(world, tiny_kit, tmp_path):
     if world == 2:  # --freezing_actor_steps 1: no actor update in step 1; --save_value_network: the critic saved
         r = res["w2_gae_rm_colocated"]
         assert r["actor_updates"] == [False, True] and r["critic_exported"], r
+        # one eval prompt on 2 ranks, 2 samples: pass@1 <= pass@2; 2 of them in generations.jsonl (the default 4
+        # capped by the rows); on-policy, the gap of step 1 measured by the logprob_gap stage
+        r = res["w2_issue_16_prompts"]
+        e = r["eval_last"]
+        assert e["samples"] == 2 and 0 <= e["eval_default_pass1"] <= e["eval_default_pass2"] <= 1, e
+        assert r["generations"] == 2 and r["gap"][0] is not None and r["gap"][0] < 1e-4, r
 
 
 def test_sweep_two_nodes_of_two_ranks(tiny_kit, tmp_path):

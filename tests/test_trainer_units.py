@@ -52,6 +52,7 @@ def test_every_estimator_runs_one_step(tiny_kit, tmp_path, estimator):
     if estimator == "rloo":
         assert "dual_clip_frac" in m and m["entropy"] > 0, "rloo: dual clip / entropy bonus not reported"
         assert m["rollout_logprob_gap"] < 1e-4, "IS correction: rollout and trainer log-probs differ on-policy"
+        assert m["is_filter_ratio"] == 0.0, "on-policy, no token lies outside the tis band [0.5, 5]"
 
 
 def test_packed_and_padded_losses_agree(tiny_kit):

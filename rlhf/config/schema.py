@@ -268,6 +268,14 @@ class LoggingConfig:
     use_tensorboard: Optional[str] = opt(None, "write TensorBoard events: to DIR (OpenRLHF's --use_tensorboard DIR), "
                                               "or to --log_dir/tensorboard when given alone", optional_value="True")
     progress_bar: bool = opt(True, "rank-0 progress bar with ETA")
+    log_val_generations: int = opt(4, "RL eval: write N prompt/response/reward rows per eval to "
+                                      "<--log_dir>/generations.jsonl, and a wandb table eval/generations with "
+                                      "--use_wandb; the same rows every eval (veRL's trainer.log_val_generations; "
+                                      "0 = off)")
+    logprob_gap_interval: int = opt(10, "RL: where the update is one on-policy step and skips the trainer's own "
+                                        "log-prob forward, run it anyway on the first step and every N steps to log "
+                                        "rollout_logprob_gap (training unchanged; 0 = never); measured every step "
+                                        "wherever old log-probs are computed anyway")
 
 
 GROUPS = {

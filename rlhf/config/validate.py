@@ -86,6 +86,9 @@ def _validate_sp(cfg, kind: str) -> None:
                       ("rollout_batch_size", r.rollout_batch_size), ("num_episodes", o.num_episodes),
                       ("prompt_max_len", d.prompt_max_len), ("generate_max_len", d.generate_max_len)):
         _check(val > 0, flag, f"--{flag} must be > 0, got {val}" + _POSITIVE_HINT.get(flag, ""))
+    for flag in ("log_val_generations", "logprob_gap_interval"):
+        val = getattr(cfg.logging, flag)
+        _check(val >= 0, flag, f"--{flag} must be >= 0 (0 = off), got {val}; e.g. --{flag} 10")
     est = a.advantage_estimator
     _check(est in ADVANTAGE_ESTIMATORS, "advantage_estimator",
            f"--advantage_estimator {est!r} is unknown; choose one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")

@@ -18,7 +18,7 @@ import torch
 from rlhf.distributed.sharding import all_gather_objects, gather_rows, shard_rows
 from rlhf.rollout.base import RolloutBatch
 
-from .advantage_stage import StageInputs, advantage_stage, needs_old_logprobs
+from .advantage_stage import StageInputs, _gap_metric, advantage_stage, needs_old_logprobs
 from .cadence import log0
 from .ppo_update import train_actor, train_critic
 
@@ -214,6 +214,37 @@ def old_logprobs_stage(tr, st: StepState) -> None:
                                               m.logprob_chunk_size, m.packing_samples)
 
 
+def gap_due(cfg, step: int) -> bool:
+    """Whether 0-based ``step`` measures ``rollout_logprob_gap`` where the old log-prob forward is skipped: the
+    first step and every --logprob_gap_interval-th (1-based steps N, 2N, ...: the ones --logging_steps N logs).
+    From the step number and the config only, so every rank decides alike."""
+    n = cfg.logging.logprob_gap_interval
+    return n > 0 and (step == 0 or (step + 1) % n == 0)
+
+
+def measures_gap_only(tr) -> bool:
+    """The old log-prob forward is skipped (one on-policy update, nothing else needs it) and --logprob_gap_interval
+    asks for the gap now and then: the ``logprob_gap`` stage applies."""
+    return (tr.cfg.logging.logprob_gap_interval > 0
+            and not needs_old_logprobs(tr.cfg, on_policy_single_update(tr.cfg)))
+
+
+def logprob_gap_stage(tr, st: StepState) -> None:
+    """issue 26 item 4: on-policy single-update steps skip the trainer's own log-prob forward, so nothing compares
+    the rollout engine's log-probs with the trainer's (a stale vLLM LM head went unseen).  On the steps ``gap_due``
+    names, the actor group runs that forward on the rollout batch (every member, SPMD; the other ranks take the
+    gather) and logs ``rollout_logprob_gap`` (advantage_stage._gap_metric, the same definition as on the steps that
+    compute old log-probs).  The log-probs serve the metric only: ``st.old_logprobs`` stays None, so the update is
+    the same with the measurement as without it."""
+    if not gap_due(tr.cfg, st.step):
+        return
+    m = tr.cfg.model
+    with tr.scheduler.phase("logprob_gap", role="actor"):
+        lp = tr.roles.actor.logprobs(st.batch, logprob_temperature(tr.cfg), inference_rows(tr.cfg),
+                                     m.logprob_chunk_size, m.packing_samples)
+    st.metrics.update(_gap_metric(lp, st.batch.rollout_logprobs, st.batch.action_mask.float()))
+
+
 def advantages_stage(tr, st: StepState) -> None:
     b, res = st.batch, st.rewards
     out = advantage_stage(tr.cfg, StageInputs(res["rewards"], res["scores"], res["valid"], b.action_mask, b.truncated,
@@ -265,6 +296,7 @@ def rl_stages() -> List[Stage]:
         Stage("values", values_stage, role="critic", applies=lambda tr: tr.roles.critic is not None),
         Stage("old_logprobs", old_logprobs_stage, role="actor",
               applies=lambda tr: needs_old_logprobs(tr.cfg, on_policy_single_update(tr.cfg))),
+        Stage("logprob_gap", logprob_gap_stage, applies=measures_gap_only),  # its own scheduler phase, when due
         Stage("advantages", advantages_stage),
         Stage("prefetch", prefetch_stage, applies=lambda tr: tr.cfg.rollout.async_train),
         Stage("critic_update", critic_update_stage, role="critic", applies=lambda tr: tr.roles.critic is not None),

@@ -17,6 +17,7 @@ from typing import Dict, List
 import torch
 
 from rlhf.algorithms import LossTotals, aggregate, compute_kl, importance_weights, kl_unbiased_gradient, value_loss
+from rlhf.algorithms.is_filter import is_filter_ratio
 from rlhf.algorithms.masked import masked_mean
 from rlhf.algorithms.registry import POLICY_LOSSES
 from rlhf.distributed import comm, shard_rows
@@ -124,6 +125,10 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
                             is_w = importance_weights(old, roll, mask, a.is_correction_type,
                                                       a.is_truncated_threshold_low, a.is_truncated_threshold,
                                                       gating=a.is_correction_gating)
+                            fr = is_filter_ratio(old, roll, mask, a.is_correction_type, a.is_truncated_threshold_low,
+                                                 a.is_truncated_threshold, a.is_correction_gating)  # OpenRLHF 0.11.2
+                            if fr is not None:
+                                logs["is_filter_ratio"].append(fr)
                         step["vllm_kl"] += float(masked_mean(roll - old, mask)) / max(len(micro_rows), 1)
                     pl, met = loss_fn(logp, ratio_base, mb.advantages.to(dev), mask,
                                       clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,

@@ -15,8 +15,9 @@ from typing import List, Optional
 import torch
 
 from rlhf.algorithms import ADVANTAGE_ESTIMATORS, RunningMeanStd, make_kl_controller
+from rlhf.algorithms.eval_metrics import pass_at_n
 from rlhf.config.preflight import preflight
-from rlhf.data.formatting import build_prompts
+from rlhf.data.formatting import build_prompts, format_prompt
 from rlhf.data.loading import load_train_eval
 from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, make_placement, nnodes_from_env
 from rlhf.distributed.failfast import Watchdog, guarded, refill_deadlines
@@ -30,7 +31,7 @@ from rlhf.utils.preempt import StopSignal
 
 from .advantage_stage import InvalidRewardGuard
 from .cadence import Cadence, log0, planned_steps
-from .experience import Stage, StepState, gathered_rollout, rl_stages, score_batch
+from .experience import Stage, StepState, decode_queries, gathered_rollout, rl_stages, score_batch
 from .roles import build_roles
 
 
@@ -45,7 +46,29 @@ def load_prompt_sets(cfg, tokenizer, kit_dir: Optional[str]):
                                d.prompt_data_probs, kit, "--prompt_data is required with --pretrain (the built-in task "
                                "comes with the built-in kit); e.g. --prompt_data prompts.jsonl --input_key input "
                                "--label_key label", cfg.optim.seed)
-    return build_prompts(rows, tokenizer, d), build_prompts(ev, tokenizer, d)
+    return build_prompts(rows, tokenizer, d), build_prompts(ev, tokenizer, d), datasources(ev, tokenizer, d)
+
+
+def datasources(rows, tokenizer, d) -> dict:
+    """Formatted prompt text -> its row's ``datasource`` (rows without one: none, read as "default"): OpenRLHF's
+    ``prompt_to_datasource`` (openrlhf/trainer/ppo_trainer.py compute_eval_metrics), which keys pass@k by source."""
+    return {format_prompt(r[d.input_key], tokenizer, d.apply_chat_template, d.input_template): str(r["datasource"])
+            for r in rows if r.get("datasource") is not None}
+
+
+def generation_rows(tokenizer, batch, res: dict, labels: List, k: int) -> List[dict]:
+    """``k`` eval samples as {prompt, response, label, reward} (reward None when invalid): rows drawn with a fixed
+    seed, so every eval logs the same prompts' samples (veRL ``_maybe_log_val_generations``: a fixed-seed shuffle,
+    then the first N)."""
+    n = batch.sequences.size(0)
+    rows = torch.randperm(n, generator=torch.Generator().manual_seed(42))[:k].sort().values
+    queries, prompts = decode_queries(tokenizer, batch.select(rows), slice(None))
+    out = []
+    for i, q, p in zip(rows.tolist(), queries, prompts):
+        ok = bool(res["valid"][i]) and bool(torch.isfinite(res["rewards"][i]))
+        out.append({"prompt": p, "response": q[len(p):], "label": labels[i],
+                    "reward": float(res["rewards"][i]) if ok else None})
+    return out
 
 
 def check_backend_placement(cfg, plan) -> None:
@@ -116,8 +139,8 @@ class RLTrainer:
             self.reward_source = builtin_reward_source(log0)
         self.path = resolve_pretrain(cfg.model.pretrain)
         self.tokenizer = load_tokenizer(self.path)
-        self.prompts, self.eval_prompts = load_prompt_sets(cfg, self.tokenizer,
-                                                           None if cfg.model.pretrain else self.path)
+        self.prompts, self.eval_prompts, self.eval_sources = load_prompt_sets(
+            cfg, self.tokenizer, None if cfg.model.pretrain else self.path)
         rb = r.rollout_batch_size
         if len(self.prompts) < rb:
             raise InputError(f"{len(self.prompts)} training prompts is fewer than --rollout_batch_size {rb} (one "
@@ -312,6 +335,11 @@ class RLTrainer:
         out = {"reward": float(r[valid].mean()) if valid.any() else float("nan"),
                "response_len": float(batch.action_mask.sum(1).float().mean()), "samples": float(r.numel())}
         out.update({f"reward_{k}": float(v.mean()) for k, v in res["extra_logs"].items()})
+        # eval_{datasource}_pass1 / _pass{n}: from the gathered rewards every rank holds (no collective)
+        out.update(pass_at_n(r, n, [self.eval_sources.get(p.prompt, "default") for p in self.eval_prompts], valid))
+        k = self.cfg.logging.log_val_generations
+        if k > 0 and self.rank == 0:  # decoding only, on the rank that writes the logs
+            self.logger.log_generations(self.step, generation_rows(self.tokenizer, batch, res, st.labels, k))
         return out
 
     # ---- loop ------------------------------------------------------------------------------------------------------

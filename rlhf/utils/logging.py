@@ -1,11 +1,12 @@
-"""Rank-0 progress bar with ETA, one metrics line per step, JSONL always, wandb / TensorBoard on request."""
+"""Rank-0 progress bar with ETA, one metrics line per step, JSONL always (metrics.jsonl; eval samples in
+generations.jsonl), wandb / TensorBoard on request."""
 from __future__ import annotations
 
 import json
 import os
 import sys
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 
 def _fmt(v) -> str:
@@ -33,12 +34,14 @@ class MetricsLogger:
         self.bar = None
         self.wandb = None
         self.tb = None
+        self.generations_table = None
         self.t0 = time.time()
         if not self.active:
             return
         os.makedirs(log_dir, exist_ok=True)
         self.path = os.path.join(log_dir, "metrics.jsonl")
         self.jsonl = open(self.path, "a", buffering=1)
+        self.generations_path = os.path.join(log_dir, "generations.jsonl")
         if progress_bar and sys.stderr.isatty():  # in batch logs the per-step metrics lines are the progress
             from tqdm import tqdm
 
@@ -74,6 +77,30 @@ class MetricsLogger:
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(f"{prefix}/{k}", v, step)
 
+    GENERATION_COLUMNS = ("step", "prompt", "response", "label", "reward")
+
+    def log_generations(self, step: int, rows: List[dict]) -> None:
+        """Eval samples ({prompt, response, label, reward}) of ``step``: appended to ``generations.jsonl`` beside
+        metrics.jsonl, one JSON object per sample with its step; with wandb, the ``eval/generations`` table, one
+        row per sample, holding every eval so far.  A wandb.Table logged twice under one key shows the first
+        version only, so each eval logs a new Table with the old rows plus the new ones (the workaround veRL's
+        ValidationGenerationsLogger and OpenRLHF's WandbLogger use, wandb issue 2981)."""
+        if not self.active or not rows:
+            return
+        cols = self.GENERATION_COLUMNS
+        with open(self.generations_path, "a") as fh:
+            for r in rows:
+                fh.write(json.dumps({"step": step, **{c: r.get(c) for c in cols[1:]}}) + "\n")
+        if self.wandb is not None:
+            import wandb
+
+            old = [] if self.generations_table is None else self.generations_table.data
+            table = wandb.Table(columns=list(cols), data=[list(x) for x in old])
+            for r in rows:
+                table.add_data(step, *(r.get(c) for c in cols[1:]))
+            self.generations_table = table
+            self.wandb.log({"eval/generations": table}, step=step)
+
     def resume_at(self, step: int) -> None:
         """After loading a checkpoint of ``step``: drop metrics rows past it (the crashed run's steps that will be
         trained again) and keep one row per (split, step), the newest; move the progress bar."""
@@ -102,6 +129,12 @@ class MetricsLogger:
         if len(keep) < len(rows):
             print(f"[resume] {self.path}: removed {len(rows) - len(keep)} rows past step {step} or repeated",
                   flush=True)
+        if os.path.isfile(self.generations_path):  # the samples of evals past the checkpoint are drawn again
+            with open(self.generations_path) as fh:
+                gen = [line for line in fh if _step_of(line) <= step]
+            with open(tmp, "w") as fh:
+                fh.writelines(gen)
+            os.replace(tmp, self.generations_path)
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
@@ -118,6 +151,14 @@ class MetricsLogger:
             self.wandb.finish()
         if self.tb is not None:
             self.tb.close()
+
+
+def _step_of(line: str) -> float:
+    """A generations.jsonl line's step; a line cut by a crash counts as past every step (dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def read_metrics(path: str):
