@@ -124,8 +124,6 @@ COMPAT: Dict[str, Compat] = {
     "max_tokens_per_gpu": _noop("only used with --use_dynamic_batch", int),
     "gradient_checkpointing_use_reentrant": _unsupported("gradient checkpointing is always non-reentrant"),
     "torch_compile": _unsupported("torch.compile is not applied to the models"),
-    "multiturn": _unsupported("multi-turn SFT data (compacted conversations) is not implemented"),
-    "pretrain_mode": _unsupported("SFT always trains on the response tokens only"),
     "margin_loss": _unsupported("a per-row margin column is not read; use --margin for a constant one"),
     "partial_rollout": _unsupported("partial rollouts (vLLM pause/resume) are not implemented"),
     "vllm_generate_batch_size": _unsupported("generation batches equal --rollout_batch_size (no oversampling)", int),

@@ -37,6 +37,9 @@ class ModelConfig:
     flash_attn: bool = opt(False, "use flash_attention_2 (needs the [flash] extra and CUDA)")
     gradient_checkpointing: bool = opt(False, "recompute activations in backward")
     packing_samples: bool = opt(False, "pack sequences into one row with position ids instead of padding")
+    pretrain_mode: bool = opt(False, "SFT: continued pre-training, loss on every token of the plain text in "
+                                     "--input_key (no chat template, no --input_template; OpenRLHF "
+                                     "--pretrain_mode / --model.pretrain_mode_enable)")
     lora_rank: int = opt(0, "LoRA rank (0 = full fine-tuning)")
     lora_alpha: int = opt(16, "LoRA alpha")
     target_modules: str = opt("all-linear", "LoRA target modules (comma separated or all-linear)")
@@ -64,6 +67,8 @@ class DataConfig:
     margin_key: str = opt("margin", "key of the per-pair reward-model margin (read with --margin_loss)")
     input_template: Optional[str] = opt(None, "template with {} applied to the prompt when no chat template is used")
     apply_chat_template: bool = opt(False, "format prompts with the tokenizer's chat template")
+    multiturn: bool = opt(False, "SFT: --input_key holds a whole conversation (chat messages); loss on every "
+                                 "assistant turn (needs --apply_chat_template; OpenRLHF --multiturn)")
     max_samples: int = opt(10**9, "use at most this many samples from each data set")
     eval_split: float = opt(0.1, "fraction held out for eval when no --eval_dataset is given")
     prompt_max_len: int = opt(1024, "max prompt tokens (longer prompts are left-truncated)")

@@ -55,6 +55,12 @@ def validate(cfg, kind: str) -> None:
         _validate_rl(cfg)
     if kind in ("sft", "rm", "dpo"):
         _check(d.max_len > 8, "max_len", "--max_len must be > 8")
+    for flag, on in (("multiturn", d.multiturn), ("pretrain_mode", m.pretrain_mode)):  # rlhf.data.sft_modes
+        _check(not on or kind == "sft", flag, f"--{flag} is an SFT mode (rlhf.train_sft); drop it for {kind}")
+    _check(not (d.multiturn and m.pretrain_mode), "multiturn", "--multiturn and --pretrain_mode are two SFT modes, "
+           "pick one: --multiturn trains on the assistant turns of conversations, --pretrain_mode on plain text")
+    _check(not d.multiturn or d.apply_chat_template, "multiturn", "--multiturn renders each conversation with the "
+           "tokenizer's chat template: add --apply_chat_template")
 
 
 def _validate_rl(cfg) -> None:

@@ -62,6 +62,9 @@ def screen_rows(rows: List[Dict], tokenizer, cfg, kind: str, split: str = "train
     d = cfg.data
     keys = [getattr(d, k) for k in RESPONSE_KEYS[kind]]
     rep = DataReport(split, d.max_len, rows=len(rows))
+    if kind == "sft" and (d.multiturn or cfg.model.pretrain_mode):  # whole conversations / texts
+        from .sft_modes import screen_mode_rows
+        return screen_mode_rows(rows, tokenizer, cfg, split, rep), rep
     kept = []
     for i, row in enumerate(rows):
         try:  # message lists rendered as training will see them (a list without --apply_chat_template: an error)

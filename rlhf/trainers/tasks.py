@@ -77,10 +77,19 @@ class SFTTask(Task):
     name = "sft"
     required_keys = {"input_key": None, "output_key": None}
 
+    def __init__(self, cfg, tokenizer):
+        super().__init__(cfg, tokenizer)
+        if mode_of(cfg):  # --multiturn / --pretrain_mode: everything is in --input_key (rlhf.data.sft_modes)
+            self.required_keys = {"input_key": None}
+
     def build_model(self, path, on_meta=False):
         return build_policy(self.cfg, path, on_meta)
 
     def make_sample(self, row):
+        """(input_ids, loss_mask): prompt -> response (loss on the response and eos), or under --multiturn every
+        assistant turn, under --pretrain_mode every token (rlhf.data.sft_modes)."""
+        if mode_of(self.cfg):
+            return mode_sample(row, self.tokenizer, self.cfg)[:2]
         return tokenize_pair(self.tokenizer, _prompt(self.cfg, self.tokenizer, row),
                              _response(self.cfg, self.tokenizer, row, "output_key"), self.cfg.data.max_len)
 
