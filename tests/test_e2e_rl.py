@@ -1,4 +1,5 @@
 """End to end: the real trainers under torchrun on the tiny kit (gloo, CPU)."""
+import json
 import os
 import shutil
 
@@ -30,7 +31,8 @@ def test_grpo_colocated_hybrid_reward_rises(tiny_kit, sft_model, tmp_path):
     args = _rl_args(tiny_kit, sft_model, rollout_batch_size=16, n_samples_per_prompt=8, train_batch_size=32,
                     micro_train_batch_size=16, micro_rollout_batch_size=128, actor_learning_rate=2e-4,
                     lr_scheduler="constant", max_global_steps=60, eval_steps=30, colocate_all_models=True,
-                    vllm_enable_sleep=True, deepspeed_enable_sleep=True, seed=1, save_path=tmp_path / "grpo")
+                    vllm_enable_sleep=True, deepspeed_enable_sleep=True, seed=1, save_path=tmp_path / "grpo",
+                    eval_n_samples_per_prompt=4, eval_temperature=1.0)
     train, ev, out = torchrun("rlhf.train_grpo", 2, args, tmp_path, str(tmp_path / "logs"))
     assert len(train) == 60
     acc = [r["reward_accuracy"] for r in train]
@@ -41,6 +43,10 @@ def test_grpo_colocated_hybrid_reward_rises(tiny_kit, sft_model, tmp_path):
         for k in ("time_rollout", "time_actor_update", "time_weight_sync", "entropy", "clip_frac", "policy_loss", "grad_norm"):
             assert k in r
     assert len(ev) == 2
+    for e in ev:  # OpenRLHF's eval keys (no datasource column: "default"); 4 samples per prompt
+        assert 0 <= e["eval_default_pass1"] <= e["eval_default_pass4"] <= 1, e
+    with open(tmp_path / "logs" / "generations.jsonl") as fh:  # --log_val_generations 4 (default) per eval
+        assert [json.loads(line)["step"] for line in fh] == [30] * 4 + [60] * 4
     assert os.path.isfile(tmp_path / "grpo" / "model.safetensors")
     from transformers import AutoModelForCausalLM
 
