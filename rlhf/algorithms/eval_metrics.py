@@ -7,7 +7,9 @@ reshaped to (prompts, n); per data source
     eval_{ds}_pass{n} = mean over the source's prompts of  max_j r_ij      (only when n > 1)
 
 With 0/1 rewards these are the fraction of correct samples and the fraction of prompts solved by at least one of
-their n samples (pass@n as "any of the n is correct", not the unbiased estimator of the Codex paper).  Prompts
+their n samples ("any of the n is correct").  They then equal the Codex paper's unbiased estimator
+1 - C(n - c, k) / C(n, k) (c correct of n) at its two ends, k = 1 (c / n) and k = n (1 if c > 0), so no second
+estimator is offered; with graded rewards they are OpenRLHF's mean and max.  Prompts
 without a ``datasource`` column count as ``default`` (OpenRLHF's PromptDataset default), so the usual keys are
 ``eval_default_pass1`` / ``eval_default_pass4``.  Ours only: invalid rewards (NaN, failed reward calls; see
 ``reward_invalid``) are left out of a prompt's mean and max, and a prompt without one valid sample is left out of
