@@ -204,8 +204,127 @@ def _core_checks(rank, world, kit):
     _assert_sp_equal("critic", lr, _grads(crit), ls, csp, world)
 
 
+class _GradTap:
+    """Records the full gradients an engine steps with (FSDP2 shards gathered; a collective on every rank)."""
+
+    def __init__(self, engine):
+        self.grads, self._step = [], engine.step
+
+        def step():
+            full = {}
+            for n, p in engine.model.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                    full[n] = g.detach().clone()
+            self.grads.append(full)
+            return self._step()
+
+        engine.step = step
+
+
+def _assert_same_steps(what, a, b):
+    assert len(a) == len(b) > 0, f"{what}: {len(a)} optimizer steps at N=1, {len(b)} at N=2"
+    for k, (ga, gb) in enumerate(zip(a, b)):
+        assert set(ga) == set(gb), f"{what}: step {k}: parameters with gradients differ"
+        for n in ga:
+            err = float((ga[n] - gb[n]).abs().max())
+            assert err < TOL, f"{what}: step {k}: gradient of {n} at N=2 differs from N=1 by {err}"
+
+
+def _engine(cfg, model, sp_size, rank, world, lr=1e-3):
+    from rlhf.backends.base import make_engine, spec_from_config
+    from rlhf.distributed import comm
+    from rlhf.distributed.sequence_parallel import SP, attach
+
+    eng = make_engine("fsdp2", model, spec_from_config(cfg, lr, 4), group=comm.world_group())
+    if sp_size > 1:
+        attach(eng.model, SP(sp_size, rank % sp_size, comm.world_group()))
+    return eng, _GradTap(eng)
+
+
+def _engine_checks(rank, world, kit):
+    """Trainer-level on FSDP2 over both ranks: N=1 is 2 data-parallel ranks, N=2 one SP group; the optimizer
+    steps' full gradients (after FSDP2's reduce-scatter) and the logged losses must agree."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from rlhf.config import parse
+    from rlhf.distributed.sequence_parallel import dp_coords
+    from rlhf.models.critic import CriticModel
+    from rlhf.trainers.experience import Experience
+    from rlhf.trainers.ppo_update import train_actor, train_critic
+    from rlhf.trainers.tasks import DPOTask, SFTTask
+
+    def lm():
+        return AutoModelForCausalLM.from_pretrained(kit, attn_implementation="sdpa", dtype=torch.float32)
+
+    # GRPO/PPO actor (clipped ratio, k3 KL loss, entropy bonus) and critic: 4 rows, 2 micro-batches of 1 per step
+    seq, att, act = _rollout(lm().config.vocab_size, seed=5)
+    seq, att, act = torch.cat([seq, seq.flip(0)[:1]]), torch.cat([att, att.flip(0)[:1]]), torch.cat([act, act.flip(0)[:1]])
+    g = torch.Generator().manual_seed(6)
+    old = -torch.rand(act.shape, generator=g) * act
+    exp = Experience(seq, att, act, old, old, old + 0.05 * torch.randn(act.shape, generator=g) * act,
+                     torch.randn(act.shape, generator=g) * act, torch.randn(act.shape, generator=g) * act,
+                     torch.randn(act.shape, generator=g) * act, torch.zeros(4))
+    rl = ["--pretrain", kit, "--packing_samples", "--train_batch_size", "4", "--micro_train_batch_size", "1",
+          "--rollout_batch_size", "2", "--n_samples_per_prompt", "2", "--use_kl_loss", "--init_kl_coef", "0.01",
+          "--entropy_loss_coef", "0.01", "--advantage_estimator", "gae"]
+    out = {}
+    for n in (1, 2):
+        cfg = parse("ppo", rl + ["--ring_attn_size", str(n)])
+        dp, dps, _ = dp_coords(rank, world, n)
+        torch.manual_seed(0)
+        eng, tap = _engine(cfg, lm(), n, rank, world)
+        met = train_actor(cfg, eng, exp, dp, dps, 0.01, step_seed=3)
+        torch.manual_seed(0)
+        ceng, ctap = _engine(cfg, CriticModel(AutoModel.from_pretrained(kit, attn_implementation="sdpa",
+                                                                        dtype=torch.float32), 64), n, rank, world)
+        cmet = train_critic(cfg, ceng, exp, dp, dps, step_seed=3)
+        out[n] = (tap.grads, met, ctap.grads, cmet)
+    _assert_same_steps("actor step", out[1][0], out[2][0])
+    _assert_same_steps("critic step", out[1][2], out[2][2])
+    from rlhf.distributed import comm
+
+    def mean_over_ranks(v):  # what the trainer logs: every rank's value averaged (each rank holds its share x DP)
+        t = torch.tensor([float(v)], dtype=torch.float64)
+        return float(comm.all_reduce(t)) / world
+
+    for i, k in ((1, "policy_loss"), (1, "kl_loss"), (1, "entropy"), (3, "value_loss")):
+        a, b = mean_over_ranks(out[1][i][k]), mean_over_ranks(out[2][i][k])
+        assert abs(a - b) < TOL, f"logged {k}: N=1 {a} vs N=2 {b}"
+
+    # SFT and DPO through their tasks, rows split as SupervisedTrainer.batches_for does (DP coordinates)
+    from rlhf.distributed import shard_rows
+
+    g = torch.Generator().manual_seed(7)
+
+    def pair(n_p, n_r):
+        ids = torch.randint(3, 200, (n_p + n_r,), generator=g).tolist()
+        return ids, [0] * n_p + [1] * n_r
+
+    sft_rows = [pair(3 + i, 2 + (i * 3) % 5) for i in range(4)]
+    dpo_rows = [(pair(4, 2 + i), pair(4, 5 - i), (-3.0 - i, -4.0 + i)) for i in range(4)]
+    for kind, task_cls, rows in (("sft", SFTTask, sft_rows), ("dpo", DPOTask, dpo_rows)):
+        grads = {}
+        for n in (1, 2):
+            cfg = parse(kind, ["--pretrain", kit, "--packing_samples", "--train_batch_size", "4",
+                               "--micro_train_batch_size", "1", "--ring_attn_size", str(n)])
+            task = task_cls(cfg, None)
+            task.ref = None  # DPO: the rows carry reference log-probs
+            dp, dps, _ = dp_coords(rank, world, n)
+            torch.manual_seed(0)
+            eng, tap = _engine(cfg, lm(), n, rank, world)
+            mine = rows[shard_rows(4, dp, dps)]
+            for i, r in enumerate(mine):
+                loss, _ = task.loss(eng.model, [r])
+                eng.backward(loss, i)
+            eng.step()
+            grads[n] = tap.grads
+        _assert_same_steps(f"{kind} step", grads[1], grads[2])
+
+
 def _sp_worker(rank, world, kit):
     _core_checks(rank, world, kit)
+    _engine_checks(rank, world, kit)
 
 
 def test_sp2_equals_sp1_on_two_gloo_ranks(tiny_kit):
