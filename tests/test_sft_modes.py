@@ -12,7 +12,6 @@ from rlhf.config.cli import parse
 from rlhf.data.formatting import format_prompt, format_response, tokenize_pair
 from rlhf.data.screen import screen_rows
 from rlhf.data.sft_modes import conversation, multiturn_sample, pretrain_sample
-from rlhf.tools.make_tiny import build_tokenizer
 
 
 def msg(role, content):
@@ -25,8 +24,11 @@ CHAT = [msg("system", "be brief"), msg("user", "1+2="), msg("assistant", "3"), m
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()  # the tiny kit's: "<|role|>content\n" per message, "<|assistant|>" as generation prompt
+def tok(tiny_kit):
+    from rlhf.models.load import load_tokenizer
+
+    # rlhf.tools.make_tiny's: "<|role|>content\n" per message, "<|assistant|>" as the generation prompt
+    return load_tokenizer(tiny_kit, padding_side="right")
 
 
 def test_multiturn_mask_covers_every_assistant_turn(tok):
@@ -116,6 +118,10 @@ def test_pretrain_mode_loss_is_the_plain_causal_lm_loss(tiny_kit):
     with pytest.raises(ValueError, match=r"--pretrain_mode trains on plain text, but --input_key 'text' holds"):
         pretrain_sample([msg("user", "hi")], tok, 64, "text")
     assert pretrain_sample("1+2=3", tok, 3)[:2] == (tok("1+2=3", add_special_tokens=False)["input_ids"][:3], [1] * 3)
+    # rows with no next token to predict are dropped and counted; rows over --max_len are cut at the end and counted
+    kept, rep = screen_rows([{"text": ""}, {"text": "7"}, {"text": "7*8=56"}, {"text": "1+2=3 " * 20}], tok, cfg, "sft")
+    assert [r["text"] for r in kept] == ["7*8=56", "1+2=3 " * 20]
+    assert (rep.dropped_empty, rep.response_truncated, rep.examples["empty"]) == (2, 1, 0)
 
 
 def _write(path, rows):
