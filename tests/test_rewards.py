@@ -1,14 +1,13 @@
-"""reward_func loading and every bad-input case; the RM server over a real local HTTP port."""
+"""Reward sources: reward_func loading and every bad-input case, the call and its deadline, the HTTP client (one or
+several servers), what reaches the advantages. The reward server itself: tests/test_serve_rm.py."""
 import json
 import math
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
-from conftest import post_json
 
 from rlhf.rewards.reward_func import RewardError, RewardSource, http_reward_func, load_reward_func, make_reward_source
 
@@ -100,67 +99,6 @@ def test_code_example_reward_sandboxed():
     assert out["rewards"].tolist() == [1.0, 0.0, 0.0]
 
 
-def _post(url, body: bytes):
-    return post_json(url, body)
-
-
-def test_rm_server_over_http(tiny_kit):
-    import os
-
-    from rlhf.serve_rm import RewardScorer, make_server
-
-    scorer = RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2)
-    server = make_server(scorer, "127.0.0.1", 0)
-    th = threading.Thread(target=server.serve_forever, daemon=True)
-    th.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/get_reward"
-    try:
-        code, out = _post(url, json.dumps({"queries": ["1+2=3", "1+2=4", "5+5=10"]}).encode())
-        assert code == 200 and len(out["rewards"]) == 3 and all(isinstance(x, float) for x in out["rewards"])
-        direct = scorer(["1+2=3", "1+2=4", "5+5=10"])
-        assert out["rewards"] == pytest.approx(direct, abs=1e-5)
-        alone = scorer(["1+2=4"])  # batching and padding do not change a score
-        assert alone[0] == pytest.approx(direct[1], abs=1e-4)
-        for bad, needle in ((b"not json", "not JSON"), (b"[1]", "JSON object"), (b'{"queries": []}', "non-empty"),
-                            (b'{"queries": ["a"], "labels": [1, 2]}', "as long as")):
-            code, out = _post(url, bad)
-            assert code == 400 and needle in out["error"]
-        fn = http_reward_func(url, timeout_s=30)
-        src = RewardSource(fn, url)
-        res = src(["1+2=3"], ["1+2="], ["3"])
-        assert res["rewards"].tolist() == pytest.approx(direct[:1], abs=1e-5)
-        with pytest.raises(RewardError, match="rejected the request"):
-            http_reward_func(url)([], [], [])
-    finally:
-        server.shutdown()
-
-
-def test_serve_rm_cli_end_to_end(tiny_kit):
-    """python -m rlhf.serve_rm as users start it; then train-time client calls against it."""
-    import os
-    import re
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen([sys.executable, "-m", "rlhf.serve_rm", "--reward_pretrain", os.path.join(tiny_kit, "reward"),
-                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    try:
-        url = None
-        for line in proc.stdout:
-            m = re.search(r"(http://127\.0\.0\.1:\d+/get_reward)", line)
-            if m:
-                url = m.group(1)
-                break
-        assert url, "server did not report its address"
-        src = make_reward_source(url)
-        out = src(["1+2=3", "1+2=4"], ["1+2=", "1+2="], ["3", "3"])
-        assert out["rewards"].shape == (2,) and torch.isfinite(out["rewards"]).all()
-        with urllib.request.urlopen(url.replace("/get_reward", "/health"), timeout=10) as r:
-            assert json.loads(r.read()) == {"status": "ok"}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 # ---- issue 27 item 5: silently wrong rewards --------------------------------------------------------------------
@@ -274,3 +212,112 @@ def test_several_reward_urls_split_each_batch(tmp_path):
     for spec in (f"{_write(tmp_path, GOOD)},{_write(tmp_path, GOOD, 'b.py')}", f"{_write(tmp_path, GOOD)},http://h/x"):
         with pytest.raises(RewardError, match="comma list must be http.s. reward servers only.*silently ignore"):
             make_reward_source(spec)
+
+
+# ---- the HTTP client ---------------------------------------------------------------------------------------------
+def test_sync_reward_func_timeout_enforced(tmp_path):
+    f = tmp_path / "slow_sync.py"
+    f.write_text("import time\ndef reward_func(q, p, l, **kw):\n    time.sleep(30)\n    return {'rewards': [1.0]}\n")
+    src = make_reward_source(str(f), timeout_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(RewardError) as e:
+        src(["a"], [""], [0])
+    took = time.monotonic() - t0
+    assert "did not return within 0.3s" in str(e.value) and "--reward_timeout_s" in str(e.value)
+    assert took < 5, f"a blocking sync reward_func held the caller {took:.1f}s past its 0.3s deadline"
+    fast = RewardSource(lambda q, p, labels: {"rewards": [2.0] * len(q)}, "fast", timeout_s=5)
+    assert fast(["a", "b"], ["", ""], [0, 0])["rewards"].tolist() == [2.0, 2.0]
+
+
+class _Stalled:
+    """A TCP server that accepts and never answers (a paused reward server)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.conns = []
+        self.accepts = 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepts += 1
+            self.conns.append(c)
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}/get_reward"
+
+    def close(self):
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+def test_http_client_deadline_covers_all_tries():
+    srv = _Stalled()
+    try:
+        fn = http_reward_func(srv.url, timeout_s=1.0, retries=2)
+        t0 = time.monotonic()
+        with pytest.raises(RewardError) as e:
+            fn(["1+2=3"], ["1+2="], ["3"])
+        took = time.monotonic() - t0
+        msg = str(e.value)
+        assert took < 2.5, f"a paused server held the client {took:.1f}s for a 1s --reward_timeout_s"
+        assert "waited 1s (--reward_timeout_s)" in msg and "the reward server's answer to POST" in msg
+        assert "1 queries" in msg and "--remote_rm_retries 2" in msg and "no answer within" in msg
+    finally:
+        srv.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/get_reward"
+    with pytest.raises(RewardError) as e:
+        http_reward_func(dead, timeout_s=2.0, retries=1)(["x"], [""], [None])
+    assert "connection refused (is the server running?" in str(e.value) and "2 tries" in str(e.value)
+
+
+class _OpenRLHFStyleServer:
+    """A reward server that reads only ``query``, as OpenRLHF's serve_rm does (openrlhf/cli/serve_rm.py:
+    ``queries = data.get("query")``): anything else in the body is ignored, a body without it is a 400."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        seen = self.seen = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                data = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                seen.append(data)
+                q = data.get("query")
+                code, out = (400, {"error": "no query"}) if not q else \
+                    (200, {"rewards": [float(len(x)) for x in q], "scores": [1.0] * len(q), "extra_logs": {}})
+                body = json.dumps(out).encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/get_reward"
+
+
+def test_http_client_speaks_openrlhf_query_key():
+    """Our client's body is OpenRLHF's {"query", "prompts", "labels"}: a server that reads only ``query`` scores
+    every text (before the fix the client sent ``queries`` and such a server answered 400)."""
+    srv = _OpenRLHFStyleServer()
+    try:
+        out = RewardSource(http_reward_func(srv.url, timeout_s=10), srv.url)(["ab", "abcd"], ["a", "a"], ["x", "y"])
+        assert out["rewards"].tolist() == [2.0, 4.0], out
+        assert srv.seen[-1] == {"query": ["ab", "abcd"], "prompts": ["a", "a"], "labels": ["x", "y"]}, srv.seen[-1]
+    finally:
+        srv.server.shutdown()

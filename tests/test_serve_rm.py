@@ -10,8 +10,10 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
+from conftest import post_json
 
-from rlhf.rewards.reward_func import RewardError, http_reward_func
+from rlhf.rewards.reward_func import RewardError, RewardSource, http_reward_func, make_reward_source
 from rlhf.serve_rm import Limits, RewardApp, RewardServer
 
 
@@ -209,3 +211,135 @@ def test_long_query_keeps_its_response(tiny_kit):
         code, out, _ = post(srv.url, {"query": answers + ["1+2=3"]})
         assert code == 200 and out["extra_logs"]["rm_query_truncated"] == [1.0, 1.0, 0.0]
         assert out["rewards"][:2] == pytest.approx(rewards, abs=1e-5)
+
+
+# ---- routes, validation, the real reward model ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def rm_server(tiny_kit):
+    from rlhf.serve_rm import RewardScorer, make_server
+
+    server = make_server(RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2), "127.0.0.1", 0,
+                         request_timeout_s=0.5)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+def _post(port, body: bytes, headers=None):
+    return post_json(f"http://127.0.0.1:{port}/get_reward", body, headers, timeout=10)
+
+
+def test_serve_rm_empty_query_is_400(rm_server):
+    code, out = _post(rm_server, json.dumps({"queries": [""]}).encode())
+    assert code == 400 and "empty strings" in out["error"], (code, out)
+    code, out = _post(rm_server, json.dumps({"queries": ["1+2=3", "  "]}).encode())
+    assert code == 400 and "[1]" in out["error"]
+    code, out = _post(rm_server, json.dumps({"queries": ["1+2=3"]}).encode())
+    assert code == 200 and len(out["rewards"]) == 1
+
+
+def test_serve_rm_half_sent_request_times_out(rm_server):
+    with socket.create_connection(("127.0.0.1", rm_server), timeout=10) as s:
+        s.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"queries\": [")   # then stops sending
+        t0 = time.monotonic()
+        data = b""
+        while True:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        took = time.monotonic() - t0
+    assert data.startswith(b"HTTP/1.0 408") or data.startswith(b"HTTP/1.1 408"), data[:80]
+    assert b"not received within 0.5s" in data and took < 5
+    with socket.create_connection(("127.0.0.1", rm_server), timeout=10) as s:
+        s.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\n")          # headers never finished
+        t0 = time.monotonic()
+        while s.recv(4096):
+            pass
+        assert time.monotonic() - t0 < 5, "the server kept a half-sent request open"
+    with socket.create_connection(("127.0.0.1", rm_server), timeout=10) as s:
+        s.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}")
+        data = b""
+        while b"}" not in data:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    assert b" 400 " in data.split(b"\r\n")[0] and b"Invalid HTTP request" in data  # h11 refuses it
+
+
+def test_serve_rm_accepts_openrlhf_query_key(rm_server):
+    """OpenRLHF's client posts ``query`` (openrlhf/utils/remote_rm_utils.py remote_rm_fn): 200 with the same
+    scores as ``queries``; a body with neither is a 400 that shows the body to send."""
+    texts = ["1+2=3", "1+2=4"]
+    code, a = _post(rm_server, json.dumps({"query": texts, "prompts": ["1+2="] * 2, "labels": ["3", "3"]}).encode())
+    assert code == 200 and len(a["rewards"]) == 2, (code, a)
+    code, b = _post(rm_server, json.dumps({"queries": texts}).encode())
+    assert code == 200 and a["rewards"] == pytest.approx(b["rewards"], abs=1e-6)
+    code, out = _post(rm_server, json.dumps({"texts": texts}).encode())
+    assert code == 400 and "no 'query'" in out["error"] and '{"query": [' in out["error"], out
+    code, out = _post(rm_server, json.dumps({"query": ["a"], "labels": [1, 2]}).encode())
+    assert code == 400 and "as long as 'query'" in out["error"], out
+
+
+def test_rm_server_over_http(tiny_kit):
+    from rlhf.serve_rm import RewardScorer, make_server
+
+    scorer = RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2)
+    server = make_server(scorer, "127.0.0.1", 0)
+    th = threading.Thread(target=server.serve_forever, daemon=True)
+    th.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/get_reward"
+    try:
+        code, out = post_json(url, json.dumps({"queries": ["1+2=3", "1+2=4", "5+5=10"]}).encode())
+        assert code == 200 and len(out["rewards"]) == 3 and all(isinstance(x, float) for x in out["rewards"])
+        direct = scorer(["1+2=3", "1+2=4", "5+5=10"])
+        assert out["rewards"] == pytest.approx(direct, abs=1e-5)
+        alone = scorer(["1+2=4"])  # batching and padding do not change a score
+        assert alone[0] == pytest.approx(direct[1], abs=1e-4)
+        for bad, needle in ((b"not json", "not JSON"), (b"[1]", "JSON object"), (b'{"queries": []}', "non-empty"),
+                            (b'{"queries": ["a"], "labels": [1, 2]}', "as long as")):
+            code, out = post_json(url, bad)
+            assert code == 400 and needle in out["error"]
+        fn = http_reward_func(url, timeout_s=30)
+        src = RewardSource(fn, url)
+        res = src(["1+2=3"], ["1+2="], ["3"])
+        assert res["rewards"].tolist() == pytest.approx(direct[:1], abs=1e-5)
+        with pytest.raises(RewardError, match="rejected the request"):
+            http_reward_func(url)([], [], [])
+    finally:
+        server.shutdown()
+
+
+def test_serve_rm_cli_end_to_end(tiny_kit, monkeypatch):
+    """python -m rlhf.serve_rm as users start it, its API key from RLHF_RM_API_KEY; then train-time client calls
+    against it, without the key (401, named) and with it."""
+    import re
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf.serve_rm", "--reward_pretrain", os.path.join(tiny_kit, "reward"),
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1", RLHF_RM_API_KEY="k-123"))
+    try:
+        url = None
+        for line in proc.stdout:
+            m = re.search(r"(http://127\.0\.0\.1:\d+/get_reward)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url, "server did not report its address"
+        assert "(API key required)" in line, line
+        monkeypatch.delenv("RLHF_RM_API_KEY", raising=False)
+        with pytest.raises(RewardError, match=r"\(401\).*RLHF_RM_API_KEY"):
+            make_reward_source(url)(["1+2=3"], ["1+2="], ["3"])
+        monkeypatch.setenv("RLHF_RM_API_KEY", "k-123")
+        src = make_reward_source(url)
+        out = src(["1+2=3", "1+2=4"], ["1+2=", "1+2="], ["3", "3"])
+        assert out["rewards"].shape == (2,) and torch.isfinite(out["rewards"]).all()
+        with urllib.request.urlopen(url.replace("/get_reward", "/health"), timeout=10) as r:
+            assert json.loads(r.read()) == {"status": "ok"}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
