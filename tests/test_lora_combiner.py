@@ -109,6 +109,24 @@ def test_reward_model_merge_keeps_the_value_head(tiny_kit, tmp_path):
             got = scores_at_positions(merged, ids, att)
         assert (got - want).abs().max() < 1e-5, (task_type, got, want)
 
+    # a causal-LM base (no head): fine when the adapter brings the head (TRL / peft SEQ_CLS reward models) ...
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_kit, num_labels=1, dtype=torch.float32)
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], task_type="SEQ_CLS"))
+    _nonzero_lora(lora, seed=2)
+    lora.save_pretrained(tmp_path / "ad_lm")
+    with torch.no_grad():
+        want = scores_at_positions(lora.eval(), ids, att)
+    out = combine(["--model_path", tiny_kit, "--lora_path", str(tmp_path / "ad_lm"), "--output_path",
+                   str(tmp_path / "m_lm"), "--is_rm", "--param_dtype", "fp32"])
+    with torch.no_grad():
+        assert (scores_at_positions(load_reward_model(out)[0], ids, att) - want).abs().max() < 1e-5
+    # ... and an error when neither brings one (the merged head would be random)
+    with pytest.raises(SystemExit, match=r"--is_rm: .*has no reward head weight 'score.weight'.* carries no head"):
+        combine(["--model_path", tiny_kit, "--lora_path", str(tmp_path / "adapter_None"), "--output_path",
+                 str(tmp_path / "m_bad"), "--is_rm"])
+
 
 def test_bad_paths_name_the_flag(tiny_kit, tmp_path):
     with pytest.raises(SystemExit, match=r"--lora_path .*: a full model \(config.json\), not an adapter"):

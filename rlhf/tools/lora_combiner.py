@@ -12,7 +12,8 @@ LM, or with ``--is_rm`` as a one-label sequence-classification model; the adapte
 Reward models (``--is_rm``): the value head comes from the base, read under its config's ``value_head_prefix``
 (OpenRLHF writes e.g. ``value_head``; HF's name is ``score``) as every RM loader here does
 (``rlhf.models.load.load_reward_model``), unless the adapter carries a trained copy of the head (peft's
-``modules_to_save``, which a ``SEQ_CLS`` adapter has): then merge_and_unload keeps the adapter's copy. The merged
+``modules_to_save``, which a ``SEQ_CLS`` adapter has): then merge_and_unload keeps the adapter's copy (and a
+causal-LM base without any head is fine; without either, the head would be random: an error). The merged
 folder stores the head as ``score`` and says so in its config (``value_head_prefix: score``); a
 ``reward_norm.json`` (the reward mean / std PPO normalises with) next to the adapter, else next to the base, is
 copied along.
@@ -23,6 +24,7 @@ the tokenizer in --save_path); this tool turns it into a model any HF / vLLM loa
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 from typing import List, Optional
@@ -53,19 +55,32 @@ def check_paths(model_path: str, lora_path: str, output_path: str) -> None:
                                f"folder, e.g. --output_path {output_path.rstrip('/')}-merged")
 
 
-def load_base(model_path: str, is_rm: bool, dtype: torch.dtype):
+def adapter_has_head(lora_path: str) -> bool:
+    """Whether the adapter carries its own value head (peft ``modules_to_save``; a SEQ_CLS adapter lists score)."""
+    with open(os.path.join(lora_path, "adapter_config.json")) as fh:
+        return "score" in (json.load(fh).get("modules_to_save") or [])
+
+
+def load_base(model_path: str, is_rm: bool, dtype: torch.dtype, lora_path: Optional[str] = None):
     """The base model in ``dtype``: a causal LM, or (is_rm) a 1-label sequence classifier whose ``score`` holds the
-    head saved under the config's value_head_prefix (the rule of rlhf.models.load.load_reward_model)."""
+    head saved under the config's value_head_prefix (the rule of rlhf.models.load.load_reward_model). A base without
+    a head (a causal LM) is taken only when the adapter brings the head (its copy replaces the random one)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from rlhf.models.load import _head_key, quiet_progress, weight_index
+    from rlhf.models.load import ModelKindError, _head_key, quiet_progress, weight_index
 
     with quiet_progress():
         if not is_rm:
             return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, low_cpu_mem_usage=True)
         model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1, dtype=dtype,
                                                                    low_cpu_mem_usage=True)
-    head = _head_key(model_path, None) if os.path.isdir(model_path) else "score.weight"
+    try:
+        head = _head_key(model_path, None) if os.path.isdir(model_path) else "score.weight"
+    except ModelKindError as e:
+        if lora_path and adapter_has_head(lora_path):
+            return model
+        raise CombineError(f"--is_rm: {e}; and the adapter in --lora_path carries no head of its own (peft "
+                           f"modules_to_save), so the merged reward model's head would be random") from None
     if head != "score.weight":
         from safetensors import safe_open
 
@@ -87,7 +102,7 @@ def apply_lora(model_path: str, lora_path: str, output_path: str, is_rm: bool = 
     check_paths(model_path, lora_path, output_path)
     dtype = DTYPES[param_dtype]
     print(f"Loading the base model from {model_path} ({param_dtype})", flush=True)
-    base = load_base(model_path, is_rm, dtype)
+    base = load_base(model_path, is_rm, dtype, lora_path)
     print(f"Loading the LoRA adapter from {lora_path}", flush=True)
     merged = PeftModel.from_pretrained(base, lora_path).merge_and_unload()
     merged = merged.to(dtype)  # every saved tensor in --param_dtype (peft may upcast adapter-side copies)
