@@ -106,6 +106,8 @@ class _FakeTrainer:
 
 
 def test_logprob_gap_measured_on_the_first_and_every_nth_step_without_touching_training():
+    import click
+
     from rlhf.rollout.base import RolloutBatch
     from rlhf.trainers.experience import StepState, gap_due, logprob_gap_stage, measures_gap_only, rl_stages
 
@@ -117,6 +119,9 @@ def test_logprob_gap_measured_on_the_first_and_every_nth_step_without_touching_t
     assert measures_gap_only(tr), "on-policy single update: the old log-prob forward is skipped, the gap stage runs"
     for off in (("--max_epochs", "2"), ("--enable_is_correction",), ("--logprob_gap_interval", "0")):
         assert not measures_gap_only(_FakeTrainer(_grpo_cfg(*off), None)), off  # measured every step, or never
+    for flag in ("--logprob_gap_interval", "--log_val_generations"):
+        with pytest.raises(click.UsageError, match=f"{flag} must be >= 0 \\(0 = off\\), got -1; e.g. {flag} 10"):
+            _grpo_cfg(flag, "-1")
     stage = next(s for s in rl_stages() if s.name == "logprob_gap")
     assert stage.role is None, "a stage role would wake the actor on every step; the stage opens its phase when due"
 
