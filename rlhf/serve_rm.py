@@ -149,7 +149,7 @@ class _Disconnected(Exception):
     pass
 
 
-class _BodyTimeout(Exception):
+class _BodyTooLarge(Exception):
     pass
 
 
@@ -180,8 +180,9 @@ class RewardApp:
             return await _respond(send, 401, {"error": f"missing or wrong API key: send 'Authorization: Bearer "
                                                        f"<key>' (the trainer sends ${API_KEY_ENV})"},
                                   [(b"www-authenticate", b"Bearer")])
+        chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
         n = int(headers.get(b"content-length", b"0") or 0)  # h11 has already refused a malformed one with 400
-        if n <= 0:
+        if n <= 0 and not chunked:
             return await _respond(send, 400, {"error": "missing body (Content-Length 0)"})
         if n > MAX_BODY:
             return await _respond(send, 413, {"error": f"body of {n} bytes is over {MAX_BODY}"}, close=True)
@@ -192,6 +193,8 @@ class RewardApp:
             return await _respond(send, 408, {"error": f"request body not received within "
                                                        f"{self.limits.request_timeout_s:g}s (--request_timeout_s)"},
                                   close=True)
+        except _BodyTooLarge:
+            return await _respond(send, 413, {"error": f"body is over {MAX_BODY} bytes"}, close=True)
         except _Disconnected:
             return None
         try:
@@ -253,12 +256,15 @@ def _key_ok(header: bytes, key: str) -> bool:
 
 
 async def _read_body(receive) -> bytes:
-    chunks = []
+    chunks, size = [], 0
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
             raise _Disconnected()
         chunks.append(msg.get("body", b""))
+        size += len(chunks[-1])
+        if size > MAX_BODY:  # a chunked body announces no length
+            raise _BodyTooLarge()
         if not msg.get("more_body", False):
             return b"".join(chunks)
 

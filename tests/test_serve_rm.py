@@ -135,6 +135,17 @@ def test_pending_queries_bound_is_503_with_retry_after():
         hog.close()
 
 
+def test_chunked_body_is_read():
+    """A body sent with Transfer-Encoding: chunked (no Content-Length) is scored, not refused as empty."""
+    with Served() as srv, socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        body = json.dumps({"query": ["abc", "de"]}).encode()
+        s.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+                  + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        data = _read_all(s)
+    head, _, payload = data.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0] and json.loads(payload)["rewards"] == [3.0, 2.0], data[:300]
+
+
 def _read_all(s):
     data = b""
     while True:

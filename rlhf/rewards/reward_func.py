@@ -227,12 +227,15 @@ class RewardSource:
         except Exception as e:
             tb = traceback.format_exc()
             if isinstance(e, ValueError) and "signal only works in main thread" in str(e):
+                why = main_thread_deadline_unavailable()
+                where = (f"this call ran on a worker thread because {why}. Call the reward source from the main "
+                         f"thread, or" if why else
+                         "it was set from a thread the reward function (or a library it calls) started. Set it on "
+                         "the calling thread, or")
                 raise RewardError(
                     f"{self.where}: reward_func set a signal handler (signal.signal / signal.alarm), which Python "
-                    f"allows only on the main thread, and this call ran on a worker thread because "
-                    f"{main_thread_deadline_unavailable() or 'of how it was called'}. Call the reward source from "
-                    f"the main thread, or use a timeout that works on any thread (a subprocess with a timeout, "
-                    f"concurrent.futures, math_verify's timeout_seconds=None)\n{tb}") from e
+                    f"allows only on the main thread, and {where} use a timeout that works on any thread (a "
+                    f"subprocess with a timeout, concurrent.futures, math_verify's timeout_seconds=None)\n{tb}") from e
             raise RewardError(f"{self.where}: reward_func raised {type(e).__name__}: {e}\n"
                               f"first query of the batch: {queries[0]!r}\n{tb}") from e
         res = check_result(out, n, self.where)
