@@ -107,6 +107,13 @@ CASES = {
         "w4_colocated_tp2_rb1": ("grpo", dict(prompts=3, eval_prompts=1, rollout_batch_size=1, n_samples_per_prompt=4,
                                               train_batch_size=4, micro_train_batch_size=1,
                                               colocate_all_models=True, vllm_tensor_parallel_size=2)),
+        # sequence parallelism: --ring_attn_size 2 over 4 colocated ranks = 2 data-parallel ranks x 2; actor (LoRA,
+        # gradient checkpointing), critic and reference split each packed row (issue 28)
+        "w4_sp2_gae_lora_ckpt": ("ppo", dict(prompts=4, eval_prompts=1, rollout_batch_size=2, n_samples_per_prompt=2,
+                                             train_batch_size=4, micro_train_batch_size=1, colocate_all_models=True,
+                                             packing_samples=True, ring_attn_size=2, advantage_estimator="gae",
+                                             critic_learning_rate=1e-3, init_kl_coef=0.01, lora_rank=4,
+                                             lora_alpha=8, gradient_checkpointing=True)),
         "w4_actor2_rollout2_async": ("grpo", dict(prompts=6, eval_prompts=1, rollout_batch_size=3,
                                                   n_samples_per_prompt=2, train_batch_size=6,
                                                   micro_train_batch_size=3, actor_num_gpus_per_node=2,

@@ -191,7 +191,8 @@ def all_gather_tensor(x: torch.Tensor, group=None) -> torch.Tensor:
         return x
     y = _on_device(x.contiguous())
     out = torch.empty((world_size(group) * y.size(0),) + tuple(y.shape[1:]), dtype=y.dtype, device=y.device)
-    dist.all_gather_into_tensor(out, y, group=group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the new name in torch 2.13
+    gather(out, y, group=group)
     return out if out.device == x.device else out.to(x.device)
 
 
