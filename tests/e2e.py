@@ -9,7 +9,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def torchrun(module: str, nproc: int, args, cwd, log_dir: str, timeout: int = 600):
-    """nproc 0: plain ``python -m module`` (one process, no torchrun and none of its environment variables)."""
+    """nproc 0: plain ``python -m module`` (one process, no torchrun and none of its environment variables).
+    Returns (train rows, eval rows, stdout + stderr)."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
     cmd = [sys.executable, *launcher, "-m", module, "--log_dir", log_dir, "--no_progress_bar", *map(str, args)]
     env = {k: v for k, v in os.environ.items() if nproc or k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
@@ -19,4 +20,4 @@ def torchrun(module: str, nproc: int, args, cwd, log_dir: str, timeout: int = 60
     if p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
     rows = read_metrics(os.path.join(log_dir, "metrics.jsonl"))
-    return [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "eval"], p.stdout
+    return [r for r in rows if r["split"] == "train"], [r for r in rows if r["split"] == "eval"], p.stdout + p.stderr

@@ -14,12 +14,15 @@ def test_rm_learns_and_feeds_ppo(tiny_kit, sft_model, tmp_path):
     64 held-out pairs make one accuracy +-0.06, and at lr 2e-3 the run is chaotic (two SFT models 1e-4 apart,
     from summing gradients in another order, ended at 0.48 and 0.69): lr 1e-3, the mean of the last two evals."""
     d = os.path.join(tiny_kit, "data")
-    train, ev, _ = torchrun("rlhf.train_rm", 2, ["--pretrain", sft_model, "--dataset", f"{d}/pref_train.jsonl",
+    train, ev, out = torchrun("rlhf.train_rm", 2, ["--pretrain", sft_model, "--dataset", f"{d}/pref_train.jsonl",
                                                  "--eval_dataset", f"{d}/pref_eval.jsonl", "--max_epochs", 1,
                                                  "--learning_rate", 1e-3, "--save_path", tmp_path / "rm",
                                                  "--eval_steps", 20], tmp_path, str(tmp_path / "logs"))
     assert len(ev) >= 2 and (ev[-1]["acc"] + ev[-2]["acc"]) / 2 > 0.58, ev  # held-out pairs, chance = 0.5
     assert train[-1]["loss"] < train[0]["loss"]
+    # 2 ranks: the new score head's load report once (rank 0), no float() of a graph tensor warning per rank
+    assert out.count("LOAD REPORT") == 1 and "score.weight" in out, out[-3000:]
+    assert "requires_grad=True to a scalar" not in out, out[-3000:]
     stats = json.load(open(tmp_path / "rm" / "reward_norm.json"))
     assert stats["std"] > 0
     args = ["--pretrain", tiny_kit, "--reward_pretrain", tmp_path / "rm", "--prompt_data", f"{d}/prompts_train.jsonl",

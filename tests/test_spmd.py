@@ -67,6 +67,23 @@ def test_sweep_every_placement_and_awkward_sizes(world, tiny_kit, tmp_path):
         e = r["eval_last"]
         assert e["samples"] == 2 and 0 <= e["eval_default_pass1"] <= e["eval_default_pass2"] <= 1, e
         assert r["generations"] == 2 and r["gap"][0] is not None and r["gap"][0] < 1e-4, r
+        check_quiet(p.stdout + p.stderr)
+
+
+# what no 2-rank job should print: transformers' per-rank load report (the critic's "lm_head UNEXPECTED"), DeepSpeed's
+# "Setting accelerator to CPU" (imported by transformers' save under FSDP2), FSDP2's view-tensor warning (critic and
+# fused-head actor), transformers' per-rank "Writing model shards" bars, float() of a graph tensor
+NOISE = ("LOAD REPORT", "Setting accelerator to CPU", "returned a view tensor", "Writing model shards",
+         "Converting a tensor with requires_grad=True to a scalar")
+
+
+def check_quiet(out: str) -> None:
+    """The world-2 sweep loads, trains a critic, saves with FSDP2 and DeepSpeed: none of NOISE; the eval hold-out of
+    the one case without --eval_dataset (w2_issue_16_prompts: 16 prompts, --eval_split 0.1) said once, by rank 0."""
+    for line in NOISE:
+        assert line not in out, f"{line!r} is printed:\n" + "\n".join(x for x in out.splitlines() if line in x)[:2000]
+    note = "[data] no --eval_dataset: holding out 1 of 16 rows of --prompt_data for eval (--eval_split 0.1)"
+    assert out.count(note) == 1, f"the eval hold-out is said {out.count(note)} times, not once"
 
 
 def test_sweep_two_nodes_of_two_ranks(tiny_kit, tmp_path):

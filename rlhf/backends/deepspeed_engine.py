@@ -69,6 +69,13 @@ def deepspeed_config(spec: EngineSpec, dp: int, offload_optimizer: bool = False,
 
 
 def _import_deepspeed():
+    import os
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        # what DeepSpeed's detection would pick, said in advance: else every rank logs "Setting accelerator to CPU.
+        # If you have GPU or other accelerator, we were unable to detect it." (deepspeed/accelerator/
+        # real_accelerator.py ``get_accelerator``: the override path picks the same CPU accelerator silently)
+        os.environ["DS_ACCELERATOR"] = "cpu"
     try:
         import deepspeed
     except ImportError as e:

@@ -115,6 +115,13 @@ def split_eval(rows: List[Dict], frac: float, seed: int):
     return [r for i, r in enumerate(rows) if i not in ev], [rows[i] for i in sorted(ev)]
 
 
+def holdout_note(prompts: bool, n_eval: int, n_rows: int, frac: float) -> str:
+    """The eval hold-out said once, with the flags that change it (it takes rows out of training)."""
+    flag = "--prompt_data" if prompts else "--dataset"
+    return (f"[data] no --eval_dataset: holding out {n_eval} of {n_rows} rows of {flag} for eval (--eval_split "
+            f"{frac:g}); set --eval_dataset to evaluate on other data, or --eval_split 0 to train on every row")
+
+
 def load_train_eval(cfg_data, keys: Dict[str, Optional[str]], train: Optional[str], train_probs: Optional[str],
                     kit_files: Optional[tuple], missing: str, seed: int):
     """(train rows, eval rows) for every trainer: ``train`` (files / dirs / hub names) with --eval_dataset or a
@@ -124,7 +131,10 @@ def load_train_eval(cfg_data, keys: Dict[str, Optional[str]], train: Optional[st
         rows = load_rows(train, keys, train_probs, d.max_samples, seed)
         if d.eval_dataset:
             return rows, load_rows(d.eval_dataset, keys, None, d.max_samples, seed)
-        return split_eval(rows, d.eval_split, seed)
+        kept, ev = split_eval(rows, d.eval_split, seed)
+        if ev and os.environ.get("RANK", "0") == "0":
+            print(holdout_note(train == getattr(d, "prompt_data", None), len(ev), len(rows), d.eval_split), flush=True)
+        return kept, ev
     if kit_files is None:
         raise DataError(missing)
     return load_rows(kit_files[0], keys, None, d.max_samples), load_rows(kit_files[1], keys, None, d.max_samples)

@@ -18,6 +18,7 @@ padding waste of a batch goes.
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Optional, Tuple
 
@@ -183,8 +184,9 @@ def head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels
     the forward may keep for backward (when a gradient is needed) so that backward skips recomputing the logits
     of those chunks; 0 = recompute every chunk.
     """
+    keep = max(0, int(keep_bytes)) if torch.is_grad_enabled() else 0  # no graph (no_grad): nothing to keep for
     lp, ent = _HeadLogprobs.apply(hidden, weight, bias, labels, float(temperature), max(1, int(chunk_size)),
-                                  bool(with_entropy), max(0, int(keep_bytes)))
+                                  bool(with_entropy), keep)          # backward (needs_input_grad says True there)
     return lp, (ent if with_entropy else None)
 
 
@@ -253,6 +255,8 @@ def head_removed(model, head: torch.nn.Linear):
         raise RuntimeError("LM head not found among the model's modules")
     setattr(owner, name, torch.nn.Identity())
     try:
-        yield
+        with warnings.catch_warnings():  # the identity returns a view of the hidden states, which FSDP2 warns about
+            warnings.filterwarnings("ignore", r"FSDP2-wrapped module .* returned a view tensor")  # (no in-place use)
+            yield
     finally:
         setattr(owner, name, head)

@@ -174,6 +174,7 @@ class RMTask(Task):
         a = self.cfg.algorithm
         c, r = self.batch_scores(model, b)
         loss = REWARD_MODEL_LOSSES.get_fn(a.rm_loss)(c, r, b["margin"]).mean()
+        c, r = c.detach(), r.detach()  # metrics: float() of a graph tensor warns on every rank
         return loss, {"loss": float(loss.detach()), "acc": float((c > r).float().mean()),
                       "margin": float((c - r).mean()), "chosen_reward": float(c.mean()),
                       "rejected_reward": float(r.mean())}

@@ -452,8 +452,11 @@ def save_hf(model_state: Optional[dict], model, tokenizer, path: str) -> None:
     tmp = path.rstrip("/") + ".tmp"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
+    from rlhf.models.load import quiet_save
+
     base = getattr(model, "module", model)  # a peft model saves its adapter from the full state dict
-    base.save_pretrained(tmp, state_dict=drop_tied_copies(model_state, base), safe_serialization=True)
+    with quiet_save():  # no DeepSpeed import (and its "Setting accelerator to CPU") under --backend fsdp2
+        base.save_pretrained(tmp, state_dict=drop_tied_copies(model_state, base), safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if os.path.exists(path):
