@@ -243,6 +243,9 @@ def run_all(rank, world, kit, out_dir):
     acc = check_accumulation_memory(rank, world, kit)
     check_bf16_precision(rank, world, kit, sdpa_for_flash)
     check_fused_head_on_sharded_weights(rank, world, kit)
+    from batching_checks import run_all as batching_checks  # --use_dynamic_batch, --adam_offload
+
+    batching_checks(rank, world, kit)
     if rank == 0:
         with open(os.path.join(out_dir, "fsdp_checks.txt"), "w") as fh:
             fh.write(f"load_peak_fraction {frac:.3f}\naccum_grad_fraction {acc[False]:.3f} no_sync {acc[True]:.3f}\n")

@@ -25,6 +25,7 @@ class EngineSpec:
     warmup_ratio: float = 0.03
     scheduler: str = "cosine_with_min_lr"
     offload: bool = False          # sleep/wake offloads training state
+    adam_offload: bool = False     # optimizer state (fsdp2: also sharded params and grads) in host memory all along
     accum_no_sync: bool = False    # fsdp2: reduce-scatter gradients on the last micro-batch only (full grads kept)
 
 
@@ -36,13 +37,14 @@ def spec_from_config(cfg, lr: float, total_steps: int, trainable: bool = True, g
                       micro_batch_size=o.micro_train_batch_size, total_steps=max(1, total_steps), trainable=trainable,
                       bf16=m.bf16, zero_stage=t.zero_stage, max_norm=o.max_norm, weight_decay=o.weight_decay,
                       betas=o.adam_betas, warmup_ratio=o.lr_warmup_ratio, scheduler=o.lr_scheduler,
-                      offload=t.deepspeed_enable_sleep, accum_no_sync=t.grad_accum_no_sync)
+                      offload=t.deepspeed_enable_sleep, accum_no_sync=t.grad_accum_no_sync,
+                      adam_offload=t.adam_offload and trainable)
     if not trainable:
         spec.train_batch_size = spec.micro_batch_size * group_size
-    return spec
-
     else:  # --ring_attn_size N: the N ranks of a sequence-parallel group run the same micro-batches, so the engine
         spec.train_batch_size *= max(1, t.ring_attn_size)  # (over all ranks) sees N x the batch per step
+    return spec
+
 
 def loads_on_first(backend: str, group) -> bool:
     """FSDP2 over more than one rank: only the group's first rank reads the weights (host memory); the others
@@ -75,6 +77,11 @@ def lr_lambda(kind: str, total: int, warmup: int, min_ratio: float = 0.1):
     return f
 
 
+def is_last(micro_step: int, accum_steps: int, last: Optional[bool]) -> bool:
+    """The optimizer step's last micro-batch: ``last`` when the caller says, else the fixed-size rule."""
+    return bool(last) if last is not None else (micro_step + 1) % accum_steps == 0
+
+
 def make_optimizer(model: torch.nn.Module, spec: EngineSpec, fused: bool = False):
     """AdamW over the trainable parameters and its warmup + decay schedule (LambdaLR over ``lr_lambda``)."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr, betas=tuple(spec.betas),
@@ -92,8 +99,12 @@ class TrainEngine(abc.ABC):
     accum_steps: int
 
     @abc.abstractmethod
-    def backward(self, loss: torch.Tensor, micro_step: int) -> None:
-        """Accumulate the gradient of one micro-batch's loss (already scaled by the caller's normalisation)."""
+    def backward(self, loss: torch.Tensor, micro_step: int, last: Optional[bool] = None) -> None:
+        """Accumulate the gradient of one micro-batch's loss (already scaled by the caller's normalisation).
+        ``last``: whether this is the optimizer step's last micro-batch; None means every step has ``accum_steps``
+        micro-batches (fixed size), so the last is ``micro_step + 1 == accum_steps``.  Token-budget micro-batches
+        (--use_dynamic_batch) vary in number from step to step and pass it.  The engine divides the loss by
+        ``accum_steps`` whatever the count (the caller's scale undoes it)."""
 
     @abc.abstractmethod
     def step(self) -> Dict[str, float]:

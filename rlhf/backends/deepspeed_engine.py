@@ -31,17 +31,27 @@ import torch
 
 from rlhf.distributed import comm
 
-from .base import EngineSpec, TrainEngine, make_optimizer
+from .base import EngineSpec, TrainEngine, is_last, make_optimizer
 
 
-def deepspeed_config(spec: EngineSpec, dp: int, offload_optimizer: bool = False,
-                     hidden_size: Optional[int] = None) -> dict:
+def deepspeed_config(spec: EngineSpec, dp: int, offload_optimizer: Optional[bool] = None,
+                     hidden_size: Optional[int] = None, ds_cpu_adam: bool = True) -> dict:
     """The ds_config dict for a ZeRO stage, batch sizes and precision.
 
     A frozen spec (``trainable=False``) gets the eval config: no gradient clipping, ZeRO-3 parameter partitioning
     only (OpenRLHF ``get_eval_ds_config``).  ``bf16.enabled`` keeps fp32 masters (module docstring).
     ZeRO-3 keeps parameters under ``10 * hidden_size`` elements whole on every rank (transformers'
-    ``HfTrainerDeepSpeedConfig`` fills "auto" so, transformers/integrations/deepspeed.py); 1e4 without a size."""
+    ``HfTrainerDeepSpeedConfig`` fills "auto" so, transformers/integrations/deepspeed.py); 1e4 without a size.
+
+    ``offload_optimizer`` (default: ``spec.adam_offload``, --adam_offload): ZeRO's optimizer offload,
+    ``offload_optimizer: {device: cpu, pin_memory: true}`` as OpenRLHF's ``get_train_ds_config(adam_offload=True)``
+    (openrlhf/utils/deepspeed/deepspeed_utils.py); DeepSpeed then keeps the fp32 master partitions and the Adam
+    state in host memory and steps there (stages 1-3; stage 0 is refused at parse time).  DeepSpeed refuses a
+    client optimizer other than its own CPU Adam under offload (``zero_force_ds_cpu_optimizer``,
+    deepspeed/runtime/engine.py ``_configure_optimizer``): ``ds_cpu_adam=False`` (the torch AdamW, used on CPU-only
+    machines, where DeepSpeedCPUAdam's JIT build takes a minute) turns that check off."""
+    if offload_optimizer is None:
+        offload_optimizer = bool(spec.adam_offload and spec.trainable)
     accum = spec.train_batch_size // (spec.micro_batch_size * dp)
     persist = 10 * hidden_size if hidden_size else 1e4
     zero = {"stage": spec.zero_stage, "overlap_comm": True, "contiguous_gradients": True,
@@ -63,9 +73,28 @@ def deepspeed_config(spec: EngineSpec, dp: int, offload_optimizer: bool = False,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if offload_optimizer and not ds_cpu_adam:
+        cfg["zero_force_ds_cpu_optimizer"] = False
     if not spec.trainable:
         del cfg["gradient_clipping"]
     return cfg
+
+
+def offload_optimizer_for(model: torch.nn.Module, spec: EngineSpec, device) -> tuple:
+    """(optimizer, scheduler, DeepSpeed CPU Adam?) for --adam_offload: DeepSpeed's ``DeepSpeedCPUAdam`` (AdamW mode)
+    where an accelerator runs the model, as OpenRLHF (``DeepSpeedCPUAdam if adam_offload``,
+    openrlhf/utils/deepspeed/deepspeed.py ``create_optimizer``); on a CPU-only machine the torch AdamW (same update
+    rule; the state is in host memory either way)."""
+    if device is None or torch.device(device).type == "cpu":
+        return (*make_optimizer(model, spec), False)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from .base import lr_lambda
+
+    opt = DeepSpeedCPUAdam([p for p in model.parameters() if p.requires_grad], lr=spec.lr, betas=tuple(spec.betas),
+                           weight_decay=spec.weight_decay, adamw_mode=True)
+    warm = int(spec.warmup_ratio * spec.total_steps)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec.scheduler, spec.total_steps, warm)), True
 
 
 def _import_deepspeed():
@@ -138,9 +167,15 @@ class DeepSpeedEngine(TrainEngine):
         self.zero3 = spec.zero_stage == 3
         self.optimizer = self.scheduler = None
         self._offloaded = False
-        cfg = deepspeed_config(spec, dp, hidden_size=getattr(getattr(model, "config", None), "hidden_size", None))
-        if spec.trainable:
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        cpu_adam = False
+        if spec.trainable and spec.adam_offload:
+            opt, sched, cpu_adam = offload_optimizer_for(model, spec, comm.device())
+        elif spec.trainable:
             opt, sched = make_optimizer(model, spec)  # torch AdamW: no DeepSpeed op to JIT-build
+        cfg = deepspeed_config(spec, dp, hidden_size=hidden, ds_cpu_adam=cpu_adam)
+        self.config = cfg
+        if spec.trainable:
             self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
             self.model = self.ds.module
@@ -154,10 +189,15 @@ class DeepSpeedEngine(TrainEngine):
             self.model = freeze_plain(model, spec.bf16, device)
 
     # ---- training ----------------------------------------------------------------------------------------------
-    def backward(self, loss, micro_step: int) -> None:
-        """DeepSpeed scales by 1/accum itself and wants step() after every micro batch."""
+    def backward(self, loss, micro_step: int, last: Optional[bool] = None) -> None:
+        """DeepSpeed scales by 1/accum itself and wants step() after every micro batch.  A caller that says which
+        micro-batch is the last (token-budget micro-batches: their count varies) sets DeepSpeed's boundary by hand
+        (``set_gradient_accumulation_boundary``, before each backward), so the reduction and the optimizer step
+        come at that micro-batch, not every ``gradient_accumulation_steps``."""
+        if last is not None:
+            self.ds.set_gradient_accumulation_boundary(bool(last))
         self.ds.backward(loss)
-        if (micro_step + 1) % self.accum_steps:
+        if not is_last(micro_step, self.accum_steps, last):
             self.ds.step()
 
     def step(self) -> Dict[str, float]:

@@ -6,12 +6,12 @@ from typing import Dict, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlhf.distributed import comm
 
-from .base import EngineSpec, TrainEngine, make_optimizer
+from .base import EngineSpec, TrainEngine, is_last, make_optimizer
 
 
 def decoder_layers(model: torch.nn.Module):
@@ -67,6 +67,25 @@ def mixed_precision(bf16: bool) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
+def offload_policy(adam_offload: bool, device: torch.device) -> OffloadPolicy:
+    """--adam_offload: FSDP2's ``CPUOffloadPolicy`` (torch.distributed.fsdp fully_shard(offload_policy=...)): the
+    sharded parameters and gradients live in host memory, each unit's shards are copied to the device for its
+    all-gather, gradients come back after the reduce-scatter and the optimizer steps on the CPU with its state
+    there (torchtitan's --training.enable_cpu_offload, veRL's FSDP2 offload_policy).  Pinned host memory (faster
+    copies that overlap compute) needs an accelerator: pin_memory is on where the device is not the CPU."""
+    if not adam_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device.type != "cpu")
+
+
+def buffers_to(model: torch.nn.Module, device: torch.device) -> None:
+    """Move the module's buffers (rotary ``inv_freq``, ...; FSDP does not manage them) to ``device``."""
+    for mod in model.modules():
+        for name, b in mod.named_buffers(recurse=False):
+            if b is not None and b.device != device:
+                mod._buffers[name] = b.to(device)
+
+
 class FSDP2Engine(TrainEngine):
     def __init__(self, model: torch.nn.Module, spec: EngineSpec, group=None, device=None,
                  load_on_first: bool = False):
@@ -88,26 +107,32 @@ class FSDP2Engine(TrainEngine):
         full = model_tensors(model) if load_on_first and first else None
         # one rank and fp32: sharding would only add all-gather and DTensor overhead to every op (measured: 2x
         # slower forward on the tiny model), so the module stays plain; same optimizer, schedule and checkpoints.
-        self.sharded = self.dp > 1 or spec.bf16
+        # --adam_offload: sharded too (at one rank a single shard), since only FSDP's units offload
+        self.adam_offload = bool(spec.adam_offload and spec.trainable)
+        self.sharded = self.dp > 1 or spec.bf16 or self.adam_offload
         if self.sharded:  # shard first (on the host or the meta device), then move shards
             mesh = DeviceMesh.from_group(self.group, self.device.type)
             mp = mixed_precision(spec.bf16)
             reshard = spec.zero_stage >= 3
+            off = offload_policy(self.adam_offload, self.device)
             for block in decoder_layers(model):
-                fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+                fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=off)
             # the root unit (embedding, final norm, LM head) stays unsharded from forward to backward, torch's own
             # default for the root (its params are all-gathered again at once for backward), and what lets the
             # fused LM head read the unsharded head weight after the forward (lm_head.fusable_head)
-            fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+            fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=off)
+        home = torch.device("cpu") if self.adam_offload else self.device  # offloaded shards stay on the host
         if load_on_first:
-            model.to_empty(device=self.device)
+            model.to_empty(device=home)
             fill_from_first(model, full, self.group, src, self.device)
             del full
         else:
-            model.to(self.device)
+            model.to(home)
+        if self.adam_offload:
+            buffers_to(model, self.device)
         # gradient accumulation: reduce-scatter every micro-batch (sharded gradients only) unless the user opts
         # in to no-sync, which keeps full unsharded fp32 gradients between micro-batches (torchtitan, veRL: sync)
-        self.no_sync = bool(spec.accum_no_sync) and isinstance(model, FSDPModule) and self.accum_steps > 1
+        self.no_sync = bool(spec.accum_no_sync) and isinstance(model, FSDPModule)
         if self.no_sync and first:
             n = sum(p.numel() for p in model.parameters() if p.requires_grad)
             print(f"[fsdp2] --grad_accum_no_sync: every rank keeps full unsharded fp32 gradients between "
@@ -125,9 +150,9 @@ class FSDP2Engine(TrainEngine):
         self._offloaded = False
 
     # ---- training ----------------------------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, micro_step: int) -> None:
+    def backward(self, loss: torch.Tensor, micro_step: int, last: Optional[bool] = None) -> None:
         if self.no_sync:
-            self.model.set_requires_gradient_sync((micro_step + 1) % self.accum_steps == 0)
+            self.model.set_requires_gradient_sync(is_last(micro_step, self.accum_steps, last))
         (loss / self.accum_steps).backward()
 
     def step(self) -> Dict[str, float]:
@@ -191,8 +216,11 @@ class FSDP2Engine(TrainEngine):
             return
         if isinstance(self.model, FSDPModule):  # the root unit may still hold unsharded params from a forward
             self.model.reshard()
-        self.model.to("cpu", non_blocking=True)
-        if self.optimizer:
+        if self.adam_offload:  # shards, gradients and optimizer state live on the host already
+            buffers_to(self.model, torch.device("cpu"))
+        else:
+            self.model.to("cpu", non_blocking=True)
+        if self.optimizer and not self.adam_offload:
             for st in self.optimizer.state.values():
                 for k, v in st.items():
                     if torch.is_tensor(v):
@@ -204,7 +232,9 @@ class FSDP2Engine(TrainEngine):
     def wake(self, tags=None) -> None:
         if not self._offloaded:
             return
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" and self.adam_offload:
+            buffers_to(self.model, self.device)
+        elif self.device.type != "cpu":
             self.model.to(self.device, non_blocking=True)
             if self.optimizer:
                 for st in self.optimizer.state.values():

@@ -74,8 +74,6 @@ COMPAT: Dict[str, Compat] = {
     "ref_offload": _noop("the DPO reference is a frozen model without optimizer state"),
     "actor_init_on_gpu": _noop("the actor is always built on its own rank's device (rank 0 holds the weights, shards "
                                "are broadcast)"),
-    "adam_offload": _noop("optimizer-state offload is not wired into this build's engines (on a CPU-only machine "
-                          "everything already lives in host memory); use --zero_stage 3 to shard optimizer state"),
     "disable_ds_ckpt": _noop("checkpoints are written only when --save_steps > 0; resume state is one engine checkpoint"),
     "max_ckpt_mem": _noop("checkpoints are bounded by count (--max_ckpt_num), not by size", float, float("inf")),
     "use_ds_universal_ckpt": _noop("FSDP2 checkpoints (torch.distributed.checkpoint) already reshard across world "
@@ -117,11 +115,8 @@ COMPAT: Dict[str, Compat] = {
     "load_in_4bit": _unsupported("4-bit (QLoRA) loading is not implemented"),
     "lora_dropout": _unsupported("LoRA dropout is fixed at 0 here", float, 0.0),
     "enable_ema": _unsupported("no EMA model is kept"),
-    "use_dynamic_batch": _noop("micro-batches are fixed-size (--micro_train_batch_size); with --packing_samples "
-                               "there is no padding to save"),
-    "train_max_tokens_per_gpu": _noop("only used with --use_dynamic_batch", int, 16192),
-    "rollout_max_tokens_per_gpu": _noop("only used with --use_dynamic_batch", int),
-    "max_tokens_per_gpu": _noop("only used with --use_dynamic_batch", int),
+    "max_tokens_per_gpu": _alias(lambda v: {"train_max_tokens_per_gpu": v}, int, 16192,
+                                 "--train_max_tokens_per_gpu (its name before OpenRLHF split it from the rollout's)"),
     "gradient_checkpointing_use_reentrant": _unsupported("gradient checkpointing is always non-reentrant"),
     "torch_compile": _unsupported("torch.compile is not applied to the models"),
     "margin_loss": _unsupported("a per-row margin column is not read; use --margin for a constant one"),

@@ -93,6 +93,10 @@ class TopologyConfig:
     colocate_critic_reward: bool = opt(False, "reward model on the critic's ranks")
     vllm_enable_sleep: bool = opt(False, "put the rollout engine to sleep while other roles run")
     deepspeed_enable_sleep: bool = opt(False, "offload training state while the rollout runs")
+    adam_offload: bool = opt(False, "keep the optimizer state (and, fsdp2, the sharded parameters and gradients) in "
+                                    "host memory; the optimizer steps on the CPU (fsdp2: CPUOffloadPolicy; deepspeed: "
+                                    "ZeRO offload_optimizer, stage >= 1); apart from the sleep/wake offload between "
+                                    "phases")
     backend: str = opt("fsdp2", "training backend", choices=("fsdp2", "deepspeed"))
     zero_stage: int = opt(3, "ZeRO stage (fsdp2: 3 reshards after forward, 2/1 keep params gathered)", choices=(0, 1, 2, 3), flag_type=int)
     dist_timeout_s: int = opt(1800, "timeout for collectives and weight sync, seconds")
@@ -104,15 +108,6 @@ class TopologyConfig:
     watchdog_slow_timeout_s: float = opt(1200.0, "the same deadline for generation, eval, loading, saving and the "
                                          "first run of every phase (compilation, warm-up); seconds")
     nnodes_hint: int = opt(0, "nodes in the job (0 = from torchrun/SLURM env); used to check node boundaries")
-
-
-@dataclass
-class RolloutConfig:
-    rollout_engine: str = opt("auto", "generation engine; auto = vllm on CUDA when installed, on CPU when installed and "
-                                      "the model has >= ~5M parameters and a head_dim vLLM's CPU attention supports, "
-                                      "else hf (measured: README, vLLM section)", choices=("auto", "hf", "vllm"))
-    rollout_batch_size: int = opt(8, "prompts per RL step (global)")
-    micro_rollout_batch_size: int = opt(8, "samples (not prompts: as OpenRLHF) per generation / inference "
     ring_attn_size: int = opt(1, "sequence parallelism (Ulysses): ranks that split one packed sequence for training and "
                                  "the actor/critic/ref log-prob and value forwards (OpenRLHF's flag; needs "
                                  "--packing_samples, heads and each role's ranks divisible by it; groups of consecutive "
@@ -122,7 +117,19 @@ class RolloutConfig:
                                                "CPU the check runs only when this is given)")
     skip_memory_check: bool = opt(False, "start even when the memory plan says a stage cannot fit the device "
                                          "(python -m rlhf.plan --memory prints the plan)")
+
+
+@dataclass
+class RolloutConfig:
+    rollout_engine: str = opt("auto", "generation engine; auto = vllm on CUDA when installed, on CPU when installed and "
+                                      "the model has >= ~5M parameters and a head_dim vLLM's CPU attention supports, "
+                                      "else hf (measured: README, vLLM section)", choices=("auto", "hf", "vllm"))
+    rollout_batch_size: int = opt(8, "prompts per RL step (global)")
+    micro_rollout_batch_size: int = opt(8, "samples (not prompts: as OpenRLHF) per generation / inference "
                                            "micro batch per rank (reference, old log-probs, values, reward model)")
+    rollout_max_tokens_per_gpu: Optional[int] = opt(None, "--use_dynamic_batch: tokens per inference micro-batch "
+                                                          "per rank (reference, old log-probs, values, reward model; "
+                                                          "default: --train_max_tokens_per_gpu)")
     n_samples_per_prompt: int = opt(1, "responses sampled per prompt")
     temperature: float = opt(1.0, "sampling temperature")
     top_p: float = opt(1.0, "nucleus sampling")
@@ -227,6 +234,14 @@ class OptimConfig:
     max_norm: float = opt(1.0, "gradient clipping norm")
     micro_train_batch_size: int = opt(4, "samples per forward/backward per rank")
     train_batch_size: int = opt(8, "samples per optimizer step (global)")
+    use_dynamic_batch: bool = opt(False, "token-budget micro-batches: each optimizer step's rows are split over the "
+                                         "data-parallel ranks with near-equal token counts, then into micro-batches "
+                                         "of at most --train_max_tokens_per_gpu tokens (inference forwards: "
+                                         "--rollout_max_tokens_per_gpu); replaces --micro_train_batch_size / "
+                                         "--micro_rollout_batch_size as the micro-batch size (OpenRLHF "
+                                         "--train.dynamic_batch_enable)")
+    train_max_tokens_per_gpu: int = opt(16192, "--use_dynamic_batch: tokens per training micro-batch per rank (padded: "
+                                               "rows x padded width; --packing_samples: the packed row's length)")
     max_epochs: int = opt(1, "SFT/RM/DPO: passes over the data; PPO: epochs over each rollout batch")
     freezing_actor_steps: int = opt(-1, "RL: train only the critic for the first N steps (the actor stays frozen "
                                         "and the rollout keeps its weights); -1 = off")
@@ -239,14 +254,6 @@ class OptimConfig:
 class CheckpointConfig:
     save_path: str = opt("./output/model", "final HF-format model")
     ckpt_path: str = opt("./output/ckpt", "training checkpoints (global_step_N/)")
-    use_dynamic_batch: bool = opt(False, "token-budget micro-batches: each optimizer step's rows are split over the "
-                                         "data-parallel ranks with near-equal token counts, then into micro-batches "
-                                         "of at most --train_max_tokens_per_gpu tokens (inference forwards: "
-                                         "--rollout_max_tokens_per_gpu); replaces --micro_train_batch_size / "
-                                         "--micro_rollout_batch_size as the micro-batch size (OpenRLHF "
-                                         "--train.dynamic_batch_enable)")
-    train_max_tokens_per_gpu: int = opt(16192, "--use_dynamic_batch: tokens per training micro-batch per rank (padded: "
-                                               "rows x padded width; --packing_samples: the packed row's length)")
     save_steps: int = opt(-1, "save a checkpoint every N steps (-1 = off)")
     load_checkpoint: bool = opt(False, "resume from the newest complete checkpoint in --ckpt_path (none there: an error)")
     start_fresh_if_no_checkpoint: bool = opt(False, "with --load_checkpoint: start from step 0 when --ckpt_path holds "

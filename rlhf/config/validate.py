@@ -53,17 +53,11 @@ def validate(cfg, kind: str) -> None:
     _validate_sp(cfg, kind)
     if kind in RL_KINDS:
         _validate_rl(cfg)
+    from .batching_checks import validate_batching  # --use_dynamic_batch budgets, --adam_offload
+
+    validate_batching(cfg, kind)
     if kind in ("sft", "rm", "dpo"):
         _check(d.max_len > 8, "max_len", "--max_len must be > 8")
-    for flag, on in (("multiturn", d.multiturn), ("pretrain_mode", m.pretrain_mode)):  # rlhf.data.sft_modes
-        _check(not on or kind == "sft", flag, f"--{flag} is an SFT mode (rlhf.train_sft); drop it for {kind}")
-    _check(not (d.multiturn and m.pretrain_mode), "multiturn", "--multiturn and --pretrain_mode are two SFT modes, "
-           "pick one: --multiturn trains on the assistant turns of conversations, --pretrain_mode on plain text")
-    _check(not d.multiturn or d.apply_chat_template, "multiturn", "--multiturn renders each conversation with the "
-           "tokenizer's chat template: add --apply_chat_template")
-
-
-def _validate_rl(cfg) -> None:
     for flag, on in (("multiturn", d.multiturn), ("pretrain_mode", m.pretrain_mode)):  # rlhf.data.sft_modes
         _check(not on or kind == "sft", flag, f"--{flag} is an SFT mode (rlhf.train_sft); drop it for {kind}")
     _check(not (d.multiturn and m.pretrain_mode), "multiturn", "--multiturn and --pretrain_mode are two SFT modes, "
@@ -80,6 +74,9 @@ def _validate_sp(cfg, kind: str) -> None:
         check_sp(cfg.topology.ring_attn_size, kind, cfg.model.packing_samples)
     except ValueError as e:
         raise ConfigError("ring_attn_size", str(e)) from None
+
+
+def _validate_rl(cfg) -> None:
     from rlhf.algorithms import ADVANTAGE_ESTIMATORS
 
     from .algorithm_checks import validate_algorithm

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Dict, List
+from dataclasses import replace
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -20,20 +21,103 @@ from rlhf.algorithms import LossTotals, aggregate, compute_kl, importance_weight
 from rlhf.algorithms.is_filter import is_filter_ratio
 from rlhf.algorithms.masked import masked_mean
 from rlhf.algorithms.registry import POLICY_LOSSES
+from rlhf.algorithms.seqlen_balancing import Item, plan_step
 from rlhf.distributed import comm, shard_rows
+from rlhf.distributed.sequence_parallel import sp_size
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
 
 
-from rlhf.distributed.sequence_parallel import sp_size
-def _minibatches(n_rows: int, rank: int, world: int, train_batch_size: int, micro: int, epoch_seed: int):
-    """Per optimizer step, this rank's micro-batch row indices (global shuffle, then a DP shard per step).
-    Yields once per step on every rank (an empty list when this rank's shard of the step is empty)."""
+class Micro(NamedTuple):
+    """One micro-batch's row indices; ``real`` False for a dummy forward (a rank with fewer token-budget
+    micro-batches than the others runs it on a real row with its loss times 0: FSDP's collectives need the same
+    number of forwards and backwards on every rank)."""
+    rows: torch.Tensor
+    real: bool = True
+
+
+def row_items(attention_mask: torch.Tensor, action_mask: torch.Tensor) -> List[Item]:
+    """Each row's (prompt tokens, response width) for the micro-batcher: the prompt is left-padded (its real
+    tokens: the attention mask over the first P columns), the response right-padded (its width: up to its last
+    attended or action position)."""
+    R = action_mask.size(1)
+    P = attention_mask.size(1) - R
+    left = attention_mask[:, :P].long().sum(1)
+    used = attention_mask[:, P:].bool() | action_mask.bool()
+    right = torch.where(used.any(1), R - used.long().flip(1).argmax(1), torch.zeros_like(left))
+    return [Item(int(a), max(int(b), 1)) for a, b in zip(left.tolist(), right.tolist())]
+
+
+class TokenBudget(NamedTuple):
+    """--use_dynamic_batch for one batch: its rows' sizes, the per-rank token budget, packed or padded."""
+    items: List[Item]
+    budget: int
+    packed: bool
+
+    def split(self, step_rows: torch.Tensor, rank: int, world: int) -> List[Micro]:
+        """This rank's micro-batches of one step (rlhf.algorithms.seqlen_balancing.plan_step: rows over ranks by
+        tokens, then by the budget); the same count on every rank, dummies last."""
+        _, micro = plan_step([self.items[i] for i in step_rows.tolist()], world, self.budget, self.packed)
+        dummy = step_rows[:1]
+        return [Micro(step_rows[torch.tensor(m, dtype=torch.long)]) if m is not None else Micro(dummy, False)
+                for m in micro[rank]]
+
+
+def token_budget(cfg, exp, budget: Optional[int] = None) -> Optional[TokenBudget]:
+    """The batch's TokenBudget under --use_dynamic_batch (None: fixed --micro_train_batch_size)."""
+    if not cfg.optim.use_dynamic_batch:
+        return None
+    return TokenBudget(row_items(exp.attention_mask, exp.action_mask), budget or cfg.optim.train_max_tokens_per_gpu,
+                       cfg.model.packing_samples)
+
+
+def _minibatches(n_rows: int, rank: int, world: int, train_batch_size: int, micro: int, epoch_seed: int,
+                 dyn: Optional[TokenBudget] = None) -> List[Micro]:
+    """Per optimizer step, this rank's micro-batches (global shuffle, then a DP shard per step).
+    Yields once per step on every rank (an empty list when this rank's shard of the step is empty).
+    Fixed size: ``micro`` rows each, the step's rows split over ranks by count.  ``dyn`` (--use_dynamic_batch):
+    the step's rows split over ranks by tokens and into micro-batches by the token budget, every rank the same
+    number (``TokenBudget.split``)."""
     g = torch.Generator().manual_seed(epoch_seed)
     perm = torch.randperm(n_rows, generator=g)
     for s in range(0, n_rows, train_batch_size):
         step_rows = perm[s:s + train_batch_size]
+        if dyn is not None:
+            yield dyn.split(step_rows, rank, world)
+            continue
         mine = step_rows[shard_rows(step_rows.numel(), rank, world)]
-        yield [mine[i:i + micro] for i in range(0, mine.numel(), micro)]
+        yield [Micro(mine[i:i + micro]) for i in range(0, mine.numel(), micro)]
+
+
+def trim_padding(mb):
+    """The micro-batch without the columns none of its rows uses: prompt columns left of its longest prompt and
+    response columns right of its longest response (left-padded prompts, right-padded responses).  Positions come
+    from the attention mask, so the log-probs are those of the untrimmed rows (up to float rounding)."""
+    R = mb.action_mask.size(1)
+    P = mb.sequences.size(1) - R
+    cols = mb.attention_mask.bool().any(0)
+    lead = int(cols[:P].long().argmax()) if bool(cols[:P].any()) else P
+    resp = cols[P:] | mb.action_mask.bool().any(0)
+    r = int(resp.nonzero().max()) + 1 if bool(resp.any()) else 1
+    if lead == 0 and r == R:
+        return mb
+    cut = lambda t: None if t is None else t[:, :r]  # noqa: E731
+    return replace(mb, sequences=mb.sequences[:, lead:P + r], attention_mask=mb.attention_mask[:, lead:P + r],
+                   **{f: cut(getattr(mb, f)) for f in ("action_mask", "rollout_logprobs", "old_logprobs",
+                                                       "ref_logprobs", "values", "advantages", "returns")})
+
+
+def micro_batch(exp, micro: Micro, dyn: Optional[TokenBudget]):
+    """The rows of one micro-batch; token-budget padded micro-batches drop their all-padding columns."""
+    mb = exp.rows(micro.rows)
+    return trim_padding(mb) if dyn is not None and not dyn.packed else mb
+
+
+def padding_counts(mb, packed: bool, real: bool) -> tuple:
+    """(real tokens, token slots the forward computes) of a micro-batch: a padded forward computes every column of
+    every row, a packed one only the real tokens; a dummy forward's tokens are all waste."""
+    tokens = float(mb.attention_mask.sum())
+    slots = tokens if packed else float(mb.attention_mask.numel())
+    return (tokens if real else 0.0), slots
 
 
 def step_totals(masks: List[torch.Tensor], group=None, replicas: int = 1) -> LossTotals:
@@ -45,6 +129,7 @@ def step_totals(masks: List[torch.Tensor], group=None, replicas: int = 1) -> Los
         t[0] += float(m.sum())
         t[1] += float((m.sum(-1) > 0).sum())
     comm.all_reduce(t, group=group)
+    t /= replicas
     return LossTotals(float(t[0]), float(t[1]))
 
 
@@ -94,6 +179,8 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
     aux = _AuxLossTap(model, a.aux_loss_coef != 0)
     logs = defaultdict(list)
     n = exp.sequences.size(0)
+    dyn = token_budget(cfg, exp)
+    pad = [0.0, 0.0]
     try:
         for epoch in range(o.max_epochs):
             for micro_rows in _minibatches(n, rank, world, o.train_batch_size, o.micro_train_batch_size,
@@ -102,8 +189,11 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
                 tot = step_totals([exp.action_mask[mr.rows] for mr in real], group, sp_size(model))
                 n_step = max(sum(mr.rows.numel() for mr in real), 1)
                 step = defaultdict(float)
-                for i, rows in enumerate(micro_rows):
-                    mb = exp.rows(rows)
+                logs["micro_batches"].append(float(len(micro_rows)))
+                for i, mr in enumerate(micro_rows):
+                    mb = micro_batch(exp, mr, dyn)
+                    for j, c in enumerate(padding_counts(mb, m.packing_samples, mr.real)):
+                        pad[j] += c
                     mask = mb.action_mask.to(dev).float()
                     if m.packing_samples:  # one packed row, no padding FLOPs
                         logp, ent = packed_action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev),
@@ -129,14 +219,13 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
                                                  a.is_truncated_threshold, a.is_correction_gating)  # OpenRLHF 0.11.2
                             if fr is not None:
                                 logs["is_filter_ratio"].append(fr)
-                        step["vllm_kl"] += float(masked_mean(roll - old, mask)) / max(len(micro_rows), 1)
+                        step["vllm_kl"] += float(masked_mean(roll - old, mask)) * mr.real / max(len(real), 1)
                     pl, met = loss_fn(logp, ratio_base, mb.advantages.to(dev), mask,
                                       clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
                                       dual_clip=a.dual_clip, agg_mode=a.loss_agg_mode, norm_const=norm_const,
                                       is_weights=is_w, totals=tot, sapo_tau_pos=a.sapo_tau_pos,
                                       sapo_tau_neg=a.sapo_tau_neg)
                     loss = pl
-    t /= replicas
                     ent_term = aggregate(ent, mask, "token-mean", totals=tot)  # peers: entropy is token-mean
                     if ent_grad:
                         loss = loss - a.entropy_loss_coef * ent_term
@@ -147,13 +236,20 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
                             kl = kl_unbiased_gradient(kl, logp, ref, None if mb.old_logprobs is None else old)
                         kl_loss = aggregate(kl, mask, a.loss_agg_mode, norm_const, tot)
                         loss = loss + kl_coef * kl_loss
-                        step["kl_loss"] += float(kl_loss.detach())
+                        step["kl_loss"] += float(kl_loss.detach()) * mr.real
                     loss = loss * scale
                     aux_loss = aux.take()
                     if aux_loss is not None:
-                        loss = loss + a.aux_loss_coef * aux_loss  # mean over micro-batches and ranks, as OpenRLHF
-                        step["aux_loss"] += float(aux_loss.detach()) / len(micro_rows)
-                    engine.backward(loss, i)
+                        # mean over micro-batches and ranks, as OpenRLHF; token-budget micro-batches weigh by rows
+                        # (OpenRLHF's dynamic_sample_loss_scale: rows / the rank's step rows)
+                        aux_w = engine.accum_steps * mr.rows.numel() / n_step if dyn is not None else 1.0
+                        loss = loss + a.aux_loss_coef * aux_w * aux_loss
+                        step["aux_loss"] += float(aux_loss.detach()) * mr.real / max(len(real), 1)
+                    if not mr.real:  # a dummy forward: collectives only, no gradient
+                        loss = loss * 0.0
+                    engine.backward(loss, i, last=i == len(micro_rows) - 1 if dyn is not None else None)
+                    if not mr.real:
+                        continue
                     step["policy_loss"] += float(pl.detach())
                     step["entropy"] += float(ent_term.detach())
                     for k, v in met.items():
@@ -169,7 +265,9 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
                     logs[k].append(v)
     finally:
         aux.close()
-    return _mean(logs)
+    out = _mean(logs)
+    out["padding_frac"] = 1.0 - pad[0] / pad[1] if pad[1] else 0.0  # this rank's; token slots that were padding
+    return out
 
 
 def train_critic(cfg, engine, exp, rank: int, world: int, step_seed: int) -> Dict[str, float]:
@@ -181,21 +279,32 @@ def train_critic(cfg, engine, exp, rank: int, world: int, step_seed: int) -> Dic
     scale = engine.accum_steps * world
     logs = defaultdict(list)
     n = exp.sequences.size(0)
+    dyn = token_budget(cfg, exp)
+    if dyn is not None:  # the critic's forward is padded (no packed path): budget rows x padded width
+        dyn = dyn._replace(packed=False)
+    pad = [0.0, 0.0]
     for epoch in range(o.max_epochs):
         for micro_rows in _minibatches(n, rank, world, o.train_batch_size, o.micro_train_batch_size,
                                        step_seed * 1000 + epoch + 7, dyn):
             tot = step_totals([exp.action_mask[mr.rows] for mr in micro_rows if mr.real], group, sp_size(model))
             total = 0.0
-            for i, rows in enumerate(micro_rows):
-                mb = exp.rows(rows)
+            for i, mr in enumerate(micro_rows):
+                mb = micro_batch(exp, mr, dyn)
+                for j, c in enumerate(padding_counts(mb, False, mr.real)):
+                    pad[j] += c
                 mask = mb.action_mask.to(dev).float()
                 v = model(mb.sequences.to(dev), mb.attention_mask.to(dev), mb.action_mask.size(1))
                 loss, met = value_loss(v, mb.values.to(dev), mb.returns.to(dev), mask, a.value_clip, totals=tot)
-                engine.backward(loss * scale, i)
+                engine.backward(loss * scale * float(mr.real), i,
+                                last=i == len(micro_rows) - 1 if dyn is not None else None)
+                if not mr.real:
+                    continue
                 total += float(loss.detach())
                 for k, val in met.items():
                     logs[k].append(val)
             logs["value_loss"].append(total * world)
             for k, val in engine.step().items():
                 logs[f"critic_{k}"].append(val)
-    return _mean(logs)
+    out = _mean(logs)
+    out["critic_padding_frac"] = 1.0 - pad[0] / pad[1] if pad[1] else 0.0
+    return out

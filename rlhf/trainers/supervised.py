@@ -11,6 +11,7 @@ from typing import Dict, List
 
 import torch
 
+from rlhf.algorithms.seqlen_balancing import Item, plan_step
 from rlhf.backends.base import EngineSpec, make_engine, reads_weights, spec_from_config
 from rlhf.config.preflight import preflight
 from rlhf.data.loading import load_train_eval
@@ -59,6 +60,29 @@ class Task:
     def setup(self, trainer, spec: EngineSpec) -> None:
         """Extra models (DPO's reference) once process groups exist."""
         return None
+
+    def sequences(self, sample) -> List[List[int]]:
+        """The token sequences one sample puts into a micro-batch: SFT ``(ids, loss_mask)`` one, an RM pair
+        ``(chosen, rejected[, margin])`` and a DPO pair ``((ids, mask), (ids, mask), ref)`` two."""
+        if self.name == "rm":
+            return [sample[0], sample[1]]
+        if self.name == "dpo":
+            return [sample[0][0], sample[1][0]]
+        return [sample[0]]
+
+    def item(self, sample) -> Item:
+        """The sample's size for token-budget micro-batches: right-padded rows (0, longest), one row per sequence,
+        its real tokens the sum of the lengths."""
+        seqs = self.sequences(sample)
+        return Item(0, max(len(x) for x in seqs), rows=len(seqs), tokens=sum(len(x) for x in seqs))
+
+    def units(self, samples: List) -> float:
+        """What ``compute`` averages its loss over: SFT the supervised tokens (``sft_token_loss``: loss_mask[1:]
+        of every sample), RM / DPO the pairs.  Token-budget micro-batches weigh each micro-batch's loss by its
+        units over the step's (all ranks), so the step's loss is the mean over the whole step."""
+        if self.name in ("rm", "dpo"):
+            return float(len(samples))
+        return float(sum(sum(s[1][1:]) for s in samples))
 
     def after_fit(self, trainer) -> None:
         return None
@@ -136,9 +160,30 @@ class SupervisedTrainer:
         epoch, j = divmod(step, self.steps_per_epoch)
         perm = torch.randperm(len(self.train_samples), generator=torch.Generator().manual_seed(o.seed + epoch))
         rows = perm[j * o.train_batch_size:(j + 1) * o.train_batch_size]
+        if o.use_dynamic_batch:  # token budgets: rows over DP ranks by tokens, then by the budget (same count)
+            rows = rows.tolist()
+            items = [self.task.item(self.train_samples[i]) for i in rows]
+            _, micro = plan_step(items, self.dp_world, o.train_max_tokens_per_gpu, self.cfg.model.packing_samples)
+            return [None if m is None else [self.train_samples[rows[k]] for k in m] for m in micro[self.dp_rank]]
         mine = rows[shard_rows(rows.numel(), self.dp_rank, self.dp_world)].tolist()
         mb = o.micro_train_batch_size
         return [[self.train_samples[i] for i in mine[s:s + mb]] for s in range(0, len(mine), mb)]
+
+    def micro_weights(self, batches: List) -> List[float]:
+        """The factor on each micro-batch's loss.  Fixed size: 1 (the engine averages the micro-batches and
+        ranks).  Token budgets (--use_dynamic_batch; an entry None is a dummy forward, weight 0):
+        units_i / U x accum_steps x DP ranks, U the step's units over every DP rank (one all_reduce over the
+        world, divided by the ranks that share a DP rank's samples), so after the engine's 1/accum_steps and the
+        ranks' average the step's loss is sum_i units_i loss_i / U, the mean over the whole step (OpenRLHF
+        computes the same global count, openrlhf/utils/loss_utils.py ``get_loss_batch_info``)."""
+        if not self.cfg.optim.use_dynamic_batch:
+            return [1.0] * len(batches)
+        units = [self.task.units(b) if b is not None else 0.0 for b in batches]
+        total = torch.tensor([sum(units)], dtype=torch.float64)
+        comm.all_reduce(total)
+        total = float(total) / max(self.world // self.dp_world, 1)
+        scale = self.engine.accum_steps * self.dp_world / max(total, 1.0)
+        return [u * scale for u in units]
 
     def _reduce(self, logs: Dict[str, List[float]]) -> Dict[str, float]:
         """Mean over every rank's micro-batch values (every rank passes the same keys: the task's loss keys)."""
@@ -192,17 +237,32 @@ class SupervisedTrainer:
         log0(f"[resume] from {path} at step {self.step}")
         return True
 
+    def accumulate(self, batches: List) -> Dict[str, List[float]]:
+        """Forward and backward every micro-batch of one optimizer step (``batches_for``); the metrics per
+        micro-batch.  Token budgets (--use_dynamic_batch): losses weighted by ``micro_weights``, the engine told
+        which micro-batch is the last, a dummy (None: this rank has fewer micro-batches) run on a real sample with
+        weight 0, and ``loss`` the step's loss (this rank's share x DP ranks: the mean over ranks is the value)."""
+        logs = defaultdict(list)
+        weights = self.micro_weights(batches)
+        dynamic, step_loss = self.cfg.optim.use_dynamic_batch, 0.0
+        for i, (mb, w) in enumerate(zip(batches, weights)):
+            loss, met = self.task.loss(self.engine.model, mb if mb is not None else self.train_samples[:1])
+            self.engine.backward(loss * w if dynamic else loss, i, last=i == len(batches) - 1 if dynamic else None)
+            if mb is None:
+                continue
+            for k, v in met.items():
+                logs[k].append(v)
+            step_loss += float(loss.detach()) * w / self.engine.accum_steps
+        if dynamic:
+            logs["loss"] = [step_loss]
+        return logs
+
     def fit(self):
         self.cadence.start(self)
         self.engine.model.train()
         while self.step < self.total_steps:
-            logs = defaultdict(list)
             with self.watchdog.phase("train"):
-                for i, mb in enumerate(self.batches_for(self.step)):
-                    loss, met = self.task.loss(self.engine.model, mb)
-                    self.engine.backward(loss, i)
-                    for k, v in met.items():
-                        logs[k].append(v)
+                logs = self.accumulate(self.batches_for(self.step))
                 for k, v in self.engine.step().items():
                     logs[k].append(v)
             self.step += 1

@@ -1,0 +1,153 @@
+"""Token-budget micro-batches (--use_dynamic_batch) and --adam_offload on 2 gloo ranks, run inside
+tests/test_distributed.py's FSDP2 launch (tests/fsdp_checks.py ``run_all``).
+
+* dynamic batching: one PPO actor step and one critic step on a batch of skewed lengths give the same loss and the
+  same gradient as fixed-size micro-batches (1e-5), padded and packed; the plan has uneven micro-batch counts, so
+  a rank runs a dummy forward, and the padding waste falls;
+* --adam_offload (FSDP2 CPUOffloadPolicy): the sharded parameters, their gradients and AdamW's state are host
+  tensors, the pin-memory flag is the one torch sets for this device, and the step equals the one without offload.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def skewed_experience(P: int = 6, R: int = 12, seed: int = 0):
+    """An Experience of 8 rows with left-padded prompts and right-padded responses: one row fills the whole width
+    (6 + 12 = 18 tokens), the other seven hold 2-3 tokens each (19 together); random advantages / log-probs.
+    Under an 18-token budget the long row is a rank's only row while the other rank needs two micro-batches."""
+    from rlhf.trainers.experience import Experience
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(P, R), (1, 2), (2, 1), (1, 2), (2, 1), (1, 2), (1, 1), (1, 1)]
+    n = len(shapes)
+    seq = torch.randint(3, 90, (n, P + R), generator=g)
+    att = torch.zeros(n, P + R, dtype=torch.long)
+    am = torch.zeros(n, R, dtype=torch.long)
+    for i, (p, r) in enumerate(shapes):
+        att[i, P - p:P + r] = 1
+        am[i, :r] = 1
+    seq = torch.where(att.bool(), seq, torch.zeros_like(seq))
+    f = lambda: torch.randn(n, R, generator=g) * am  # noqa: E731
+    return Experience(seq, att, am, f() - 2.0, f() - 2.0, f() - 2.0, f(), f(), f(), torch.zeros(n))
+
+
+def _config(packing: bool, dynamic: bool, budget: int):
+    from rlhf.config.schema import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.optim.train_batch_size, cfg.optim.micro_train_batch_size = 8, 2
+    cfg.optim.use_dynamic_batch, cfg.optim.train_max_tokens_per_gpu = dynamic, budget
+    cfg.model.packing_samples = packing
+    cfg.algorithm.use_kl_loss, cfg.algorithm.kl_estimator = True, "k3"
+    cfg.algorithm.entropy_loss_coef = 0.01
+    cfg.data.generate_max_len = 12
+    return cfg
+
+
+def _grads_of_one_step(train, eng) -> tuple:
+    """(the step's metrics, the full gradient of every parameter): ``eng.step`` captures and zeroes them instead
+    of stepping, so the next call starts from the same weights."""
+    got = {}
+
+    def capture():
+        got["g"] = [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                    for p in eng.model.parameters() if p.grad is not None]
+        eng.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": 0.0, "lr": 0.0}
+
+    eng.step = capture
+    try:
+        out = train()
+    finally:
+        del eng.step
+    return out, got["g"]
+
+
+def _mean_over_ranks(v: float, world: int) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([v], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / world
+
+
+def check_dynamic_batch_equals_fixed(rank, world, kit):
+    from rlhf.algorithms.seqlen_balancing import plan_step
+    from rlhf.backends.base import EngineSpec
+    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.models.critic import CriticModel
+    from rlhf.models.load import load_causal_lm
+    from rlhf.trainers.ppo_update import row_items, train_actor, train_critic
+
+    exp = skewed_experience()
+    budget = 18
+    for packed in (False, True):
+        _, micro = plan_step(row_items(exp.attention_mask, exp.action_mask), world, budget, packed)
+        assert any(m is None for ms in micro for m in ms), \
+            f"packed={packed}: the skewed batch should give one rank fewer micro-batches (a dummy forward): {micro}"
+    spec = EngineSpec(lr=1e-3, train_batch_size=8, micro_batch_size=2, total_steps=2)
+    eng = FSDP2Engine(load_causal_lm(kit), spec)
+    for packed in (False, True):
+        res = {}
+        for dynamic in (False, True):
+            cfg = _config(packed, dynamic, budget)
+            res[dynamic] = _grads_of_one_step(lambda: train_actor(cfg, eng, exp, rank, world, 0.1, 3), eng)
+        (fixed, gf), (dyn, gd) = res[False], res[True]
+        for k in ("policy_loss", "kl_loss", "entropy"):  # each rank logs its share x world: the mean is the value
+            f, d = _mean_over_ranks(fixed[k], world), _mean_over_ranks(dyn[k], world)
+            assert abs(f - d) < 1e-5, f"packed={packed}: {k} {d} with token budgets, {f} fixed"
+        gap = max((a - b).abs().max().item() for a, b in zip(gf, gd))
+        assert len(gf) == len(gd) and gap < 1e-5, f"packed={packed}: gradients differ by {gap} (token budgets vs fixed)"
+        if not packed:
+            assert dyn["padding_frac"] < fixed["padding_frac"], \
+                f"token budgets should waste less on padding: {dyn['padding_frac']} vs {fixed['padding_frac']}"
+    ceng = FSDP2Engine(CriticModel.from_pretrained(kit), spec)
+    res = {}
+    for dynamic in (False, True):
+        cfg = _config(False, dynamic, budget)
+        res[dynamic] = _grads_of_one_step(lambda: train_critic(cfg, ceng, exp, rank, world, 3), ceng)
+    (fixed, gf), (dyn, gd) = res[False], res[True]
+    f, d = _mean_over_ranks(fixed["value_loss"], world), _mean_over_ranks(dyn["value_loss"], world)
+    assert abs(f - d) < 1e-5, f"critic value_loss {d} with token budgets, {f} fixed"
+    gap = max((a - b).abs().max().item() for a, b in zip(gf, gd))
+    assert gap < 1e-5, f"critic gradients differ by {gap} (token budgets vs fixed)"
+
+
+def check_adam_offload(rank, world, kit):
+    from torch.distributed.fsdp import FSDPModule
+
+    from rlhf.backends.base import EngineSpec
+    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.models.load import load_causal_lm
+
+    torch.manual_seed(1)
+    ids = torch.randint(3, 100, (4, 10))
+    params = {}
+    for off in (False, True):
+        spec = EngineSpec(lr=1e-2, train_batch_size=4, micro_batch_size=1, total_steps=2, adam_offload=off,
+                          warmup_ratio=0.0, scheduler="constant")
+        eng = FSDP2Engine(load_causal_lm(kit), spec)
+        for step in range(2):
+            for i in range(2):
+                x = ids[2 * rank + i:2 * rank + i + 1]
+                eng.backward(eng.model(input_ids=x, labels=x).loss, i)
+            eng.step()
+        fsdp = [m for m in eng.model.modules() if isinstance(m, FSDPModule)]
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in fsdp]
+        flags = {(fp.offload_to_cpu, fp.pin_memory) for g in groups if g is not None for fp in g.fsdp_params}
+        assert flags == {(off, False)}, f"adam_offload={off}: FSDP params' (offload_to_cpu, pin_memory) {flags}; " \
+                                        f"want offload {off}, no pinning on a CPU-only machine"
+        if off:
+            devs = {p.to_local().device.type for p in eng.model.parameters()}
+            state = {v.device.type for s in eng.optimizer.state.values() for v in s.values() if torch.is_tensor(v)}
+            assert devs == {"cpu"} and state == {"cpu"}, f"--adam_offload: shards on {devs}, AdamW state on {state}"
+            assert all(not p.to_local().is_pinned() for p in eng.model.parameters()), "pinned without an accelerator"
+        params[off] = [p.full_tensor().clone() for p in eng.model.parameters()]
+    gap = max((a - b).abs().max().item() for a, b in zip(params[False], params[True]))
+    assert gap < 1e-6, f"--adam_offload changes the step: parameters differ by {gap}"
+
+
+def run_all(rank, world, kit):
+    check_dynamic_batch_equals_fixed(rank, world, kit)
+    check_adam_offload(rank, world, kit)
