@@ -59,6 +59,22 @@ def test_multiturn_mask_covers_every_assistant_turn(tok):
     assert (cut_ids, cut_mask, how) == (ids[:26], mask[:26], "response")
 
 
+def test_multiturn_with_a_chatml_template(tiny_kit):
+    """ChatML (Qwen2.5-style: the end of turn is the eos, <|im_end|>): middle turns train on their '<|im_end|>\n',
+    the last turn ends with one <|im_end|> (the template's, stripped, then the eos id appended: not two)."""
+    from rlhf.models.load import load_tokenizer
+
+    tok = load_tokenizer(tiny_kit, padding_side="right")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+                         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    ids, mask, _ = multiturn_sample(CHAT[1:5], tok, 100)
+    marked = "".join(f"[{t}]" if m else t for t, m in zip(tok.convert_ids_to_tokens(ids), mask))
+    assert marked == ("<|im_start|>userĊ1+2=<|im_end|>Ċ<|im_start|>assistantĊ[3][<|im_end|>][Ċ]"
+                      "<|im_start|>userĊ+4=<|im_end|>Ċ<|im_start|>assistantĊ[7][<|im_end|>]")
+
+
 def test_multiturn_bad_input_names_the_flag(tok):
     with pytest.raises(click.UsageError, match=r"--multiturn renders .* add --apply_chat_template"):
         parse("sft", ["--multiturn"])
