@@ -73,6 +73,23 @@ CASES = {
                                                          micro_train_batch_size=1, colocate_all_models=True,
                                                          backend="deepspeed", zero_stage=3, bf16=True, lora_rank=4,
                                                          lora_alpha=8)),
+        # --use_dynamic_batch (issue 28): token-budget micro-batches for the actor and critic updates and the ref,
+        # old log-prob, value and reward-model forwards; packed actor, padded critic / RM, two epochs (old log-probs)
+        "w2_dynamic_batch_gae_rm_packed": ("ppo", dict(RM, prompts=6, eval_prompts=1, rollout_batch_size=4,
+                                                       n_samples_per_prompt=1, train_batch_size=4,
+                                                       micro_train_batch_size=1, advantage_estimator="gae",
+                                                       colocate_all_models=True, critic_learning_rate=1e-3,
+                                                       packing_samples=True, max_epochs=2, init_kl_coef=0.01,
+                                                       use_dynamic_batch=True, prompt_max_len=8,
+                                                       train_max_tokens_per_gpu=12, rollout_max_tokens_per_gpu=12)),
+        # DeepSpeed ZeRO-2 with --adam_offload (offload_optimizer) and token budgets (the accumulation boundary
+        # set by hand: the micro-batch count varies)
+        "w2_dynamic_batch_deepspeed_offload": ("grpo", dict(prompts=4, eval_prompts=1, rollout_batch_size=2,
+                                                            n_samples_per_prompt=2, train_batch_size=4,
+                                                            micro_train_batch_size=1, colocate_all_models=True,
+                                                            backend="deepspeed", zero_stage=2, adam_offload=True,
+                                                            use_dynamic_batch=True, prompt_max_len=8,
+                                                            train_max_tokens_per_gpu=12)),
         "w2_gae_rm_colocated": ("ppo", dict(RM, prompts=4, eval_prompts=1, rollout_batch_size=2,
                                             n_samples_per_prompt=1, train_batch_size=2, micro_train_batch_size=1,
                                             advantage_estimator="gae", colocate_all_models=True,

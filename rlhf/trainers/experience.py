@@ -83,6 +83,58 @@ def inference_rows(cfg) -> int:
     return cfg.rollout.micro_rollout_batch_size
 
 
+class InferencePlan:
+    """--use_dynamic_batch for one inference forward of a role (ref / old log-probs / values / reward model): the
+    batch's rows over the role's DP ranks by tokens and into micro-batches of at most --rollout_max_tokens_per_gpu
+    (rlhf.algorithms.seqlen_balancing.plan_step; OpenRLHF's experience maker splits its rollout samples with the
+    same functions, openrlhf/trainer/ppo_utils/experience_maker.py ``split_rollout_samples``).
+
+    Rows are reordered (``perm``) so that each DP rank's rows, and each of its micro-batches, are contiguous:
+    ``rows(i)`` / ``plan(i)`` are slices of the permuted batch, which ``ModelRole.rows_forward`` runs and
+    gathers as usual; the caller puts the output back in the batch's order (``inverse``).  Packed forwards cost
+    their real tokens; padded ones (values, reward model, unpacked log-probs) every column of the batch's width,
+    so there a budget fixes the rows per forward (budget // width), like --micro_rollout_batch_size."""
+
+    def __init__(self, batch: RolloutBatch, size: int, budget: int, packed: bool):
+        from rlhf.algorithms.seqlen_balancing import Item, plan_step
+
+        from .ppo_update import row_items
+
+        width = batch.sequences.size(1)
+        items = row_items(batch.attention_mask, batch.action_mask) if packed else \
+            [Item(0, width)] * batch.sequences.size(0)
+        _, micro = plan_step(items, size, budget, packed)
+        order: List[int] = []
+        self._rows, self._micro = [], []
+        for parts in micro:
+            start, mine = len(order), []
+            for m in parts:
+                if m is not None:
+                    order += m
+                mine.append(None if m is None else slice(len(order) - len(m), len(order)))
+            self._rows.append(slice(start, len(order)))
+            self._micro.append(mine)
+        self.perm = torch.tensor(order, dtype=torch.long)
+        self.inverse = torch.argsort(self.perm)
+
+    def plan(self, index: int) -> List[Optional[slice]]:
+        return self._micro[index]
+
+    def rows(self, index: int) -> slice:
+        return self._rows[index]
+
+
+def inference_forward(cfg, role, batch: RolloutBatch, call: Callable, packed: bool = False) -> torch.Tensor:
+    """``call(batch, micro)`` (a role's logprobs / values / scores) with fixed micro-batches of
+    --micro_rollout_batch_size rows, or under --use_dynamic_batch on the batch reordered by an ``InferencePlan``
+    and put back in order.  The plan is a function of the batch, which every rank holds: the same on every rank."""
+    if not cfg.optim.use_dynamic_batch:
+        return call(batch, inference_rows(cfg))
+    budget = cfg.rollout.rollout_max_tokens_per_gpu or cfg.optim.train_max_tokens_per_gpu
+    plan = InferencePlan(batch, role.dp_size, budget, packed)
+    return call(batch.select(plan.perm), plan)[plan.inverse]
+
+
 def on_policy_single_update(cfg) -> bool:
     """One epoch and one optimizer step per rollout batch, and no async lag: old log-probs equal the current ones.
 
@@ -117,7 +169,8 @@ def score_batch(tr, batch: RolloutBatch, labels: List) -> dict:
         r = batch.rewards
         return {"rewards": r, "scores": batch.scores, "valid": torch.isfinite(r), "extra_logs": {}}
     if tr.roles.reward is not None:
-        r = tr.roles.reward.scores(batch, inference_rows(tr.cfg), tr.roles.reward_stats)
+        r = inference_forward(tr.cfg, tr.roles.reward, batch,
+                              lambda b, micro: tr.roles.reward.scores(b, micro, tr.roles.reward_stats))
         return {"rewards": r, "scores": r, "valid": torch.ones_like(r, dtype=torch.bool), "extra_logs": {}}
     # a reward function: every rank calls it on its share of the rows (remote servers see parallel requests)
     sl = shard_rows(n, tr.rank, tr.world)
@@ -200,18 +253,18 @@ def refill_rollout_stage(tr, st: StepState) -> None:
 
 def ref_stage(tr, st: StepState) -> None:
     m = tr.cfg.model
-    st.ref_logprobs = tr.roles.ref.logprobs(st.batch, logprob_temperature(tr.cfg), inference_rows(tr.cfg),
-                                            m.logprob_chunk_size, m.packing_samples)
+    st.ref_logprobs = inference_forward(tr.cfg, tr.roles.ref, st.batch, lambda b, micro: tr.roles.ref.logprobs(
+        b, logprob_temperature(tr.cfg), micro, m.logprob_chunk_size, m.packing_samples), m.packing_samples)
 
 
 def values_stage(tr, st: StepState) -> None:
-    st.values = tr.roles.critic.values(st.batch, inference_rows(tr.cfg))
+    st.values = inference_forward(tr.cfg, tr.roles.critic, st.batch, tr.roles.critic.values)
 
 
 def old_logprobs_stage(tr, st: StepState) -> None:
     m = tr.cfg.model
-    st.old_logprobs = tr.roles.actor.logprobs(st.batch, logprob_temperature(tr.cfg), inference_rows(tr.cfg),
-                                              m.logprob_chunk_size, m.packing_samples)
+    st.old_logprobs = inference_forward(tr.cfg, tr.roles.actor, st.batch, lambda b, micro: tr.roles.actor.logprobs(
+        b, logprob_temperature(tr.cfg), micro, m.logprob_chunk_size, m.packing_samples), m.packing_samples)
 
 
 def gap_due(cfg, step: int) -> bool:
@@ -240,8 +293,8 @@ def logprob_gap_stage(tr, st: StepState) -> None:
         return
     m = tr.cfg.model
     with tr.scheduler.phase("logprob_gap", role="actor"):
-        lp = tr.roles.actor.logprobs(st.batch, logprob_temperature(tr.cfg), inference_rows(tr.cfg),
-                                     m.logprob_chunk_size, m.packing_samples)
+        lp = inference_forward(tr.cfg, tr.roles.actor, st.batch, lambda b, micro: tr.roles.actor.logprobs(
+            b, logprob_temperature(tr.cfg), micro, m.logprob_chunk_size, m.packing_samples), m.packing_samples)
     st.metrics.update(_gap_metric(lp, st.batch.rollout_logprobs, st.batch.action_mask.float()))
 
 

@@ -94,10 +94,14 @@ class ModelRole(Role):
     def rows_forward(self, n_rows: int, micro: int, fn: Callable[[slice], torch.Tensor], width: int) -> torch.Tensor:
         """(n_rows, width) on every rank: members run ``fn`` on their micro-batches (the same count on every
         member: sharded forwards are collectives), then one gather over the world."""
-        local = None
+        local, rows = None, self.rows(n_rows)
+        budget = getattr(micro, "plan", None)  # --use_dynamic_batch: rlhf.trainers.experience.InferencePlan
         if self.is_member and n_rows > 0:
-            local = run_micro(fn, micro_plan(n_rows, self.dp_index, self.dp_size, micro), dummy=slice(0, 1))
-        return gather_rows(local, self.rows(n_rows), n_rows, width)
+            parts = budget(self.dp_index) if budget else micro_plan(n_rows, self.dp_index, self.dp_size, micro)
+            local = run_micro(fn, parts, dummy=slice(0, 1))
+        if budget and rows is not None:
+            rows = micro.rows(self.dp_index)
+        return gather_rows(local, rows, n_rows, width)
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, temperature: float, micro: int, chunk: int, packing: bool) -> torch.Tensor:
@@ -126,7 +130,7 @@ class ModelRole(Role):
     def scores(self, batch: RolloutBatch, micro: int, stats) -> torch.Tensor:
         """Reward-model scores, (B,)."""
         fn = lambda p: score_sequences(self.engine.model, batch.sequences[p], batch.attention_mask[p], stats,  # noqa: E731
-                                       micro).unsqueeze(1)
+                                       p.stop - p.start if hasattr(micro, "plan") else micro).unsqueeze(1)
         return self.rows_forward(batch.sequences.size(0), micro, fn, 1).squeeze(1)
 
 
