@@ -97,7 +97,7 @@ class _DeadlinePassed(BaseException):
 # The signal that ends a reward call on the main thread at its deadline: a real-time signal nothing else here uses
 # (SIGALRM stays the reward function's own; the trainers take USR1, TERM, INT, HUP).  Its handler is installed once
 # and never removed, so a signal still in flight after a call returned finds a handler that does nothing.
-_DEADLINE_SIGNAL = getattr(signal, "SIGRTMIN", 0) + 7 if hasattr(signal, "pthread_kill") else None
+_DEADLINE_SIGNAL = signal.SIGRTMIN + 7 if hasattr(signal, "SIGRTMIN") and hasattr(signal, "pthread_kill") else None
 _ARMED: Dict[str, object] = {"call": None}
 _HANDLER_STATE = {"installed": False, "refused": None}
 
@@ -111,7 +111,7 @@ def main_thread_deadline_unavailable() -> Optional[str]:
     """None if a reward call can run on this thread under the signal deadline, else why not (it then runs on a
     worker thread, where ``signal.signal`` / ``signal.alarm`` handlers cannot be set)."""
     if _DEADLINE_SIGNAL is None:
-        return "this platform has no signal.pthread_kill"
+        return "this platform has no real-time signals (signal.SIGRTMIN) or signal.pthread_kill"
     if threading.current_thread() is not threading.main_thread():
         return f"the reward call came from thread {threading.current_thread().name!r}, not the main thread"
     try:
@@ -166,6 +166,7 @@ def call_with_deadline(fn: Callable, args: tuple, kwargs: dict, timeout_s: float
                 signal.pthread_kill(main, _DEADLINE_SIGNAL)
                 done.wait(1.0)
 
+        outer = _ARMED["call"]  # a reward call made from inside another keeps the outer one armed afterwards
         _ARMED["call"] = fn
         if not unlimited:
             threading.Thread(target=timer, name="reward_deadline", daemon=True).start()
@@ -173,9 +174,9 @@ def call_with_deadline(fn: Callable, args: tuple, kwargs: dict, timeout_s: float
             try:
                 out = _run(fn, args, kwargs)
             finally:
-                _ARMED["call"] = None
+                _ARMED["call"] = outer
         except _DeadlinePassed:  # also one that lands in the finally above, as fn returned at its deadline
-            _ARMED["call"] = None
+            _ARMED["call"] = outer
             done.set()
             raise RewardTimeout() from None
         except BaseException:
