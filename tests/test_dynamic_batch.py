@@ -96,6 +96,11 @@ def test_flags_and_parse_time_errors(capsys):
         parse("sft", ["--use_dynamic_batch", "--train_max_tokens_per_gpu", "512", "--max_len", "1024"])
     with pytest.raises(click.UsageError, match=r"chosen/rejected pair, 2 x --max_len 1024 = 2048"):
         parse("dpo", ["--use_dynamic_batch", "--train_max_tokens_per_gpu", "1500", "--max_len", "1024"])
+    # sequence parallelism splits a packed row over --ring_attn_size GPUs: the budget is per GPU (OpenRLHF)
+    with pytest.raises(click.UsageError, match=r"--train_max_tokens_per_gpu 600 x --ring_attn_size 2 = 1200 is "
+                       r"smaller than one sequence .*use --train_max_tokens_per_gpu 1024 or more"):
+        parse("ppo", ["--use_dynamic_batch", "--train_max_tokens_per_gpu", "600", "--ring_attn_size", "2",
+                      "--packing_samples"])
     with pytest.raises(click.UsageError, match=r"--adam_offload .*ZeRO stages 1-3 only: use --zero_stage 1"):
         parse("sft", ["--adam_offload", "--backend", "deepspeed", "--zero_stage", "0"])
     assert parse("sft", ["--adam_offload", "--backend", "deepspeed", "--zero_stage", "1"]).topology.adam_offload

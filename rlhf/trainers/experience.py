@@ -130,8 +130,9 @@ def inference_forward(cfg, role, batch: RolloutBatch, call: Callable, packed: bo
     and put back in order.  The plan is a function of the batch, which every rank holds: the same on every rank."""
     if not cfg.optim.use_dynamic_batch:
         return call(batch, inference_rows(cfg))
-    budget = cfg.rollout.rollout_max_tokens_per_gpu or cfg.optim.train_max_tokens_per_gpu
-    plan = InferencePlan(batch, role.dp_size, budget, packed)
+    from rlhf.config.batching_checks import row_budgets
+
+    plan = InferencePlan(batch, role.dp_size, row_budgets(cfg)[1], packed)
     return call(batch.select(plan.perm), plan)[plan.inverse]
 
 

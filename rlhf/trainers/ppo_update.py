@@ -66,7 +66,9 @@ def token_budget(cfg, exp, budget: Optional[int] = None) -> Optional[TokenBudget
     """The batch's TokenBudget under --use_dynamic_batch (None: fixed --micro_train_batch_size)."""
     if not cfg.optim.use_dynamic_batch:
         return None
-    return TokenBudget(row_items(exp.attention_mask, exp.action_mask), budget or cfg.optim.train_max_tokens_per_gpu,
+    from rlhf.config.batching_checks import row_budgets
+
+    return TokenBudget(row_items(exp.attention_mask, exp.action_mask), budget or row_budgets(cfg)[0],
                        cfg.model.packing_samples)
 
 

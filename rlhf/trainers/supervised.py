@@ -13,6 +13,7 @@ import torch
 
 from rlhf.algorithms.seqlen_balancing import Item, plan_step
 from rlhf.backends.base import EngineSpec, make_engine, reads_weights, spec_from_config
+from rlhf.config.batching_checks import row_budgets
 from rlhf.config.preflight import preflight
 from rlhf.data.loading import load_train_eval
 from rlhf.data.screen import screen_rows
@@ -163,7 +164,7 @@ class SupervisedTrainer:
         if o.use_dynamic_batch:  # token budgets: rows over DP ranks by tokens, then by the budget (same count)
             rows = rows.tolist()
             items = [self.task.item(self.train_samples[i]) for i in rows]
-            _, micro = plan_step(items, self.dp_world, o.train_max_tokens_per_gpu, self.cfg.model.packing_samples)
+            _, micro = plan_step(items, self.dp_world, row_budgets(self.cfg)[0], self.cfg.model.packing_samples)
             return [None if m is None else [self.train_samples[rows[k]] for k in m] for m in micro[self.dp_rank]]
         mine = rows[shard_rows(rows.numel(), self.dp_rank, self.dp_world)].tolist()
         mb = o.micro_train_batch_size
