@@ -142,6 +142,17 @@ def _chat_prompt_ids(kit, model_dir, n=6):
     return tok, [p.ids for p in build_prompts(rows, tok, D)]
 
 
+def test_stop_ids_are_vllms():
+    """Requested ids, the tokenizer's eos, generation_config's eos (an int or a list): each once, as vLLM stops."""
+    from types import SimpleNamespace
+
+    from rlhf.rollout.hf_engine import stop_ids
+
+    assert stop_ids((7,), 7, SimpleNamespace(eos_token_id=[7, 3])) == (3, 7)
+    assert stop_ids((), 5, SimpleNamespace(eos_token_id=9)) == (5, 9)
+    assert stop_ids((), 5, None) == (5,) and stop_ids((), 5, SimpleNamespace(eos_token_id=None)) == (5,)
+
+
 def test_hf_engine_stops_at_end_of_turn(real_kit, real_sft):
     """The HF engine with the trainer's stop ids (the tokenizer's eos, i.e. <|im_end|>) on chat prompts."""
     from transformers import AutoModelForCausalLM
@@ -151,8 +162,23 @@ def test_hf_engine_stops_at_end_of_turn(real_kit, real_sft):
 
     tok, prompts = _chat_prompt_ids(real_kit, real_sft[0])
     eng = HFEngine(AutoModelForCausalLM.from_pretrained(real_sft[0]), tok)
+    eot = _eot(tok)
     batch = eng.generate(prompts, SamplingParams(n=4, max_new_tokens=8, stop_token_ids=(tok.eos_token_id,), seed=3))
-    _check_stops_at_end_of_turn(batch, _eot(tok), 8)
+    _check_stops_at_end_of_turn(batch, eot, 8)
+    # every eos of generation_config.json ends a response too, as in vLLM (Qwen2.5-Instruct lists <|im_end|> and
+    # <|endoftext|>): list a token the model sampled first, and the same draws (same seed, one micro-batch of 4 x 4
+    # rows, so the first step's uniforms are the same) stop right after it
+    prompts = prompts[:4]
+    b = eng.generate(prompts, SamplingParams(n=4, max_new_tokens=8, stop_token_ids=(eot,), seed=5))
+    firsts = [int(b.sequences[i, b.prompt_len]) for i in range(b.sequences.size(0))]
+    extra = next((t for t in firsts if t != eot), None)
+    assert extra is not None, "every sample ended its turn at once: nothing else to stop on"
+    eng.model.generation_config.eos_token_id = [eot, extra]
+    again = eng.generate(prompts, SamplingParams(n=4, max_new_tokens=8, stop_token_ids=(eot,), seed=5))
+    for i, t in enumerate(firsts):
+        if t in (eot, extra):
+            assert int(again.action_mask[i].sum()) == 1 and not bool(again.truncated[i]), (i, firsts)
+            assert int(again.sequences[i, again.prompt_len]) == t
 
 
 def test_reward_model_on_chat_pairs_scores_the_last_attended_token(real_kit, tmp_path):

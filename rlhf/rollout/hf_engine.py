@@ -11,6 +11,20 @@ from .base import RolloutBatch, RolloutEngine, SamplingParams, merge_batches, re
 from .sampling import decode_with_head, logits_head
 
 
+def stop_ids(requested: Sequence[int], eos_id, generation_config=None) -> tuple:
+    """The token ids that end a response, as vLLM stops (vllm/sampling_params.py ``update_from_generation_config``):
+    the requested ``stop_token_ids``, the tokenizer's eos, and every ``eos_token_id`` of the model's
+    generation_config.json (an int or a list: chat checkpoints list the end-of-turn token and the end-of-text one,
+    e.g. Qwen2.5-Instruct ``[<|im_end|>, <|endoftext|>]``).  Sorted, each once."""
+    ids = set(int(t) for t in requested)
+    if eos_id is not None:
+        ids.add(int(eos_id))
+    gen = getattr(generation_config, "eos_token_id", None)
+    if gen is not None:
+        ids.update(int(t) for t in ([gen] if isinstance(gen, int) else gen))
+    return tuple(sorted(ids))
+
+
 class HFEngine(RolloutEngine):
     """Holds its own copy of the policy (like a vLLM engine would); weights arrive via load_weights."""
 
@@ -25,7 +39,7 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> RolloutBatch:
-        stop = tuple(params.stop_token_ids) or (self.tokenizer.eos_token_id,)
+        stop = stop_ids(params.stop_token_ids, self.tokenizer.eos_token_id, getattr(self.model, "generation_config", None))
         per = max(1, self.micro_batch_size // max(params.n, 1))
         outs = []
         gen = None
