@@ -232,6 +232,10 @@ class RewardApp:
                 return await _respond(send, 500, {"error": f"{type(e).__name__}: {e}"})
             return await _respond(send, 200, {"rewards": rewards, "scores": rewards,
                                               "extra_logs": {"rm_query_truncated": [float(c) for c in cut]}})
+        except asyncio.CancelledError:  # uvicorn shutting down past its grace: drop the work, tell the client
+            work.cancel()
+            self.cancelled += 1
+            return await _respond(send, 503, {"error": "the reward server is shutting down; retry"}, close=True)
         finally:
             gone.cancel()
             self.pending -= len(queries)
@@ -342,7 +346,8 @@ class RewardServer:
         protocol = type("RewardServerProtocol", (_DeadlineProtocol,), {"header_timeout_s": limits.request_timeout_s})
         config = uvicorn.Config(app, http=protocol, lifespan="off", log_level="warning", access_log=False,
                                 backlog=limits.backlog, limit_concurrency=limits.max_connections,
-                                timeout_keep_alive=max(1, int(limits.request_timeout_s)))
+                                timeout_keep_alive=max(1, int(limits.request_timeout_s)),
+                                timeout_graceful_shutdown=5)  # Ctrl-C / TERM: in-flight requests get 5 s
         self.server = uvicorn.Server(config)
         self._stopped = threading.Event()
 
