@@ -215,18 +215,17 @@ def test_reward_model_on_chat_pairs_scores_the_last_attended_token(real_kit, tmp
 def test_dpo_lora_bf16_on_chat_pairs(real_kit, real_sft, tmp_path):
     """DPO with LoRA under --bf16 from the SFT model: step 1 is at policy == reference (loss log 2), step 2 moved."""
     train, _, _ = torchrun("rlhf.train_dpo", 0, _argv(
-        pretrain=real_sft[0], dataset=_data(real_kit, "pref_train.jsonl"), eval_dataset=_data(real_kit, "pref_eval.jsonl"),
-        apply_chat_template=True, max_global_steps=2, train_batch_size=8, micro_train_batch_size=8,
-        learning_rate=5e-3, lora_rank=4, lora_alpha=8, bf16=True, beta=0.1, save_path=tmp_path / "dpo",
-        eval_steps=-1), tmp_path, str(tmp_path / "logs"))
+        pretrain=real_sft[0], dataset=_data(real_kit, "pref_train.jsonl"), eval_split=0, apply_chat_template=True,
+        max_global_steps=2, train_batch_size=8, micro_train_batch_size=8, learning_rate=5e-3, lora_rank=4,
+        lora_alpha=8, bf16=True, beta=0.1, save_path=tmp_path / "dpo", eval_steps=-1), tmp_path,
+        str(tmp_path / "logs"))
     assert [r["step"] for r in train] == [1, 2]
     assert train[0]["loss"] == pytest.approx(math.log(2), abs=2e-2), train[0]
     assert math.isfinite(train[1]["loss"]) and train[1]["loss"] != train[0]["loss"], train
 
 
 def _rl(kit, sft, **over):
-    flags = dict(pretrain=sft, prompt_data=_data(kit, "prompts_train.jsonl"),
-                 eval_dataset=_data(kit, "prompts_eval.jsonl"), apply_chat_template=True,
+    flags = dict(pretrain=sft, prompt_data=_data(kit, "prompts_train.jsonl"), eval_split=0, apply_chat_template=True,
                  remote_rm_url="builtin:arithmetic", generate_max_len=8, rollout_batch_size=4, n_samples_per_prompt=4,
                  train_batch_size=16, micro_train_batch_size=8, micro_rollout_batch_size=16, max_global_steps=2,
                  eval_steps=-1, actor_learning_rate=1e-4, lr_warmup_ratio=0.0, rollout_engine="hf")
