@@ -5,6 +5,13 @@
 
 Without ``--world_size`` the world size is derived from the role flags (the job you would launch for them);
 ``--world_size N --nnodes K`` checks the flags against a given allocation instead.
+
+``--memory`` adds the memory plan (rlhf/planning): per rank group and stage the peak device memory, read from the
+models' config.json (no weights), against ``--gpu_memory_gb`` (default 80), the stage that overflows and by how
+much, and flag sets checked to fit.  ``--kind sft|rm|dpo`` plans a supervised job over ``--world_size`` ranks
+(default: ppo / grpo, the RL placement).
+
+    python -m rlhf.plan --memory --config configs/grpo_qwen2.5_7b_math.yaml --generate_max_len 16384
 """
 from __future__ import annotations
 
@@ -38,6 +45,21 @@ def plan_for(cfg, world_size: Optional[int], nnodes: Optional[int]):
     return make_placement(t, world_size, nnodes, **needs(cfg))
 
 
+KINDS = ("ppo", "grpo", "sft", "rm", "dpo")
+
+
+def memory_report(cfg, kind: str, placement, world: int) -> str:
+    """The memory plan's table, its overflows and the flag sets that fit (rlhf.planning.memory)."""
+    from rlhf.planning.memory import plan_for_config, report
+
+    try:
+        plan, fits = plan_for_config(cfg, kind, placement, world, on_cuda=True)
+    except (OSError, ValueError) as e:
+        raise click.UsageError(f"--memory reads each model's config.json: {e}; give --pretrain a local model "
+                               f"directory (config.json is enough)")
+    return report(plan, fits)
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = {"world_size": None, "nnodes": None}
@@ -47,14 +69,31 @@ def main(argv=None):
             i = argv.index(flag)
             extra[key] = int(argv[i + 1])
             del argv[i:i + 2]
+    memory = "--memory" in argv
+    if memory:
+        argv.remove("--memory")
+    kind = "ppo"
+    if "--kind" in argv:
+        i = argv.index("--kind")
+        kind = argv[i + 1] if i + 1 < len(argv) else ""
+        del argv[i:i + 2]
+        if kind not in KINDS:
+            raise SystemExit(f"rlhf.plan: --kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
     def run(cfg):
+        if kind not in ("ppo", "grpo"):
+            click.echo(memory_report(cfg, kind, None, extra["world_size"] or 1))
+            return
         try:
-            click.echo(plan_for(cfg, extra["world_size"], extra["nnodes"]).table())
+            placement = plan_for(cfg, extra["world_size"], extra["nnodes"])
         except TopologyError as e:
             raise click.UsageError(f"bad topology: {e}")
+        click.echo(placement.table())
+        if memory:
+            click.echo(memory_report(cfg, kind, placement, placement.world_size))
 
-    make_command("plan", run, help="Print the placement plan (add --world_size N --nnodes K).").main(
+    make_command("plan", run, help="Print the placement plan (add --world_size N --nnodes K; --memory: the memory "
+                                   "plan; --kind sft|rm|dpo: a supervised job).").main(
         argv, prog_name="rlhf.plan")
 
 

@@ -3,7 +3,7 @@
 ``preflight(cfg, kind)`` runs on every rank before ``init_process_group`` and raises ``ConfigError`` naming the
 flag and a fix: model directories of the wrong kind, --flash_attn without CUDA, unwritable --save_path /
 --ckpt_path / --log_dir, --load_checkpoint with no checkpoint to load, a resume the backend cannot do on this
-number of ranks, a --train_batch_size the world size does not divide.
+number of ranks, a --train_batch_size the world size does not divide, a layout the memory plan says cannot fit.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def preflight(cfg, kind: str, world_size: Optional[int] = None) -> List[str]:
     notices += check_lock(cfg)
     check_batch_world(cfg, kind, world)
     check_sequence_parallel(cfg, kind, world)
+    notices += check_memory(cfg, kind, world)  # last: the layout it plans has passed the other checks
     if os.environ.get("RANK", "0") == "0":
         for n in notices:
             print(n, flush=True)
@@ -45,6 +46,17 @@ def check_sequence_parallel(cfg, kind: str, world: int) -> None:
                      model_heads(resolve_pretrain(cfg.model.pretrain)))
         except ValueError as e:
             raise ConfigError("ring_attn_size", str(e)) from None
+
+
+def check_memory(cfg, kind: str, world: int) -> List[str]:
+    """The memory plan (rlhf/planning): refuse a layout with a stage that cannot fit the device, naming the stage,
+    the numbers and flags that fit (--skip_memory_check starts anyway).  Without CUDA only with --gpu_memory_gb."""
+    from rlhf.planning.memory import MemoryPlanError, startup_check
+
+    try:
+        return startup_check(cfg, kind, world)
+    except MemoryPlanError as e:
+        raise ConfigError("skip_memory_check", str(e)) from None
 
 
 def check_models(cfg, kind: str) -> None:
