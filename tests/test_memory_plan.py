@@ -199,3 +199,16 @@ def test_known_table_has_the_fields_autoconfig_needs():
     for name, c in KNOWN.items():
         assert {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                 "vocab_size", "tie_word_embeddings", "model_type"} <= set(c), name
+
+
+def test_preflight_refuses_before_any_process_group(tiny_kit, tmp_path):
+    """What the trainers run before comm.init (rl_trainer.py, supervised.py call preflight): the built-in kit's
+    GRPO on a 50 MB device is refused, naming the stage and the numbers; CPU defaults stay silent."""
+    from rlhf.config.preflight import preflight
+
+    paths = dict(save_path=str(tmp_path / "m"), ckpt_path=str(tmp_path / "c"), log_dir=str(tmp_path / "l"))
+    cfg = _cfg(pretrain=tiny_kit, **paths)
+    assert not any(n.startswith("[memory]") for n in preflight(cfg, "grpo", 1))
+    cfg.topology.gpu_memory_gb = 0.05
+    with pytest.raises(ConfigError, match=r"memory plan: \w+ on ranks 0 needs \d\.\d\d GiB of 0\.05 GiB"):
+        preflight(cfg, "grpo", 1)

@@ -196,8 +196,8 @@ def role_states(job: Job, rm: RoleModel) -> States:
 def _tokens(job: Job, micro: int, max_tokens: Optional[int]) -> Tuple[int, int]:
     """(b, s) of one micro-batch at the longest sequences: micro x seq, or with --use_dynamic_batch as many
     full-length rows as the token budget holds (at least one: a longer row gets a micro-batch of its own)."""
-    if job.use_dynamic_batch:
-        budget = max_tokens if max_tokens is not None else job.train_max_tokens_per_gpu
+    if job.use_dynamic_batch:  # the budget is per GPU: an SP group's micro-batch holds budget x SP tokens
+        budget = (max_tokens if max_tokens is not None else job.train_max_tokens_per_gpu) * max(1, job.ring_attn_size)
         return max(1, budget // job.seq), job.seq
     return micro, job.seq
 
@@ -507,6 +507,10 @@ __all__ = ["Job", "MemoryPlan", "GroupPlan", "Stage", "RoleModel", "plan_memory"
            "job_from_config", "flag", "flags_text", "DEFAULT_GPU_GB", "CUDA_RESERVE"]
 
 
+def _gib(x: float) -> str:
+    return f"{x / GiB:.1f}" if x >= 10 * GiB else f"{x / GiB:.2f}"
+
+
 # ---- the trainers' start-up check ------------------------------------------------------------------------------
 class MemoryPlanError(ValueError):
     pass
@@ -557,12 +561,12 @@ def startup_check(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
         return [f"[memory] plan skipped: a model's config.json could not be read ({e})"]
     g, s = plan.worst()
     if plan.fits:
-        return [f"[memory] plan: the largest peak is {s.name} on ranks {_ranges(g.ranks)}, {s.total / GiB:.1f} of "
-                f"{device_bytes / GiB:.1f} GiB (python -m rlhf.plan --memory shows every stage)"]
+        return [f"[memory] plan: the largest peak is {s.name} on ranks {_ranges(g.ranks)}, {_gib(s.total)} of "
+                f"{_gib(device_bytes)} GiB (python -m rlhf.plan --memory shows every stage)"]
     over = plan.overflows()
     worst_g, worst_s, by = max(over, key=lambda o: o[2])
-    msg = (f"memory plan: {worst_s.name} on ranks {_ranges(worst_g.ranks)} needs {worst_s.total / GiB:.1f} GiB of "
-           f"{device_bytes / GiB:.1f} GiB ({by / GiB:.1f} GiB over"
+    msg = (f"memory plan: {worst_s.name} on ranks {_ranges(worst_g.ranks)} needs {_gib(worst_s.total)} GiB of "
+           f"{_gib(device_bytes)} GiB ({_gib(by)} GiB over"
            + (f"; {len(over) - 1} more stage(s) over" if len(over) > 1 else "") + "). "
            + (f"Fits with: {' | '.join(flags_text(f) for f in fits)}. " if fits else
               "No flag set found that fits: more ranks or a smaller model. ")
