@@ -270,6 +270,13 @@ def test_grpo_hf_engine_stops_and_resumes_exactly(real_kit, real_sft, tmp_path):
     assert "global_step_1" in out and [r["step"] for r in resumed] == [2]
     for k in ("reward", "policy_loss", "kl", "grad_norm", "response_len"):
         assert full[1][k] == resumed[0][k], (k, full[1][k], resumed[0][k])
+    # the RL export (FSDP2's full state dict: head and embedding as two tensors) loads tied and generates
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"))
+    assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
+    out = m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+    assert out.shape == (1, 5) or int(out[0, -1]) == m.generation_config.eos_token_id, out
 
 
 def test_grpo_vllm_engine_on_policy_and_stops(real_kit, real_sft, tmp_path):
