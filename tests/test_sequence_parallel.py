@@ -51,7 +51,7 @@ def test_placement_sp_groups_and_plan_print():
 
     p = make_placement(topo(colocate_all_models=True, ring_attn_size=2), 4, need_critic=True)
     assert p.sp_groups["actor"] == [[0, 1], [2, 3]] and p.sp_groups["critic"] == [[0, 1], [2, 3]]
-    assert "reward" not in p.sp_groups and "rollout" not in p.sp_groups, "generation is not split"
+    assert "rollout" not in p.sp_groups, "generation is not split"
     assert "sp actor: 2 x 2 ranks" in p.table(), p.table()
     # actor 4 ranks + ref 2 ranks of its own: SP 4 does not divide the ref's 2 -> the error names a size that works
     with pytest.raises(TopologyError, match=r"--ring_attn_size 4 must divide the ref ranks \(2\).*--ring_attn_size 2"):
@@ -322,8 +322,24 @@ def _engine_checks(rank, world, kit):
         _assert_same_steps(f"{kind} step", grads[1], grads[2])
 
 
+def _reward_check(rank, world, kit):
+    """PPO's reward role: the reward model's scores at each sequence's last token, N=2 vs N=1 (no gradient)."""
+    from rlhf.distributed import comm
+    from rlhf.distributed.sequence_parallel import SP, attach
+    from rlhf.models.load import load_reward_model
+    from rlhf.rewards.reward_model import score_sequences
+
+    rm, stats = load_reward_model(f"{kit}/reward", False, False)
+    seq, att, _ = _rollout(rm.config.vocab_size, seed=8)
+    want = score_sequences(rm, seq, att, stats)
+    got = score_sequences(attach(copy.deepcopy(rm), SP(world, rank, comm.world_group())), seq, att, stats)
+    err = float((got - want).abs().max())
+    assert err < TOL, f"reward scores at N=2 differ from N=1 by {err}: {got} vs {want}"
+
+
 def _sp_worker(rank, world, kit):
     _core_checks(rank, world, kit)
+    _reward_check(rank, world, kit)
     _engine_checks(rank, world, kit)
 
 

@@ -39,11 +39,13 @@ def check_sequence_parallel(cfg, kind: str, world: int) -> None:
     from rlhf.distributed.sequence_parallel import check_sp, model_heads
     from rlhf.models.load import resolve_pretrain
 
-    sp = cfg.topology.ring_attn_size
-    if sp > 1:
+    sp, m = cfg.topology.ring_attn_size, cfg.model
+    if sp > 1:  # every model that splits sequences: the policy, and in RL the reference, critic and reward model
+        paths = [resolve_pretrain(m.pretrain)] + ([m.ref_pretrain, m.critic_pretrain, m.reward_pretrain]
+                                                  if kind in RL_KINDS else [m.ref_pretrain])
         try:
-            check_sp(sp, kind, cfg.model.packing_samples, None if kind in RL_KINDS else world,
-                     model_heads(resolve_pretrain(cfg.model.pretrain)))
+            for path in paths:
+                check_sp(sp, kind, m.packing_samples, None if kind in RL_KINDS else world, model_heads(path))
         except ValueError as e:
             raise ConfigError("ring_attn_size", str(e)) from None
 

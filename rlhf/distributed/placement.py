@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 ROLES = ("actor", "ref", "critic", "reward", "rollout")
-SP_ROLES = ("actor", "ref", "critic")  # roles whose forwards split a sequence over --ring_attn_size ranks
+SP_ROLES = ("actor", "ref", "critic", "reward")  # roles whose forwards split a sequence over --ring_attn_size ranks
 
 
 class TopologyError(ValueError):

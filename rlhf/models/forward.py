@@ -219,3 +219,18 @@ def sp_values(critic, sequences: torch.Tensor, attention_mask: torch.Tensor, num
     else:
         out = collect(v[:0], i, i, rows.numel(), sp) + v.sum() * 0
     return _scatter(out, row, col, lengths.numel(), num_actions)
+
+
+def sp_scores(model, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The SP form of rlhf.rewards.reward_model.scores_at_positions on a padded batch: the score head's output at
+    each sequence's last real token (score_positions' rule: packed, ``cumsum(lengths) - 1``), (B,) float32.  The
+    reward model runs on this rank's slice of the packed row; one sum over the group."""
+    from rlhf.rewards.reward_model import per_token_scores
+
+    sp = sp_of(model)
+    ids, pos, lengths = pack(sequences, attention_mask)
+    rows = lengths.cumsum(0) - 1
+    z, a, b = local_hidden(lambda i, p: per_token_scores(model, input_ids=i, position_ids=p), ids, pos, sp)
+    i, j = positions_in(rows, a, b)
+    v = z[rows[i:j] - a].float() if j > i else z[:0].float()
+    return collect(v, i, j, rows.numel(), sp)

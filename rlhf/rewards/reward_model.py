@@ -5,7 +5,8 @@ from typing import Optional
 
 import torch
 
-from rlhf.models.forward import position_ids_from_mask
+from rlhf.distributed.sequence_parallel import sp_of
+from rlhf.models.forward import position_ids_from_mask, sp_scores
 
 
 def score_positions(attention_mask: Optional[torch.Tensor] = None, seq_lens=None) -> torch.Tensor:
@@ -53,7 +54,8 @@ def score_sequences(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     dev = next(model.parameters()).device
     for s in range(0, sequences.size(0), micro_batch_size):
         ids, att = sequences[s:s + micro_batch_size].to(dev), attention_mask[s:s + micro_batch_size].to(dev)
-        out.append(scores_at_positions(model, ids, att).cpu())
+        sp = sp_of(model) is not None  # --ring_attn_size: this rank's slice of the packed rows (rlhf.models.forward)
+        out.append((sp_scores(model, ids, att) if sp else scores_at_positions(model, ids, att)).cpu())
     mean, std = stats
     return (torch.cat(out) - mean) / std
 
