@@ -225,14 +225,17 @@ def load_causal_lm(path: str, bf16: bool = False, flash_attn: bool = False, grad
     return model
 
 
-def apply_lora(model, rank: int, alpha: int, target_modules: str):
+def apply_lora(model, rank: int, alpha: int, target_modules: str, task_type: str = "CAUSAL_LM"):
+    """peft LoRA over ``target_modules``. ``task_type="SEQ_CLS"`` (reward models) keeps the score head trainable and
+    saved with the adapter (peft's modules_to_save for sequence classification), so ``rlhf.tools.lora_combiner
+    --is_rm`` merges a trained head, not the random one."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:  # pragma: no cover
         raise RuntimeError("--lora_rank needs peft: pip install 'rlhf[lora]'") from e
     targets = target_modules if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
-                                            task_type="CAUSAL_LM"))
+                                            task_type=task_type))
 
 
 RM_NORM_FILE = "reward_norm.json"

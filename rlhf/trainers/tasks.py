@@ -13,7 +13,7 @@ from rlhf.data.sft_modes import mode_of, mode_sample
 from rlhf.distributed.sequence_parallel import sp_of
 from rlhf.models.forward import sp_token_logprobs
 from rlhf.models.lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_params, head_removed
-from rlhf.models.load import RM_NORM_FILE, attn_implementation, from_pretrained_or_meta, load_causal_lm, weight_dtype
+from rlhf.models.load import RM_NORM_FILE, apply_lora, attn_implementation, from_pretrained_or_meta, load_causal_lm, weight_dtype
 
 from .supervised import Task
 
@@ -115,6 +115,9 @@ class RMTask(Task):
         m.config.pad_token_id = self.tokenizer.pad_token_id
         if self.cfg.model.gradient_checkpointing:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.cfg.model.lora_rank > 0:  # OpenRLHF get_llm_for_sequence_regression(lora_rank=...); head trained too
+            c = self.cfg.model
+            m = apply_lora(m, c.lora_rank, c.lora_alpha, c.target_modules, task_type="SEQ_CLS")
         return m
 
     def __init__(self, cfg, tokenizer):
