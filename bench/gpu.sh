@@ -7,7 +7,8 @@
 #      CPU tensor in a collective fails there as on NCCL);
 #   3. comm's collectives and the RL stages' gathers at 2 ranks with CUDA tensors (cuda:gloo), and whether gloo
 #      runs FSDP2's all_gather_into_tensor / reduce_scatter_tensor on CUDA tensors;
-#   4. the matmul peak, tests/test_gpu.py, the vLLM section (skipped when vLLM is not importable);
+#   4. the matmul peak, the memory planner's predicted vs measured peak per stage (bench/memory_plan_check.py),
+#      tests/test_gpu.py, the vLLM section (skipped when vLLM is not importable);
 #   5. a summary table: master-parameter dtype, batch device, peak memory per phase, rank-0 peak at FSDP2 load vs
 #      model bytes, train MFU.
 #   bash bench/gpu.sh            on the GPU machine (the device tool runs it in a copy of the tree; results in $OUT)
@@ -18,7 +19,8 @@ SMOKE=0; [ "${1:-}" = "--smoke" ] && SMOKE=1
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled \
        TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 OUT="${OUT:-bench/results/gpu}"; [ $SMOKE = 1 ] && OUT="${SMOKE_OUT:-bench/results/gpu_smoke}"
-rm -rf "$OUT/runs"; mkdir -p "$OUT/runs"; rm -f "$OUT/results.jsonl" "$OUT/failures.txt" "$OUT/collectives.json"
+rm -rf "$OUT/runs"; mkdir -p "$OUT/runs"; rm -f "$OUT/results.jsonl" "$OUT/failures.txt" "$OUT/collectives.json" \
+  "$OUT/memory_plan.jsonl" "$OUT/memory_plan.txt"
 KIT="${GPU_CHECK_KIT:-/tmp/rlhf_gpu_check_kit}"
 T0=$(date +%s)
 if [ $SMOKE = 1 ]; then
@@ -61,6 +63,18 @@ if [ $SMOKE = 0 ]; then
   # engine-level MFU at a realistic sequence length (the trainers' arithmetic rows are ~30 tokens)
   timeout 75 python bench/mfu.py --device cuda --shape qwen2.5-0.5b --batch 8 --seq 1024 --steps 6 2>&1 \
     | tail -3 | tee "$OUT/mfu.txt"
+  # memory planner: predicted vs torch.cuda.max_memory_allocated per stage, Qwen2.5-0.5B shape, fp32 then bf16
+  # autocast (~30 s each); only with the time left after keeping 130 s for the GPU tests and the report
+  left=$(( 600 - 130 - ($(date +%s) - T0) ))
+  if [ "$left" -gt 60 ]; then
+    for prec in "" "--bf16"; do
+      timeout $(( left / 2 )) python bench/memory_plan_check.py --device cuda --shape qwen2.5-0.5b $prec --prompt 256 \
+        --response 512 --micro_train 4 --micro_rollout 8 --out "$OUT/memory_plan.jsonl" 2>&1 | tail -5 \
+        | tee -a "$OUT/memory_plan.txt"
+    done
+  else
+    echo "memory plan check: skipped, ${left}s left of the 10 minutes" | tee "$OUT/memory_plan.txt"
+  fi
   timeout 100 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -20 | tee "$OUT/gpu_tests.txt"
   if python -c "import vllm" 2>/dev/null; then
     # the vLLM engine on CUDA (direct weight loader, sleep): the single-process tests; TP=2 needs 2 GPUs
@@ -70,6 +84,10 @@ if [ $SMOKE = 0 ]; then
   else
     echo "vLLM: not importable on this machine: the vLLM tests and bench/gpu_bench.py are skipped" | tee "$OUT/vllm_tests.txt"
   fi
+fi
+if [ $SMOKE = 1 ]; then  # the memory step's script on CPU, small
+  timeout 120 python bench/memory_plan_check.py --kit tiny --prompt 32 --response 32 --out "$OUT/memory_plan.jsonl" \
+    2>&1 | tail -5 | tee "$OUT/memory_plan.txt"
 fi
 python bench/gpu_check.py report --out "$OUT" | tee "$OUT/summary.txt"
 rc=${PIPESTATUS[0]}

@@ -3,9 +3,10 @@
     python bench/memory_plan_check.py                         # CPU: bench kits tiny and medium, fp32, one process
     python bench/memory_plan_check.py --device cuda --shape qwen2.5-0.5b --bf16    # the GPU step of bench/gpu.sh
 
-Each stage runs what the trainer runs for it, on one rank holding one model (the CPU layout: no device split,
-fp32 parameters, plain module; on CUDA the same with --bf16 autocast off, the model in the compute dtype's
-master copy as FSDP2 keeps it: fp32 params, bf16 compute through autocast):
+Each stage runs what the trainer runs for it, on one rank holding one model: the CPU layout (no device split, fp32
+parameters, a plain module), on CPU or CUDA.  ``--bf16``: fp32 parameters with bf16 compute through autocast, whose
+cache of bf16 weight copies stands for FSDP2's unsharded bf16 units (planned as --zero_stage 2, every unit gathered
+until backward); the rollout row is left out there (the engine's own bf16 copy is not what autocast makes).
 
   rollout       the HF engine's generate (rlhf/rollout/hf_engine.py) for --micro_rollout prompts
   ref           a no-grad action_logprobs forward (fused LM head) of --micro_rollout sequences
@@ -141,22 +142,26 @@ def run(args) -> list:
     if args.shape:
         from transformers import AutoConfig
 
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), attn_implementation="sdpa")
+        with torch.device(device):  # built on the device: a 0.5B random init on the host takes a while
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), attn_implementation="sdpa")
+        model = model.float()  # fp32 parameters (the config's torch_dtype says bfloat16), as the trainers keep them
     else:
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
     model.to(device)
     P, R, bt, br = args.prompt, args.response, args.micro_train, args.micro_rollout
     chunk = rows_per_chunk(args.chunk, d.vocab, device)
     job = Job(kind="rl", bf16=args.bf16, prompt_max_len=P, generate_max_len=R, micro_train_batch_size=bt,
-              micro_rollout_batch_size=br, logprob_chunk_size=chunk, rollout_engine="hf", vllm_enable_sleep=True)
+              micro_rollout_batch_size=br, logprob_chunk_size=chunk, rollout_engine="hf", vllm_enable_sleep=True,
+              zero_stage=2 if args.bf16 else 3)
     peak_cls = CudaPeak if device.type == "cuda" else CpuPeak
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     rows = []
 
     def record(stage, resident, rise, pred):
         meas = resident + rise
-        rows.append(dict(kit=args.shape or args.kit, stage=stage, predicted_mib=round(pred / 2**20, 1),
-                         measured_mib=round(meas / 2**20, 1), ratio=round(pred / meas, 3)))
+        rows.append(dict(kit=(args.shape or args.kit) + (" bf16" if args.bf16 else ""), stage=stage, predicted_mib=round(pred / 2**20, 1),
+                         measured_mib=round(meas / 2**20, 1), ratio=round(pred / meas, 3), device=device.type,
+                         tokens=f"{P}+{R}"))
         print(f"[memory] {rows[-1]}", flush=True)
 
     params = list(model.parameters()) + list(model.buffers())
@@ -170,12 +175,13 @@ def run(args) -> list:
     eng = HFEngine(model, tok, device, micro_batch_size=br)
     prompts = [list(range(5, 5 + P - 4 * (i % 4))) for i in range(br)]
     sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=R, stop_token_ids=(-1,), seed=0)
-    for i in range(2):
-        with torch.no_grad(), amp, peak_cls() as pk:
-            eng.generate(prompts, sp)
-    model.requires_grad_(True)
     pred = predicted(job, d, 0)
-    record("rollout", tensor_bytes(params), pk.rise, pred["rollout"])
+    if not args.bf16:
+        for i in range(2):
+            with torch.no_grad(), peak_cls() as pk:
+                eng.generate(prompts, sp)
+        record("rollout", tensor_bytes(params), pk.rise, pred["rollout"])
+    model.requires_grad_(True)
     # ref: a no-grad forward with the fused head
     ids, att = batch(br, P, R, d.vocab, device)
     for i in range(2):

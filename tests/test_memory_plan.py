@@ -85,6 +85,15 @@ def test_activations_with_and_without_checkpointing_by_hand():
     assert terms.inference_activation_bytes(SMALL, 2, 5, 2, "sdpa") == 1600 + 150
 
 
+def test_root_gradient_buffers_by_hand():
+    # untied, FSDP2-sharded, c 2: the root's unsharded bf16 gradient and its fp32 copy, (2 + 4) x 808
+    assert terms.root_grad_bytes(SMALL, 2, sharded=True) == 6 * 808
+    assert terms.root_grad_bytes(SMALL, 4, sharded=False) == 0  # plain module, untied: nothing beyond .grad
+    tied = replace(SMALL, tied=True)  # root 50 x 8 + 8 = 408; two V h fp32 gradients before they are summed
+    assert terms.root_grad_bytes(tied, 4, sharded=False) == 4 * 50 * 8
+    assert terms.root_grad_bytes(tied, 2, sharded=True) == 4 * 50 * 8 + 6 * 408
+
+
 def test_lm_head_and_kv_by_hand():
     # 100 rows, V 1000, chunks of 32: the keep budget (512 KiB = 131 rows) holds all 100 rows -> 100 x 4000
     # kept; one chunk 32 x 1000 x (2 + 4 + 4)

@@ -202,7 +202,7 @@ def _tokens(job: Job, micro: int, max_tokens: Optional[int]) -> Tuple[int, int]:
     return micro, job.seq
 
 
-def _forward(job: Job, d: ModelDims, b: int, s: int, grad: bool, lm: bool) -> Dict[str, float]:
+def _forward(job: Job, d: ModelDims, b: int, s: int, grad: bool, lm: bool, dp: int = 1) -> Dict[str, float]:
     sp = max(1, job.ring_attn_size)
     c = job.c
     if grad:
@@ -215,6 +215,9 @@ def _forward(job: Job, d: ModelDims, b: int, s: int, grad: bool, lm: bool) -> Di
         head = terms.lm_head_bytes(rows, d.vocab, c, job.logprob_chunk_size, max(0, job.lm_head_keep_mb) << 20, grad)
         if grad:  # the head runs while the activations are kept for backward
             out["logits"] = head
+            if job.backend == "fsdp2":
+                sharded = c < 4 or job.adam_offload or dp > 1
+                out["root:grads"] = terms.root_grad_bytes(d, c, sharded)
         elif head > act:  # no graph: the blocks' buffers are gone when the head runs; the larger one is the peak
             out = {"logits": head}
     return out
@@ -295,7 +298,7 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
         if r in roles and roles[r].trainable:
             m = roles[r]
             b = 2 * b_tr if job.kind in ("dpo", "rm") else b_tr
-            add(stage, (r,), {f"{r}:gathered": states[r].gathered, **_forward(job, m.dims, b, s_tr, True, m.lm)},
+            add(stage, (r,), {f"{r}:gathered": states[r].gathered, **_forward(job, m.dims, b, s_tr, True, m.lm, m.ranks)},
                 updating=r)
     if "rollout" in roles and job.kind == "rl":
         d = roles["rollout"].dims

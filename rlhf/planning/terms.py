@@ -57,9 +57,9 @@ def fsdp2_states(n: int, dp: int, c: int, zero_stage: int, trainable: bool, laye
                                            prefetched; the root unit stays unsharded from forward to backward)
                   = c N                    --zero_stage < 3 (every unit stays unsharded until backward is done)
 
-    A model on one rank without --bf16 is a plain module (no sharding, no gathered copy)."""
+    A model on one rank without --bf16 (and without --adam_offload) is a plain module (no gathered copy)."""
     st = States()
-    sharded = dp > 1 or c < 4
+    sharded = dp > 1 or c < 4 or (adam_offload and trainable)  # offload shards one rank too (a single shard)
     st.params = 4.0 * n / dp
     if trainable:
         st.grads = 4.0 * n if no_sync else 4.0 * n / dp
@@ -188,6 +188,17 @@ def lm_head_bytes(rows: int, vocab: int, c: int, chunk_rows: int, keep_bytes: in
         kr = kr if kr == rows else kr // ch * ch
         kept = kr * 4 * v
     return float(kept + ch * v * (c + (4 if c < 4 else 0) + 4))
+
+
+def root_grad_bytes(d: ModelDims, c: int, sharded: bool) -> float:
+    """Gradient buffers of the root unit (embedding, final norm, head) beside the persistent gradients at the end of
+    backward: a tied head's weight gets two fp32 V h gradients (the fused head's and the embedding's dense one)
+    before they are summed, + 4 V h; an FSDP2-sharded root holds its unsharded gradient in the compute dtype and
+    the fp32 copy it reduce-scatters, + (c + 4) x root params."""
+    out = 4.0 * d.vocab * d.hidden if d.tied else 0.0
+    if sharded:
+        out += (c + 4.0) * d.root_params
+    return out
 
 
 def kv_cache_bytes(d: ModelDims, seqs: int, tokens: int, c: int) -> float:
