@@ -36,6 +36,8 @@ def action_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor
                     keep_bytes: int = KEEP_BYTES) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """log pi(a_t | s_<t) for the last num_actions tokens: (B, num_actions) float32, and entropy if asked
     (without a graph when entropy_grad is False: a metric only).  keep_bytes: lm_head.head_logprobs."""
+    if sp_of(model) is not None:  # a padded batch cannot be split along the sequence (parse time refuses this too)
+        raise ValueError("--ring_attn_size > 1 splits packed rows only: add --packing_samples")
     head = fusable_head(model) if fused else None
     labels = sequences[:, -num_actions:]
     if head is not None:
