@@ -13,8 +13,11 @@ full position ids (gathered from the slices), so packed samples keep their block
 Mirrors veRL's Ulysses (verl/utils/ulysses.py ``gather_seq_scatter_heads`` / ``gather_heads_scatter_seq``,
 verl/models/transformers/monkey_patch.py ``_ulysses_flash_attention_forward``, which also all-gathers the
 position ids), but hooks transformers' attention registry (``AttentionInterface.register("rlhf_ulysses", ...)``)
-instead of patching model classes.  OpenRLHF's ``--ring_attn_size`` flag names the group size
-(openrlhf/utils/... ring_attn_utils.py splits packed sequences the same way: contiguous slices per rank).
+instead of patching model classes.  OpenRLHF's ``--ring_attn_size`` flag names the group size; its
+openrlhf/models/ring_attn_utils.py splits packed rows the same way (``unpad_and_slice_tensor``: pad to a multiple of
+the group, contiguous slice per rank, labels taken from the row rolled by one before slicing;
+``gather_and_pad_tensor``: all-gather the per-token log-probs), but runs ring flash-attention (ring_flash_attn,
+CUDA only) where this runs Ulysses over any transformers attention.
 
 Every quantity a loss reads is computed on the slice that holds it and summed over the group
 (``comm.sum_over``, differentiable), so every SP rank computes the same loss; the backward of that sum hands each
