@@ -36,6 +36,20 @@ def test_padding_slices_and_dp_coords():
     assert [dp_coords(i, 4, 2) for i in range(4)] == [(0, 2, 0), (0, 2, 1), (1, 2, 0), (1, 2, 1)]
 
 
+def test_role_rows_one_owner_per_sp_group():
+    """A role of 4 ranks with SP 2 is 2 data-parallel ranks: both ranks of a group compute the same rows, only the
+    group's first reports them (sharding.gather_rows needs one owner per row)."""
+    from rlhf.distributed.sequence_parallel import SP
+    from rlhf.trainers.roles import ModelRole
+
+    got = []
+    for rank in range(4):
+        role = ModelRole("actor", [0, 1, 2, 3], None, rank)
+        role.sp = SP(2, rank % 2)
+        got.append((role.dp_index, role.dp_size, role.rows(8)))
+    assert got == [(0, 2, slice(0, 4)), (0, 2, None), (1, 2, slice(4, 8)), (1, 2, None)], got
+
+
 def test_placement_sp_groups_and_plan_print():
     from types import SimpleNamespace
 
