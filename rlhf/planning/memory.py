@@ -215,9 +215,10 @@ def _forward(job: Job, d: ModelDims, b: int, s: int, grad: bool, lm: bool, dp: i
         head = terms.lm_head_bytes(rows, d.vocab, c, job.logprob_chunk_size, max(0, job.lm_head_keep_mb) << 20, grad)
         if grad:  # the head runs while the activations are kept for backward
             out["logits"] = head
-            if job.backend == "fsdp2":
-                sharded = c < 4 or job.adam_offload or dp > 1
-                out["root:grads"] = terms.root_grad_bytes(d, c, sharded)
+            if job.backend == "fsdp2":  # the root's gradients come last, when the activations are freed
+                root = terms.root_grad_bytes(d, c, c < 4 or job.adam_offload or dp > 1)
+                if root > act + head:
+                    out = {"root:grads": root}
         elif head > act:  # no graph: the blocks' buffers are gone when the head runs; the larger one is the peak
             out = {"logits": head}
     return out
@@ -314,7 +315,7 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
     # optimizer offload, and vLLM's level-1 sleep copy of its weights (start-up, eval)
     host = sum(st.host for st in states.values())
     if sleeping:
-        host += sum(st.resident for st in states.values())
+        host += sum(st.params + st.optimizer for st in states.values())  # gradients are freed after each step
         if "rollout" in roles and job.rollout_engine == "vllm":
             host += terms.vllm_weight_bytes(roles["rollout"].dims.params, rollout_tp)
     return stages, host
