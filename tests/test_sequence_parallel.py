@@ -11,17 +11,11 @@ TOL = 1e-5
 
 
 # ---- pure functions -------------------------------------------------------------------------------------------
-def test_packed_causal_mask_is_block_diagonal_causal():
-    from rlhf.distributed.sequence_parallel import packed_causal_mask
+def test_segments_of_a_packed_row():
+    from rlhf.distributed.sequence_parallel import segments
 
-    m = packed_causal_mask(torch.tensor([[0, 1, 2, 0, 1, 0]]))[0, 0].int()
-    want = torch.tensor([[1, 0, 0, 0, 0, 0],
-                         [1, 1, 0, 0, 0, 0],
-                         [1, 1, 1, 0, 0, 0],
-                         [0, 0, 0, 1, 0, 0],
-                         [0, 0, 0, 1, 1, 0],
-                         [0, 0, 0, 0, 0, 1]])
-    assert torch.equal(m, want), f"sample boundaries or causality wrong:\n{m}"
+    assert segments(torch.tensor([[0, 1, 2, 0, 1, 0]])) == [(0, 3), (3, 5), (5, 6)], "a sample starts at position 0"
+    assert segments(torch.tensor([[0, 1, 2, 3]])) == [(0, 4)]
 
 
 def test_padding_slices_and_dp_coords():

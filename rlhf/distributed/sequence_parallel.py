@@ -8,8 +8,10 @@ scattered); after it, the reverse (heads gathered, sequence scattered):
 
     q, k, v: (B, H, S/N, D) --all-to-all--> (B, H/N, S, D) --attention--> (B, S, H/N, D) --all-to-all--> (B, S/N, H, D)
 
-Attention itself is transformers' own sdpa / flash-attention function, called on the full sequence with the
-full position ids (gathered from the slices), so packed samples keep their block-diagonal causal mask.
+Attention itself is transformers' own sdpa / flash-attention function on the full sequence, with the full position
+ids (gathered from the slices): flash-attention's varlen kernel reads the packed samples from them; sdpa (and eager)
+runs causal attention sample by sample (no (T, T) mask, nothing computed between samples), the same attention as
+the block-diagonal causal mask transformers builds for a packed row at N=1.
 Mirrors veRL's Ulysses (verl/utils/ulysses.py ``gather_seq_scatter_heads`` / ``gather_heads_scatter_seq``,
 verl/models/transformers/monkey_patch.py ``_ulysses_flash_attention_forward``, which also all-gathers the
 position ids), but hooks transformers' attention registry (``AttentionInterface.register("rlhf_ulysses", ...)``)
@@ -49,7 +51,7 @@ class SP:
     rank: int = 0
     group: Any = None
     inner: str = "sdpa"                       # the attention the all-to-alls wrap (set by ``attach``)
-    _mask: Optional[Tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
+    _mask: Optional[Tuple[torch.Tensor, Any]] = field(default=None, repr=False)  # (positions, their segments)
 
     @property
     def on(self) -> bool:
@@ -86,12 +88,12 @@ def pad_packed(ids: torch.Tensor, pos: torch.Tensor, sp_size: int) -> Tuple[torc
     return ids, pos
 
 
-def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """(1, 1, T, T) boolean mask of a packed row: token i sees token j iff j <= i and both belong to the same sample
-    (a sample starts where its position id is 0)."""
-    seg = (position_ids[0] == 0).long().cumsum(0)
-    t = torch.arange(seg.numel(), device=seg.device)
-    return ((seg[:, None] == seg[None, :]) & (t[None, :] <= t[:, None]))[None, None]
+def segments(position_ids: torch.Tensor) -> List[Tuple[int, int]]:
+    """[start, stop) of every sample of a packed (1, T) row: a sample starts where its position id is 0."""
+    starts = (position_ids[0] == 0).nonzero().squeeze(1).tolist()
+    if not starts or starts[0] != 0:
+        starts = [0] + starts
+    return list(zip(starts, starts[1:] + [position_ids.size(1)]))
 
 
 def seq_to_heads(x: torch.Tensor, sp: SP) -> torch.Tensor:
@@ -116,14 +118,14 @@ def _full_positions(local: torch.Tensor, sp: SP) -> torch.Tensor:
     return comm.all_gather_tensor(local[0].contiguous(), sp.group).unsqueeze(0)
 
 
-def _mask_for(full_pos: torch.Tensor, sp: SP) -> torch.Tensor:
-    """The packed mask of ``full_pos``, built once per forward (every layer, and a checkpointed layer's recompute,
-    asks again with the same positions)."""
+def _segments(full_pos: torch.Tensor, sp: SP) -> List[Tuple[int, int]]:
+    """``segments`` of the row, computed once per forward (every layer, and a checkpointed layer's recompute, asks
+    again with the same positions)."""
     if sp._mask is not None and sp._mask[0].shape == full_pos.shape and torch.equal(sp._mask[0], full_pos):
         return sp._mask[1]
-    m = packed_causal_mask(full_pos)
-    sp._mask = (full_pos, m)
-    return m
+    segs = segments(full_pos)
+    sp._mask = (full_pos, segs)
+    return segs
 
 
 def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
@@ -142,8 +144,9 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     q, k, v = (seq_to_heads(t, sp) for t in (query, key, value))
     if sp.inner.startswith("flash"):  # varlen kernels read the packed samples from the position ids
         out, _ = inner(module, q, k, v, None, position_ids=full, **kwargs)
-    else:
-        out, _ = inner(module, q, k, v, _mask_for(full, sp), position_ids=full, **kwargs)
+    else:  # causal attention sample by sample: no (T, T) mask, no work on pairs of different samples
+        out = torch.cat([inner(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, position_ids=full[:, a:b],
+                               **kwargs)[0] for a, b in _segments(full, sp)], 1)
     return heads_to_seq(out, sp), None
 
 
