@@ -210,17 +210,18 @@ def _forward(job: Job, d: ModelDims, b: int, s: int, grad: bool, lm: bool, dp: i
     else:
         act = terms.inference_activation_bytes(d, b, s, c, job.attn, sp)
     out = {"activations": act}
+    head = 0.0
     if lm:
         rows = -(-b * s // sp) * job.response_len // max(1, job.seq)
         head = terms.lm_head_bytes(rows, d.vocab, c, job.logprob_chunk_size, max(0, job.lm_head_keep_mb) << 20, grad)
         if grad:  # the head runs while the activations are kept for backward
             out["logits"] = head
-            if job.backend == "fsdp2":  # the root's gradients come last, when the activations are freed
-                root = terms.root_grad_bytes(d, c, c < 4 or job.adam_offload or dp > 1)
-                if root > act + head:
-                    out = {"root:grads": root}
         elif head > act:  # no graph: the blocks' buffers are gone when the head runs; the larger one is the peak
             out = {"logits": head}
+    if grad and job.backend == "fsdp2":  # the root's gradients come last, when the activations are freed
+        root = terms.root_grad_bytes(d, c, c < 4 or job.adam_offload or dp > 1, lm)
+        if root > act + head:
+            out = {"root:grads": root}
     return out
 
 

@@ -190,14 +190,14 @@ def lm_head_bytes(rows: int, vocab: int, c: int, chunk_rows: int, keep_bytes: in
     return float(kept + ch * v * (c + (4 if c < 4 else 0) + 4))
 
 
-def root_grad_bytes(d: ModelDims, c: int, sharded: bool) -> float:
+def root_grad_bytes(d: ModelDims, c: int, sharded: bool, lm: bool = True) -> float:
     """Gradient buffers of the root unit (embedding, final norm, head) beside the persistent gradients at the end of
     backward: a tied head's weight gets two fp32 V h gradients (the fused head's and the embedding's dense one)
     before they are summed, + 4 V h; an FSDP2-sharded root holds its unsharded gradient in the compute dtype and
-    the fp32 copy it reduce-scatters, + (c + 4) x root params."""
-    out = 4.0 * d.vocab * d.hidden if d.tied else 0.0
+    the fp32 copy it reduce-scatters, + (c + 4) x root params (a value model's root: embedding, norm, value head)."""
+    out = 4.0 * d.vocab * d.hidden if (d.tied and lm) else 0.0
     if sharded:
-        out += (c + 4.0) * d.root_params
+        out += (c + 4.0) * (d.root_params if lm else d.embed_params + 2 * d.hidden)
     return out
 
 
