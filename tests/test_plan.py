@@ -106,3 +106,21 @@ def test_deepspeed_roles_on_ranks_of_their_own_refused_before_process_groups():
     check_backend_placement(SimpleNamespace(topology=SimpleNamespace(backend="fsdp2")), split)
     every = make_placement(topo(colocate_all_models=True), 4)
     check_backend_placement(SimpleNamespace(topology=SimpleNamespace(backend="deepspeed")), every)
+
+
+def test_plan_cli_memory_for_a_supervised_job(capsys, tmp_path):
+    """--kind sft plans one group of --world_size ranks (no RL placement); 7B SFT at 16k tokens on 24 GiB devices
+    overflows in train and names flags that fit; a wrong --kind stops with the choices."""
+    from rlhf.planning.dims import write_config
+
+    write_config("qwen2.5-7b", str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        plan_main(["--memory", "--kind", "sft", "--world_size", "8", "--pretrain", str(tmp_path), "--bf16",
+                   "--max_len", "16384", "--micro_train_batch_size", "1", "--train_batch_size", "8",
+                   "--gpu_memory_gb", "24"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "ranks 0-7 (actor)" in out and "world_size=" not in out  # no RL placement table
+    assert "OVERFLOW: train on ranks 0-7" in out and "fits with: --gradient_checkpointing" in out, out
+    with pytest.raises(SystemExit, match="--kind must be one of ppo, grpo, sft, rm, dpo"):
+        plan_main(["--memory", "--kind", "sftt"])

@@ -542,8 +542,8 @@ def startup_check(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
         elif on_cuda:
             import torch
 
-            device_bytes = float(torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
-                                 .total_memory)
+            local = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())  # as comm picks it
+            device_bytes = float(torch.cuda.get_device_properties(local).total_memory)
         else:
             return []
     placement = None
