@@ -63,7 +63,8 @@ class Job:
 
     @property
     def attn(self) -> str:
-        return "flash" if self.flash_attn or self.packing_samples else "sdpa"
+        # packed rows under sdpa still get a (block-diagonal) s x s mask; flash_attention_2 runs varlen, no mask
+        return "flash" if self.flash_attn else "sdpa"
 
     @property
     def seq(self) -> int:
@@ -395,7 +396,7 @@ def _max_sp(group: int, per_node: int) -> int:
 
 
 # ---- suggestions -----------------------------------------------------------------------------------------------
-def _candidates(job: Job, colocated: bool, max_sp: int) -> List[Dict]:
+def _candidates(job: Job, colocated: bool, max_sp: int, dims: Optional[ModelDims] = None) -> List[Dict]:
     """Single changes that lower some stage's peak, most benign first."""
     out: List[Dict] = []
     if not job.gradient_checkpointing:
@@ -418,10 +419,12 @@ def _candidates(job: Job, colocated: bool, max_sp: int) -> List[Dict]:
         for u in (0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2):
             if u < job.vllm_gpu_memory_utilization:
                 out.append({"vllm_gpu_memory_utilization": u})
-    sp = job.ring_attn_size
-    while sp * 2 <= max_sp:
+    sp = job.ring_attn_size  # Ulysses (rlhf/distributed/sequence_parallel.py check_sp): packed rows, heads and kv
+    while sp * 2 <= max_sp and job.kind != "rm":  # heads divisible by the group, not for train_rm
         sp *= 2
-        out.append({"ring_attn_size": sp})
+        if dims is not None and (dims.heads % sp or dims.kv_heads % sp):
+            break
+        out.append({"ring_attn_size": sp} if job.packing_samples else {"ring_attn_size": sp, "packing_samples": True})
     if not job.adam_offload:
         out.append({"adam_offload": True})
     return out
@@ -434,7 +437,7 @@ def suggest(plan: MemoryPlan, replan, colocated: bool = True, max_sp: int = 8, l
         return []
     job = plan.job
     singles, seen = [], set()
-    for ch in _candidates(job, colocated, max_sp):
+    for ch in _candidates(job, colocated, max_sp, plan.dims):
         key = tuple(sorted(ch))  # one suggestion per flag: the first value that fits is the mildest
         if key in seen:
             continue
@@ -448,7 +451,7 @@ def suggest(plan: MemoryPlan, replan, colocated: bool = True, max_sp: int = 8, l
     acc: Dict = {}
     cur = job
     worst = plan.worst()[1].total
-    for ch in _candidates(job, colocated, max_sp):
+    for ch in _candidates(job, colocated, max_sp, plan.dims):
         trial = replace(cur, **ch)
         p = replan(trial)
         if p.worst()[1].total < worst:
