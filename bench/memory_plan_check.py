@@ -2,6 +2,7 @@
 
     python bench/memory_plan_check.py                         # CPU: bench kits tiny and medium, fp32, one process
     python bench/memory_plan_check.py --device cuda --shape qwen2.5-0.5b --bf16    # the GPU step of bench/gpu.sh
+    torchrun --standalone --nproc_per_node 2 bench/memory_plan_check.py --fsdp2 [--bf16]   # the update on FSDP2
 
 Each stage runs what the trainer runs for it, on one rank holding one model: the CPU layout (no device split, fp32
 parameters, a plain module), on CPU or CUDA.  ``--bf16``: fp32 parameters with bf16 compute through autocast, whose
@@ -209,6 +210,52 @@ def run(args) -> list:
     return rows
 
 
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def run_fsdp2(args) -> list:
+    """The update on FSDP2 (rlhf/backends/fsdp2.py FSDP2Engine) over the ranks of this torchrun (gloo on CPU):
+    each rank's fp32 shards of params, gradients and AdamW state, the gathered units, activations, the head."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.backends.base import EngineSpec
+    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.distributed import comm
+    from rlhf.models.forward import action_logprobs
+    from rlhf.models.lm_head import rows_per_chunk
+
+    rank, world, _, device = comm.init(600)
+    path = model_dir(args)
+    d = ModelDims.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    P, R, bt = args.prompt, args.response, args.micro_train
+    spec = EngineSpec(lr=1e-6, train_batch_size=bt * world, micro_batch_size=bt, total_steps=10, bf16=args.bf16)
+    eng = FSDP2Engine(model, spec, device=device)
+    chunk = rows_per_chunk(args.chunk, d.vocab, device)
+    job = Job(kind="rl", bf16=args.bf16, prompt_max_len=P, generate_max_len=R, micro_train_batch_size=bt,
+              logprob_chunk_size=chunk, rollout_engine="hf", vllm_enable_sleep=True)
+    roles = {"actor": RoleModel(d, world, True, True)}
+    pred = {s.name: s.total for s in group_stages(job, roles, 1, 0, on_cuda=False)[0]}["actor_update"]
+    ids, att = batch(bt, P, R, d.vocab, device)
+    rows = []
+    for i in range(2):
+        state = [local(v) for st in eng.optimizer.state.values() for v in st.values()]
+        resident = tensor_bytes([local(p) for p in eng.model.parameters()] + list(eng.model.buffers()) + state)
+        resident += arena_bytes()
+        with CpuPeak() as pk:
+            lp, _ = action_logprobs(eng.model, ids, att, R, chunk_size=args.chunk)
+            eng.backward(lp.float().mean(), 0)
+            eng.step()
+    meas = resident + pk.rise
+    rows.append(dict(kit=f"{args.kit} fsdp2 x{world}" + (" bf16" if args.bf16 else ""), stage=f"actor_update rank {rank}",
+                     predicted_mib=round(pred / 2**20, 1), measured_mib=round(meas / 2**20, 1),
+                     ratio=round(pred / meas, 3), device=device.type, tokens=f"{P}+{R}"))
+    print(f"[memory] {rows[-1]}", flush=True)
+    comm.barrier()
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kit", default="medium", choices=("tiny", "medium"))
@@ -221,12 +268,14 @@ def main(argv=None):
     ap.add_argument("--micro_rollout", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--out", default=None, help="append the rows as JSON lines here")
+    ap.add_argument("--fsdp2", action="store_true", help="the update on FSDP2 over this torchrun's ranks, e.g. "
+                                                         "torchrun --nproc_per_node 2 bench/memory_plan_check.py --fsdp2")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    rows = run(args)
-    print(f"{'kit':<14}{'stage':<22}{'predicted MiB':>14}{'measured MiB':>14}{'ratio':>8}")
+    rows = run_fsdp2(args) if args.fsdp2 else run(args)
+    print(f"{'kit':<24}{'stage':<22}{'predicted MiB':>14}{'measured MiB':>14}{'ratio':>8}")
     for r in rows:
-        print(f"{r['kit']:<14}{r['stage']:<22}{r['predicted_mib']:>14}{r['measured_mib']:>14}{r['ratio']:>8}")
+        print(f"{r['kit']:<24}{r['stage']:<22}{r['predicted_mib']:>14}{r['measured_mib']:>14}{r['ratio']:>8}")
     if args.out:
         with open(args.out, "a") as fh:
             for r in rows:
