@@ -1,4 +1,6 @@
 """YAML + flag overlay, every rejection path, --help grouping."""
+import sys
+
 import click
 import pytest
 from click.testing import CliRunner
@@ -124,3 +126,25 @@ def test_deepspeed_launcher_local_rank_accepted(monkeypatch):
     import os
 
     assert cfg.algorithm.beta == 0.2 and os.environ["LOCAL_RANK"] == "1"
+
+
+@pytest.mark.parametrize("rank,shown", [("0", True), ("1", False)])
+def test_bad_flag_message_once_from_rank_zero(monkeypatch, capsys, rank, shown):
+    """Every rank parses the same argv: the usage error is printed by rank 0 only, every rank exits 2."""
+    from rlhf.config.cli import main_entry
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(sys, "argv", ["rlhf.train_sft", "--learning_rat", "1e-5"])
+    with pytest.raises(SystemExit) as e:
+        main_entry("sft", lambda cfg: pytest.fail("ran with a bad flag"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert ("unknown flag --learning_rat" in err) is shown and ("did you mean" in err) is shown, err
+
+
+def test_help_still_exits_zero(monkeypatch, capsys):
+    from rlhf.config.cli import main_entry
+
+    monkeypatch.setattr(sys, "argv", ["rlhf.train_sft", "--help"])
+    main_entry("sft", lambda cfg: pytest.fail("ran on --help"))
+    assert "--learning_rate" in capsys.readouterr().out

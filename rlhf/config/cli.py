@@ -285,4 +285,12 @@ def main_entry(kind: str, run: Callable[[TrainConfig], None], trainer_defaults: 
         if getattr(getattr(trainer, "cadence", None), "preempted", False):
             sys.exit(EXIT_PREEMPTED)
 
-    make_command(kind, run_and_exit, trainer_defaults, help).main(sys.argv[1:], prog_name=f"rlhf.{kind}")
+    cmd = make_command(kind, run_and_exit, trainer_defaults, help)
+    try:
+        cmd.main(sys.argv[1:], prog_name=f"rlhf.{kind}", standalone_mode=False)
+    except click.ClickException as e:  # bad input: every rank parses the same argv; the message once, from rank 0
+        if os.environ.get("RANK", "0") == "0":
+            e.show()
+        sys.exit(e.exit_code)
+    except click.Abort:
+        sys.exit(1)

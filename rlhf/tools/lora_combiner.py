@@ -112,7 +112,10 @@ def apply_lora(model_path: str, lora_path: str, output_path: str, is_rm: bool = 
     tmp = output_path.rstrip("/") + ".tmp"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
-    merged.save_pretrained(tmp, safe_serialization=True)
+    from rlhf.models.load import quiet_save
+
+    with quiet_save():  # no DeepSpeed import ("Setting accelerator to CPU") or shard bars
+        merged.save_pretrained(tmp, safe_serialization=True)
     try:
         tok = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError):  # a base folder without a tokenizer: the adapter folder's (the trainers save one)
