@@ -121,13 +121,14 @@ def batch(b: int, prompt: int, resp: int, vocab: int, device):
     return ids.to(device), att.to(device)
 
 
-def predicted(job: Job, d: ModelDims, device_bytes: float) -> dict:
+def predicted(job: Job, d: ModelDims, on_cuda: bool) -> dict:
     """The planner's stages on one rank holding actor, ref and rollout with sleep on: each stage holds its own
-    model only (what this bench measures)."""
+    model only (what this bench measures); without the CUDA runtime reserve (the allocator's counters exclude the
+    context and cuBLAS workspace)."""
     roles = {"actor": RoleModel(d, 1, True, True), "ref": RoleModel(d, 1, False, True),
              "rollout": RoleModel(d, 1, False, True)}
-    stages, _ = group_stages(job, roles, 1, device_bytes, on_cuda=False)
-    return {s.name: s.total for s in stages}
+    stages, _ = group_stages(job, roles, 1, 0, on_cuda=on_cuda)
+    return {s.name: sum(v for k, v in s.parts.items() if k != "runtime") for s in stages}
 
 
 def run(args) -> list:
@@ -160,7 +161,8 @@ def run(args) -> list:
 
     def record(stage, resident, rise, pred):
         meas = resident + rise
-        rows.append(dict(kit=(args.shape or args.kit) + (" bf16" if args.bf16 else ""), stage=stage, predicted_mib=round(pred / 2**20, 1),
+        rows.append(dict(kit=(args.shape or args.kit) + (" bf16" if args.bf16 else ""), stage=stage,
+                         predicted_mib=round(pred / 2**20, 1),
                          measured_mib=round(meas / 2**20, 1), ratio=round(pred / meas, 3), device=device.type,
                          tokens=f"{P}+{R}"))
         print(f"[memory] {rows[-1]}", flush=True)
@@ -176,7 +178,7 @@ def run(args) -> list:
     eng = HFEngine(model, tok, device, micro_batch_size=br)
     prompts = [list(range(5, 5 + P - 4 * (i % 4))) for i in range(br)]
     sp = SamplingParams(n=1, temperature=1.0, max_new_tokens=R, stop_token_ids=(-1,), seed=0)
-    pred = predicted(job, d, 0)
+    pred = predicted(job, d, device.type == "cuda")
     if not args.bf16:
         for i in range(2):
             with torch.no_grad(), peak_cls() as pk:
@@ -205,7 +207,8 @@ def run(args) -> list:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         pj = Job(**{**job.__dict__, "gradient_checkpointing": ckpt})
-        record("actor_update" + (" (ckpt)" if ckpt else ""), resident, pk.rise, predicted(pj, d, 0)["actor_update"])
+        record("actor_update" + (" (ckpt)" if ckpt else ""), resident, pk.rise,
+               predicted(pj, d, device.type == "cuda")["actor_update"])
         model.gradient_checkpointing_disable()
     return rows
 
@@ -248,7 +251,8 @@ def run_fsdp2(args) -> list:
             eng.backward(lp.float().mean(), 0)
             eng.step()
     meas = resident + pk.rise
-    rows.append(dict(kit=f"{args.kit} fsdp2 x{world}" + (" bf16" if args.bf16 else ""), stage=f"actor_update rank {rank}",
+    rows.append(dict(kit=f"{args.kit} fsdp2 x{world}" + (" bf16" if args.bf16 else ""),
+                     stage=f"actor_update rank {rank}",
                      predicted_mib=round(pred / 2**20, 1), measured_mib=round(meas / 2**20, 1),
                      ratio=round(pred / meas, 3), device=device.type, tokens=f"{P}+{R}"))
     print(f"[memory] {rows[-1]}", flush=True)
@@ -268,8 +272,8 @@ def main(argv=None):
     ap.add_argument("--micro_rollout", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--out", default=None, help="append the rows as JSON lines here")
-    ap.add_argument("--fsdp2", action="store_true", help="the update on FSDP2 over this torchrun's ranks, e.g. "
-                                                         "torchrun --nproc_per_node 2 bench/memory_plan_check.py --fsdp2")
+    ap.add_argument("--fsdp2", action="store_true",
+                    help="the update on FSDP2 over this torchrun's ranks (torchrun --nproc_per_node 2 ... --fsdp2)")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rows = run_fsdp2(args) if args.fsdp2 else run(args)

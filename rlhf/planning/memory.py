@@ -301,8 +301,8 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
         if r in roles and roles[r].trainable:
             m = roles[r]
             b = 2 * b_tr if job.kind in ("dpo", "rm") else b_tr
-            add(stage, (r,), {f"{r}:gathered": states[r].gathered, **_forward(job, m.dims, b, s_tr, True, m.lm, m.ranks)},
-                updating=r)
+            fwd = _forward(job, m.dims, b, s_tr, True, m.lm, m.ranks)
+            add(stage, (r,), {f"{r}:gathered": states[r].gathered, **fwd}, updating=r)
     if "rollout" in roles and job.kind == "rl":
         d = roles["rollout"].dims
         largest = max(d.vocab * d.hidden, d.hidden * d.intermediate) * job.c  # a tensor larger than a bucket
