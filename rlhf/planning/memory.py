@@ -9,7 +9,7 @@ buffers).  Which roles are resident follows the phase scheduler (rlhf/distribute
 others sleep on the host; otherwise every role of the rank stays on the device and vLLM keeps its whole share.
 
 Stages (RL): load (every role's parameters, then vLLM takes its share: vLLM refuses to start otherwise),
-rollout, reward, ref, values, critic_update, actor_update, weight_sync.  Supervised: load, ref (DPO), train.
+rollout, reward, ref, values, old_logprobs, critic_update, actor_update, weight_sync.  Supervised: load, ref (DPO), train.
 """
 from __future__ import annotations
 
@@ -288,7 +288,9 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
         add("rollout", ("rollout",), _rollout_parts(job, roles["rollout"].dims, rollout_tp, device_bytes, on_cuda))
     b_inf, s_inf = _tokens(job, job.micro_rollout_batch_size, job.rollout_max_tokens_per_gpu)
     b_tr, s_tr = _tokens(job, job.micro_train_batch_size, job.train_max_tokens_per_gpu)
-    for r, stage in (("reward", "reward"), ("ref", "ref"), ("critic", "values")):
+    # old_logprobs: the actor's no-grad forward over the rollout (skipped for a single on-policy update, but then
+    # still run on the first step and every --logprob_gap_interval steps to log the rollout gap): planned always
+    for r, stage in (("reward", "reward"), ("ref", "ref"), ("critic", "values"), ("actor", "old_logprobs")):
         if r in roles and job.kind == "rl":
             m = roles[r]
             fwd = _forward(job, m.dims, b_inf, s_inf, False, m.lm)
