@@ -151,3 +151,62 @@ def check_adam_offload(rank, world, kit):
 def run_all(rank, world, kit):
     check_dynamic_batch_equals_fixed(rank, world, kit)
     check_adam_offload(rank, world, kit)
+
+
+def check_deepspeed_token_budgets(rank, world, kit, stage):
+    """DeepSpeed with token budgets: the micro-batch count varies (here 2 on one rank, 1 + a dummy on the other),
+    so DeepSpeed accumulates with accumulation 1 and the engine steps once.  One PPO actor step equals the fixed-size step: the same
+    loss and gradient norm (1e-5), and the parameters moved once (AdamW moves each by at most ~lr per step)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.backends.base import EngineSpec
+    from rlhf.backends.deepspeed_engine import DeepSpeedEngine
+    from rlhf.trainers.ppo_update import train_actor
+
+    exp = skewed_experience()
+    lr = 1e-3
+    res, params = {}, {}
+    for dynamic in (False, True):
+        spec = EngineSpec(lr=lr, train_batch_size=8, micro_batch_size=2, total_steps=2, zero_stage=stage,
+                          warmup_ratio=0.0, scheduler="constant", dynamic_batch=dynamic)
+        eng = DeepSpeedEngine(AutoModelForCausalLM.from_pretrained(kit), spec)
+        before = eng.full_state_dict()  # a collective: every rank calls it, rank 0 gets the tensors
+        before = {k: v.clone() for k, v in before.items()} if rank == 0 else None
+        res[dynamic] = train_actor(_config(False, dynamic, 18), eng, exp, rank, world, 0.1, 3)
+        after = eng.full_state_dict()
+        if rank == 0:
+            params[dynamic] = {k: after[k] - before[k] for k in before}
+    for k in ("policy_loss", "kl_loss"):
+        f, d = _mean_over_ranks(res[False][k], world), _mean_over_ranks(res[True][k], world)
+        assert abs(f - d) < 1e-5, f"deepspeed stage {stage}: {k} {d} with token budgets, {f} fixed"
+    gf, gd = res[False]["grad_norm"], res[True]["grad_norm"]
+    assert abs(gf - gd) <= 1e-5 * max(gf, 1.0), f"deepspeed stage {stage}: grad norm {gd} with token budgets, {gf} fixed"
+    if rank == 0:
+        moved = max(v.abs().max().item() for v in params[True].values())
+        assert 0 < moved < 1.5 * lr, f"deepspeed stage {stage}: token budgets moved a parameter by {moved} (lr {lr})"
+
+
+def check_deepspeed_accumulates(rank, world, kit, stage):
+    """Two micro-batches through ``engine.model`` (``ds.module``, as the trainers run them) accumulate: the step's
+    gradient norm is that of the mean loss over every rank's rows, computed in one plain process.  (Under ZeRO-3
+    with DeepSpeed 0.19 the second micro-batch used to overwrite the first: 2.05 for 3.20.)"""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.backends.base import EngineSpec
+    from rlhf.backends.deepspeed_engine import DeepSpeedEngine
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, 100, (2 * world, 10))
+    plain = AutoModelForCausalLM.from_pretrained(kit)
+    sum(plain(input_ids=ids[j:j + 1], labels=ids[j:j + 1]).loss for j in range(ids.size(0))).div(ids.size(0)).backward()
+    want = torch.norm(torch.stack([p.grad.norm() for p in plain.parameters() if p.grad is not None])).item()
+    for dynamic in (False, True):
+        spec = EngineSpec(lr=1e-3, train_batch_size=2 * world, micro_batch_size=1, total_steps=2, zero_stage=stage,
+                          warmup_ratio=0.0, scheduler="constant", dynamic_batch=dynamic)
+        eng = DeepSpeedEngine(AutoModelForCausalLM.from_pretrained(kit), spec)
+        for i in range(2):
+            x = ids[2 * rank + i:2 * rank + i + 1]
+            eng.backward(eng.model(input_ids=x, labels=x).loss, i, last=i == 1 if dynamic else None)
+        got = eng.step()["grad_norm"]
+        assert abs(got - want) < 1e-5 * want, \
+            f"deepspeed stage {stage} (token budgets {dynamic}): grad norm {got} over 2 micro-batches, want {want}"

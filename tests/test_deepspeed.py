@@ -36,6 +36,10 @@ def _ds_worker(rank, world, kit, out_dir, stage):
     with torch.no_grad():
         assert torch.equal(eng.ds(input_ids=x).logits, eng2.ds(input_ids=x).logits)
     _check_bf16_masters(kit, spec, stage)
+    from batching_checks import check_deepspeed_accumulates, check_deepspeed_token_budgets
+
+    check_deepspeed_accumulates(rank, world, kit, stage)  # micro-batches through ds.module accumulate (ZeRO-3)
+    check_deepspeed_token_budgets(rank, world, kit, stage)  # --use_dynamic_batch equals fixed micro-batches
     _check_frozen(kit, spec, stage, x)
     if stage == 3:
         _check_lora_merge(kit, spec)

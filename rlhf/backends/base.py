@@ -26,6 +26,7 @@ class EngineSpec:
     scheduler: str = "cosine_with_min_lr"
     offload: bool = False          # sleep/wake offloads training state
     adam_offload: bool = False     # optimizer state (fsdp2: also sharded params and grads) in host memory all along
+    dynamic_batch: bool = False    # token-budget micro-batches: their count varies from step to step
     accum_no_sync: bool = False    # fsdp2: reduce-scatter gradients on the last micro-batch only (full grads kept)
 
 
@@ -38,7 +39,7 @@ def spec_from_config(cfg, lr: float, total_steps: int, trainable: bool = True, g
                       bf16=m.bf16, zero_stage=t.zero_stage, max_norm=o.max_norm, weight_decay=o.weight_decay,
                       betas=o.adam_betas, warmup_ratio=o.lr_warmup_ratio, scheduler=o.lr_scheduler,
                       offload=t.deepspeed_enable_sleep, accum_no_sync=t.grad_accum_no_sync,
-                      adam_offload=t.adam_offload and trainable)
+                      adam_offload=t.adam_offload and trainable, dynamic_batch=o.use_dynamic_batch and trainable)
     if not trainable:
         spec.train_batch_size = spec.micro_batch_size * group_size
     else:  # --ring_attn_size N: the N ranks of a sequence-parallel group run the same micro-batches, so the engine

@@ -75,6 +75,14 @@ def deepspeed_config(spec: EngineSpec, dp: int, offload_optimizer: Optional[bool
     }
     if offload_optimizer and not ds_cpu_adam:
         cfg["zero_force_ds_cpu_optimizer"] = False
+    if spec.dynamic_batch and spec.trainable:
+        # token budgets: the micro-batch count varies from step to step, so DeepSpeed does not count micro-steps;
+        # the caller's step() is the accumulation boundary (DeepSpeed's "unmanaged" gradient accumulation,
+        # deepspeed/runtime/engine.py is_gradient_accumulation_boundary; it refuses overlap_comm below stage 2).
+        # The loss is still divided by gradient_accumulation_steps, as the other engines divide by accum_steps.
+        cfg["managed_gradient_accumulation"] = False
+        if spec.zero_stage < 2:
+            zero["overlap_comm"] = False
     if not spec.trainable:
         del cfg["gradient_clipping"]
     return cfg
@@ -190,14 +198,23 @@ class DeepSpeedEngine(TrainEngine):
 
     # ---- training ----------------------------------------------------------------------------------------------
     def backward(self, loss, micro_step: int, last: Optional[bool] = None) -> None:
-        """DeepSpeed scales by 1/accum itself and wants step() after every micro batch.  A caller that says which
-        micro-batch is the last (token-budget micro-batches: their count varies) sets DeepSpeed's boundary by hand
-        (``set_gradient_accumulation_boundary``, before each backward), so the reduction and the optimizer step
-        come at that micro-batch, not every ``gradient_accumulation_steps``."""
-        if last is not None:
-            self.ds.set_gradient_accumulation_boundary(bool(last))
+        """DeepSpeed scales by 1/accum itself and wants step() after every micro batch.  Token-budget
+        micro-batches (``spec.dynamic_batch``; their count varies): DeepSpeed's unmanaged accumulation
+        (``deepspeed_config``): backward only, and ``step`` once after the last.  (OpenRLHF sets accumulation 1
+        and steps after the last micro-batch; here, with forwards through ``ds.module``, that kept only the last
+        micro-batch's gradient, and so did ``set_gradient_accumulation_boundary`` under ZeRO-3:
+        tests/batching_checks.py ``check_deepspeed_token_budgets`` compares with fixed micro-batches.)"""
         self.ds.backward(loss)
-        if not is_last(micro_step, self.accum_steps, last):
+        clear = getattr(self.ds.optimizer, "clear_backward_seen_flag", None) if self.zero3 else None
+        if clear is not None:
+            # ZeRO-3 (DeepSpeed 0.19) counts its micro-steps in clear_backward_seen_flag, which
+            # DeepSpeedEngine.forward calls first (deepspeed/runtime/engine.py forward; zero/stage3.py: micro-step 0
+            # copies the reduced gradient partition, later ones add to it).  The trainers' forwards go through
+            # ds.module, so without this call every micro-batch overwrote the previous one's gradient (measured:
+            # 2 micro-batches of 1 row, grad norm 2.05 instead of 3.20); called after each backward, the next one
+            # accumulates (a later DeepSpeedEngine.forward finds the flag cleared and counts nothing twice)
+            clear()
+        if not self.spec.dynamic_batch and not is_last(micro_step, self.accum_steps, last):
             self.ds.step()
 
     def step(self) -> Dict[str, float]:
