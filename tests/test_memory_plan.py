@@ -139,7 +139,7 @@ def test_recipes_planned(capsys):
     # 0.6 x 80 = 48 GiB + 1.5 GiB runtime: vLLM cannot start next to the loaded models
     assert re.search(r"OVERFLOW: load on ranks 0-31 needs 82\.\d GiB of 80\.0 GiB \(2\.\d GiB over\)", out), out
     assert "fits with: --vllm_gpu_memory_utilization 0.5" in out
-    stages = re.findall(r"^  (\w+) +[\d.]+ ", out, re.M)
+    stages = re.findall(r"^  ([a-z_]+) +[\d.]+ ", out, re.M)
     assert stages == ["load", "rollout", "reward", "ref", "values", "old_logprobs", "critic_update", "actor_update",
                       "weight_sync"], stages
     short = _plan_cli(capsys, "--config", "configs/grpo_qwen2.5_7b_math.yaml", "--world_size", 8)
