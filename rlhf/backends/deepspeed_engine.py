@@ -187,6 +187,11 @@ class DeepSpeedEngine(TrainEngine):
             self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
             self.model = self.ds.module
+            if spec.dynamic_batch and not hasattr(self.ds, "managed_gradient_accumulation"):
+                raise RuntimeError(f"--use_dynamic_batch with --backend deepspeed needs DeepSpeed's unmanaged "
+                                   f"gradient accumulation (managed_gradient_accumulation; 0.19.8 has it), not in "
+                                   f"DeepSpeed {deepspeed.__version__}: pip install 'deepspeed>=0.19.8', or use "
+                                   f"--backend fsdp2")
         elif self.zero3:
             model.requires_grad_(False)
             model.eval()
