@@ -191,3 +191,33 @@ def test_supervised_token_budgets_weigh_the_step(tiny_kit):
     assert abs(ls["loss"][0] - float(want)) < 1e-5, (ls["loss"], float(want))
     gap = max((a - p.grad).abs().max().item() for a, p in zip(gs, [p for p in model.parameters() if p.grad is not None]))
     assert gap < 1e-5, f"SFT gradient under token budgets differs from the step's token mean by {gap}"
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_inference_plan_reorders_and_restores(packed):
+    """The inference forwards' plan: each DP rank's rows and micro-batches are contiguous slices of the reordered
+    batch, a forward run through the role's gather puts every row's output back in the batch's order, and packed
+    micro-batches stay within the budget."""
+    from batching_checks import skewed_experience
+
+    from rlhf.rollout.base import RolloutBatch
+    from rlhf.trainers.experience import InferencePlan
+
+    e = skewed_experience()
+    batch = RolloutBatch(e.sequences, e.attention_mask, e.action_mask, e.rollout_logprobs, 6)
+    plan = InferencePlan(batch, 2, 18, packed)
+    assert sorted(plan.perm.tolist()) == list(range(8)) and torch.equal(plan.perm[plan.inverse], torch.arange(8))
+    out = torch.zeros(8, dtype=torch.long)
+    counts = set()
+    for i in range(2):
+        rows, parts = plan.rows(i), plan.plan(i)
+        counts.add(len(parts))
+        real = [p for p in parts if p is not None]
+        assert sum(p.stop - p.start for p in real) == rows.stop - rows.start
+        for p in real:
+            assert rows.start <= p.start < p.stop <= rows.stop
+            out[p] = plan.perm[p]  # the "forward" of a row is its index in the batch
+            tokens = int(batch.attention_mask[plan.perm[p]].sum())
+            assert not packed or tokens <= 18, f"a packed micro-batch of {tokens} tokens under 18"
+    assert len(counts) == 1, "every DP rank runs the same number of forwards"
+    assert torch.equal(out[plan.inverse], torch.arange(8)), "outputs are not restored to the batch's order"
