@@ -17,6 +17,7 @@ of its 2.2M parameters).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -74,6 +75,23 @@ def build_config(arch: str, vocab: int, layers: int, hidden: int, tok, heads: in
     return (Qwen2Config if arch == "qwen2" else LlamaConfig)(**common)
 
 
+@contextlib.contextmanager
+def staged_dir(out: str, prefix: str):
+    """A temp folder beside ``out``, renamed to ``out`` (replacing it) when the block succeeds, removed otherwise:
+    a kit is never seen half-written."""
+    parent = os.path.dirname(os.path.abspath(out)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    try:
+        yield tmp
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def make_tiny(out: str, arch: str = "llama", layers: int = 2, hidden: int = 64, seed: int = 0, heads: int = 4,
               kv_heads: int = 2, tie: bool = False) -> str:
     """Build the kit into ``out`` atomically (temp dir + rename); returns ``out``.
@@ -87,10 +105,7 @@ def make_tiny(out: str, arch: str = "llama", layers: int = 2, hidden: int = 64, 
     from rlhf.data import arithmetic as tasks
 
     torch.manual_seed(seed)
-    parent = os.path.dirname(os.path.abspath(out)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=parent)
-    try:
+    with staged_dir(out, ".tiny-") as tmp:
         tok = build_tokenizer()
         cfg = build_config(arch, len(tok), layers, hidden, tok, heads, kv_heads, tie)
         AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp)
@@ -106,12 +121,6 @@ def make_tiny(out: str, arch: str = "llama", layers: int = 2, hidden: int = 64, 
             tasks.write_jsonl(os.path.join(data, f"prompts_{split}.jsonl"), tasks.arithmetic_prompts(n, s))
             tasks.write_jsonl(os.path.join(data, f"sft_{split}.jsonl"), tasks.sft_rows(n, s + 1))
             tasks.write_jsonl(os.path.join(data, f"pref_{split}.jsonl"), tasks.preference_rows(n, s + 2))
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -177,10 +186,7 @@ def make_real(out: str, seed: int = 0, n_train: int = 512, n_eval: int = 32, voc
     from rlhf.data import arithmetic as tasks
 
     torch.manual_seed(seed)
-    parent = os.path.dirname(os.path.abspath(out)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".real-", dir=parent)
-    try:
+    with staged_dir(out, ".real-") as tmp:
         tok = build_real_tokenizer(vocab_size)
         eot = tok.eos_token_id
         cfg = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
@@ -200,12 +206,6 @@ def make_real(out: str, seed: int = 0, n_train: int = 512, n_eval: int = 32, voc
         for split, n, s in (("train", n_train, seed + 10), ("eval", n_eval, seed + 99)):
             for kind, rows in zip(("prompts", "sft", "pref"), real_rows(n, s)):
                 tasks.write_jsonl(os.path.join(data, f"{kind}_{split}.jsonl"), rows)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
