@@ -8,6 +8,17 @@ from rlhf.utils.logging import read_metrics
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def flags_argv(flags: dict) -> list:
+    """{flag: value} -> argv: True -> ``--flag``; False / None left out; a tuple -> ``--flag v1 v2``."""
+    out = []
+    for k, v in flags.items():
+        if v is True:
+            out.append(f"--{k}")
+        elif v is not False and v is not None:
+            out += [f"--{k}", *(map(str, v) if isinstance(v, tuple) else [str(v)])]
+    return out
+
+
 def torchrun(module: str, nproc: int, args, cwd, log_dir: str, timeout: int = 600):
     """nproc 0: plain ``python -m module`` (one process, no torchrun and none of its environment variables).
     Returns (train rows, eval rows, stdout + stderr)."""

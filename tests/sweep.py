@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from e2e import flags_argv
+
 # name -> (trainer kind, flags); sizes are chosen to be awkward: fewer prompts than ranks or engines, rollout
 # batches that do not divide over the engines, data sets not a multiple of the batch, one-prompt eval sets.
 BASE = {"generate_max_len": 4, "remote_rm_url": "builtin:arithmetic", "lr_warmup_ratio": 0.0,
@@ -173,12 +175,7 @@ def case_argv(name: str, spec: dict, kit: str, data: str, out: str):
                  ckpt_path=os.path.join(out, name, "ckpt"), no_progress_bar=True)
     if flags.get("reward_pretrain"):
         flags["reward_pretrain"] = flags["reward_pretrain"].format(kit=kit)
-    argv = []
-    for k, v in flags.items():
-        if v is True:
-            argv.append(f"--{k}")
-        elif v is not False and v is not None:
-            argv += [f"--{k}", *(map(str, v) if isinstance(v, tuple) else [str(v)])]
+    argv = flags_argv(flags)
     n_train = n - (max(1, int(n * flags.get("eval_split", 0.1))) if "eval_dataset" not in flags
                    and flags.get("eval_split", 0.1) > 0 else 0)
     steps = min(n_train // flags["rollout_batch_size"] * flags.get("num_episodes", 1), flags["max_global_steps"])

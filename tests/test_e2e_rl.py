@@ -4,7 +4,7 @@ import os
 import shutil
 
 import pytest
-from e2e import torchrun
+from e2e import flags_argv, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -18,13 +18,7 @@ def _rl_args(kit, sft, **over):
             "n_samples_per_prompt": 4, "train_batch_size": 16, "micro_train_batch_size": 8,
             "micro_rollout_batch_size": 32}
     args.update(over)
-    out = []
-    for k, v in args.items():
-        if v is True:
-            out.append(f"--{k}")
-        elif v is not False and v is not None:
-            out += [f"--{k}", str(v)]
-    return out
+    return flags_argv(args)
 
 
 def test_grpo_colocated_hybrid_reward_rises(tiny_kit, sft_model, tmp_path):

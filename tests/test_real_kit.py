@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from e2e import torchrun
+from e2e import flags_argv, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -31,13 +31,7 @@ def _data(kit, name):
 
 
 def _argv(**flags):
-    out = []
-    for k, v in flags.items():
-        if v is True:
-            out.append(f"--{k}")
-        elif v is not False and v is not None:
-            out += [f"--{k}", str(v)]
-    return out
+    return flags_argv(flags)
 
 
 @pytest.fixture(scope="module")

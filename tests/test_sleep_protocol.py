@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from e2e import flags_argv
 from vllm_fake import FakeCudaError, FakeDevice, FakeLLM, fake_vllm
 
 from rlhf.rollout.base import SamplingParams
@@ -172,15 +173,7 @@ def _argv(kit, tmp, name, **over):
             "colocate_all_models": True, "vllm_enable_sleep": True, "rollout_engine": "vllm",
             "ckpt_path": tmp / "ck", "save_path": tmp / name / "model", "log_dir": tmp / name / "logs", "seed": 3}
     args.update(over)
-    out = []
-    for k, v in args.items():
-        if v is True:
-            out.append(f"--{k}")
-        elif isinstance(v, tuple):
-            out += [f"--{k}", *map(str, v)]
-        elif v is not False and v is not None:
-            out += [f"--{k}", str(v)]
-    return out
+    return flags_argv(args)
 
 
 def _run(argv):
