@@ -357,6 +357,27 @@ class EngineMemory:
                                "next generate, or use --vllm_sleep_level 1")
 
 
+def release_vllm_groups() -> None:
+    """Drop the process groups an in-process (colocated) vLLM engine made over the trainer's world.
+
+    vLLM keeps them in module globals (vllm/distributed/parallel_state.py ``_WORLD``, ``_TP``, ``_PP``, ...); left
+    there after the trainer's world is destroyed, the next engine made in this process reuses the stale world group
+    and fails in ``ensure_model_parallel_initialized`` ("Process group ... is not initialized in the world group
+    map").  vLLM's own ``destroy_distributed_environment`` would also destroy torch's default group, which belongs
+    to the trainer here (external launcher), so the world coordinator is destroyed by hand: its device and CPU
+    groups only (``GroupCoordinator.destroy``)."""
+    import torch.distributed as tdist
+    from vllm.distributed import parallel_state as ps
+
+    if not tdist.is_initialized():  # the groups went with the world
+        ps._WORLD = None
+        return
+    ps.destroy_model_parallel()
+    if ps._WORLD is not None:
+        ps._WORLD.destroy()
+        ps._WORLD = None
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, tp_size: int = 1, *, mode: str = "colocated", max_model_len: int = 1024,
                  seed: int = 0, pad_token_id: int = 0, eos_token_id: int = 2, dtype: Optional[str] = None,
@@ -580,9 +601,15 @@ class VLLMEngine(RolloutEngine):
             comm.broadcast_object(None, src=self.tp_src, group=self.tp_group)
 
     def close(self) -> None:
-        """Stop vLLM's own processes (separate mode) now rather than at interpreter exit.  Colocated: nothing
-        (shutting the in-process engine down would also destroy the trainer's default process group)."""
-        if self.mode != "separate" or self.llm is None:
+        """Stop vLLM's own processes (separate mode) now rather than at interpreter exit.  Colocated: release vLLM's
+        process groups only (``release_vllm_groups``); shutting the in-process engine down would also destroy the
+        trainer's default process group."""
+        if self.mode != "separate":
+            if self.llm is not None:
+                self.llm = None
+                release_vllm_groups()
+            return
+        if self.llm is None:
             return
         llm, self.llm = self.llm, None
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
