@@ -148,7 +148,21 @@ class RolloutConfig:
                                     "(all within --reward_timeout_s)")
     agent_func_path: Optional[str] = opt(None, "python file defining AgentInstance / AgentExecutor for multi-turn rollouts")
     max_steps: int = opt(4, "max environment steps per agent episode")
-    async_train: bool = opt(False, "overlap generation of step t+1 with training of step t (one-step off-policy)")
+    async_train: bool = opt(False, "rollout ranks of their own generate ahead while the actor trains (see "
+                                   "--async_queue_size)")
+    async_queue_size: int = opt(1, "--async_train: rollout batches generated ahead of training (K); the batch "
+                                   "trained at step t was generated with the weights of step t - K")
+    max_staleness: Optional[int] = opt(None, "--async_train: the oldest token a trained sample may hold, in weight "
+                                             "syncs; older groups are generated again or dropped (default: the "
+                                             "pipeline's own bound, K plus the steps oversampled groups wait plus "
+                                             "the syncs a partial rollout spans)")
+    partial_rollout: bool = opt(False, "--async_train: unfinished samples continue under the new weights after a "
+                                       "sync (tokens and log-probs kept, each token's weight version recorded)")
+    partial_rollout_chunk: Optional[int] = opt(None, "--partial_rollout: new tokens per generation round (default "
+                                                     "--generate_max_len / 4)")
+    vllm_generate_batch_size: Optional[int] = opt(None, "--async_train: prompts in flight over the engines "
+                                                        "(oversampling when > --rollout_batch_size; default "
+                                                        "--rollout_batch_size); extra groups wait for a later batch")
 
 
 @dataclass

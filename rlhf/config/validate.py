@@ -128,6 +128,7 @@ def _validate_rl(cfg) -> None:
         _check(not t.colocate_all_models, "async_train",
                "--async_train overlaps generation with training, which colocated roles cannot do (they take turns): "
                "drop --colocate_all_models and give the rollout its own ranks with --vllm_num_engines")
+    _validate_async(cfg)
     _check(r.temperature >= 0, "temperature", "--temperature must be >= 0")
     if d.prompt_data is not None and r.remote_rm_url is None and m.reward_pretrain is None and r.agent_func_path is None:
         raise ConfigError("remote_rm_url", "--prompt_data is set but no reward source: give --reward_pretrain, "
@@ -160,3 +161,60 @@ def resolve_is_correction(a) -> None:
         raise ConfigError("is_correction_gating", f"--is_correction_gating {gating} takes an upper bound only, got "
                           f"the band [{a.is_truncated_threshold_low}, {a.is_truncated_threshold}]: give one value, "
                           f"e.g. --algo.advantage.is_correction_threshold 5e-3 (or --is_truncated_threshold_low 0)")
+
+
+def _validate_async(cfg) -> None:
+    """--async_queue_size, --max_staleness, --partial_rollout, --vllm_generate_batch_size (rlhf.rollout.stream).
+    Each needs --async_train (OpenRLHF asserts the same: openrlhf/cli/train_ppo_ray.py).  Resolves the staleness
+    default, and turns IS correction on when nothing was said about it: an off-policy batch without it trains on
+    the rollout's samples as if the trainer had drawn them (``--is_correction_level off`` opts out)."""
+    r, a, d = cfg.rollout, cfg.algorithm, cfg.data
+    _check(r.async_queue_size >= 1, "async_queue_size",
+           f"--async_queue_size is the number of batches generated ahead (K >= 1), got {r.async_queue_size}; "
+           f"e.g. --async_queue_size 1")
+    if not r.async_train:
+        for flag, on in (("partial_rollout", r.partial_rollout), ("max_staleness", r.max_staleness is not None),
+                         ("async_queue_size", r.async_queue_size != 1),
+                         ("partial_rollout_chunk", r.partial_rollout_chunk is not None),
+                         ("vllm_generate_batch_size", r.vllm_generate_batch_size not in (None, r.rollout_batch_size))):
+            _check(not on, flag, f"--{flag} shapes asynchronous rollouts: add --async_train (with rollout ranks "
+                                 f"of their own, --vllm_num_engines), or drop --{flag}")
+        return
+    k = r.async_queue_size
+    if r.vllm_generate_batch_size is None:
+        r.vllm_generate_batch_size = r.rollout_batch_size
+    if r.max_staleness is None:
+        r.max_staleness = default_staleness(r, d.generate_max_len)
+    _check(r.max_staleness >= k, "max_staleness",
+           f"--max_staleness {r.max_staleness} is below --async_queue_size {k}: every batch is trained {k} syncs "
+           f"after it was generated, so none could train; use --max_staleness {default_staleness(r, d.generate_max_len)}")
+    _check(r.vllm_generate_batch_size >= r.rollout_batch_size, "vllm_generate_batch_size",
+           f"--vllm_generate_batch_size {r.vllm_generate_batch_size} is below --rollout_batch_size "
+           f"{r.rollout_batch_size}: the prompts in flight must fill a batch; use --vllm_generate_batch_size "
+           f"{r.rollout_batch_size} (or more to oversample)")
+    if r.partial_rollout_chunk is not None:
+        _check(r.partial_rollout_chunk >= 1, "partial_rollout_chunk",
+               f"--partial_rollout_chunk must be >= 1 token, got {r.partial_rollout_chunk}; e.g. "
+               f"--partial_rollout_chunk {max(1, d.generate_max_len // 4)}")
+        _check(r.partial_rollout, "partial_rollout_chunk", "--partial_rollout_chunk sets the rounds of "
+               "--partial_rollout: add --partial_rollout, or drop it")
+    _check(not r.agent_func_path, "async_train",
+           "--async_train with --agent_func_path is not supported: agent episodes run whole on the rollout ranks "
+           "(use the synchronous trainer for agents)")
+    if a.is_correction_level is None and not a.enable_is_correction:
+        a.enable_is_correction = True  # tis, [--is_truncated_threshold_low, --is_truncated_threshold]
+
+
+def default_staleness(r, generate_max_len: int) -> int:
+    """The oldest a sample gets by the pipeline's own shape, so that by default nothing is generated in vain:
+    K (--async_queue_size), plus the steps an oversampled extra group waits in the buffer
+    (ceil(--vllm_generate_batch_size / --rollout_batch_size) - 1), plus, with --partial_rollout, the syncs a
+    response of --generate_max_len can span (ceil(max / chunk) - 1).  A smaller --max_staleness trades those
+    samples (restarted or dropped, counted in async/restarted_groups, async/dropped_stale_groups) for a fresher
+    batch."""
+    g = r.vllm_generate_batch_size or r.rollout_batch_size
+    extra = -(-g // r.rollout_batch_size) - 1
+    if r.partial_rollout:
+        chunk = r.partial_rollout_chunk or max(1, generate_max_len // 4)
+        extra += -(-generate_max_len // chunk) - 1
+    return r.async_queue_size + extra

@@ -30,13 +30,18 @@ class RolloutBatch:
     truncated: torch.Tensor = None  # (B,) bool: hit max_new_tokens without a stop token
     rewards: Optional[torch.Tensor] = None  # (B,) set by agent rollouts (the environment scores them)
     scores: Optional[torch.Tensor] = None
+    # asynchronous rollouts (rlhf.rollout.stream): the weight version (step) that generated each response token,
+    # -1 on padding; each row's place in the prompt stream; rewards scored as the groups completed
+    versions: Optional[torch.Tensor] = None      # (B, R) long
+    group_index: Optional[torch.Tensor] = None   # (B,) long
+    stream_reward: Optional[dict] = None         # {rewards, scores, valid, extra_logs}, rows like the batch
 
     def select(self, rows) -> RolloutBatch:
         """These rows (a view of the same padded widths)."""
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return RolloutBatch(self.sequences[rows], self.attention_mask[rows], self.action_mask[rows],
                             self.rollout_logprobs[rows], self.prompt_len, pick(self.truncated), pick(self.rewards),
-                            pick(self.scores))
+                            pick(self.scores), pick(self.versions), pick(self.group_index))
 
     @property
     def num_actions(self) -> int:

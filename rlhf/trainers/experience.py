@@ -1,5 +1,5 @@
 """One RL step as a list of stages: rollout -> reward -> ref -> values -> old log-probs -> advantages ->
-(prefetch) -> critic update -> actor update -> weight sync.
+(produce) -> critic update -> actor update -> weight sync.
 
 Every rank runs every stage that applies, in this order; whether a stage applies is
 decided from the config and the placement, which every rank shares, never from a
@@ -19,6 +19,7 @@ from rlhf.distributed.sharding import all_gather_objects, gather_rows, shard_row
 from rlhf.rollout.base import RolloutBatch
 
 from .advantage_stage import StageInputs, _gap_metric, advantage_stage, needs_old_logprobs
+from .async_rollout import streams_rewards
 from .cadence import log0
 from .ppo_update import train_actor, train_critic
 
@@ -51,14 +52,12 @@ class StepState:
     prompts: list
     n_samples: int
     kl_coef: float = 0.0
-    pending: Optional[RolloutBatch] = None     # async: this rank's rows generated during the previous step
     batch: Optional[RolloutBatch] = None
     rewards: Optional[dict] = None
     ref_logprobs: Optional[torch.Tensor] = None
     old_logprobs: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
     experience: Optional[Experience] = None
-    next_pending: Optional[RolloutBatch] = None
     metrics: Dict[str, float] = field(default_factory=dict)
 
     @property
@@ -152,7 +151,10 @@ def logprob_temperature(cfg) -> float:
 
 # ---- stages ------------------------------------------------------------------------------------------------------
 def rollout_stage(tr, st: StepState) -> None:
-    local = st.pending if tr.cfg.rollout.async_train else tr.roles.rollout.generate(st.prompts, tr.sampling(st.step))
+    if tr.async_rollout is not None:  # generated ahead (rlhf.trainers.async_rollout): gathered now
+        st.batch = tr.async_rollout.take(st)
+        return
+    local = tr.roles.rollout.generate(st.prompts, tr.sampling(st.step))
     st.batch = gathered_rollout(tr, local, st.prompts, st.n_samples)
     tr.scheduler.sync_follows("rollout")  # the step's weight sync comes before the next generate: vLLM sleeps level 2
 
@@ -309,10 +311,11 @@ def advantages_stage(tr, st: StepState) -> None:
     st.metrics.update(out.metrics)
 
 
-def prefetch_stage(tr, st: StepState) -> None:
-    """Async: the rollout ranks start the next batch now, while the actor ranks train on this one."""
-    if st.step + 1 < tr.total_steps:
-        st.next_pending = tr.roles.rollout.generate(tr.prompts_for(st.step + 1), tr.sampling(st.step + 1))
+def produce_stage(tr, st: StepState) -> None:
+    """Async: the rollout ranks generate the batch of step t + K now, with this step's weights, while the actor
+    ranks train on this one (no collective: the batch is gathered when its step comes)."""
+    if st.step + tr.cfg.rollout.async_queue_size < tr.total_steps:
+        tr.async_rollout.produce(st.step, st.step + tr.cfg.rollout.async_queue_size)
 
 
 def critic_update_stage(tr, st: StepState) -> None:
@@ -335,7 +338,8 @@ def weight_sync_stage(tr, st: StepState) -> None:
 
 
 def refills(cfg) -> bool:
-    """Dynamic filtering refills the batch (synchronous rollouts only: async prefetches one fixed batch ahead)."""
+    """Dynamic filtering refills the batch (synchronous rollouts; async ones filter each group as it completes and
+    draw a new prompt in its place: rlhf.rollout.stream)."""
     a = cfg.algorithm
     return a.dynamic_filtering and a.dynamic_filtering_max_rounds > 0 and not cfg.rollout.async_train
 
@@ -344,7 +348,8 @@ def rl_stages() -> List[Stage]:
     """The stages of one RL step, in order; ``applies`` reads only config and placement (shared by every rank)."""
     return [
         Stage("rollout", rollout_stage, role="rollout", applies=lambda tr: not refills(tr.cfg)),
-        Stage("reward", reward_stage, role="reward", applies=lambda tr: not refills(tr.cfg)),
+        Stage("reward", reward_stage, role="reward", applies=lambda tr: not refills(tr.cfg) and not (
+            tr.cfg.rollout.async_train and streams_rewards(tr))),  # streamed: scored as the groups completed
         Stage("rollout_refill", refill_rollout_stage, applies=lambda tr: refills(tr.cfg)),
         Stage("ref", ref_stage, role="ref", applies=lambda tr: tr.roles.ref is not None),
         Stage("values", values_stage, role="critic", applies=lambda tr: tr.roles.critic is not None),
@@ -352,7 +357,7 @@ def rl_stages() -> List[Stage]:
               applies=lambda tr: needs_old_logprobs(tr.cfg, on_policy_single_update(tr.cfg))),
         Stage("logprob_gap", logprob_gap_stage, applies=measures_gap_only),  # its own scheduler phase, when due
         Stage("advantages", advantages_stage),
-        Stage("prefetch", prefetch_stage, applies=lambda tr: tr.cfg.rollout.async_train),
+        Stage("produce", produce_stage, applies=lambda tr: tr.cfg.rollout.async_train),
         Stage("critic_update", critic_update_stage, role="critic", applies=lambda tr: tr.roles.critic is not None),
         Stage("actor_update", actor_update_stage, role="actor"),
         Stage("weight_sync", weight_sync_stage, role="rollout", share="actor", tags=["weights"]),

@@ -221,6 +221,11 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
                                                  a.is_truncated_threshold, a.is_correction_gating)  # OpenRLHF 0.11.2
                             if fr is not None:
                                 logs["is_filter_ratio"].append(fr)
+                            if mask.any():  # the weights' spread: how far off-policy the rows were (issue 29)
+                                w = is_w[mask.bool()]
+                                logs["is_weight_mean"].append(float(w.mean()))
+                                logs["is_weight_min"].append(float(w.min()))
+                                logs["is_weight_max"].append(float(w.max()))
                         step["vllm_kl"] += float(masked_mean(roll - old, mask)) * mr.real / max(len(real), 1)
                     pl, met = loss_fn(logp, ratio_base, mb.advantages.to(dev), mask,
                                       clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
@@ -268,6 +273,9 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
     finally:
         aux.close()
     out = _mean(logs)
+    for k, f in (("is_weight_min", min), ("is_weight_max", max)):  # this rank's extremes, not a mean of them
+        if logs.get(k):
+            out[k] = f(logs[k])
     out["padding_frac"] = 1.0 - pad[0] / pad[1] if pad[1] else 0.0  # this rank's; token slots that were padding
     return out
 

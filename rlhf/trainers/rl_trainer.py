@@ -30,6 +30,7 @@ from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
 from .advantage_stage import InvalidRewardGuard
+from .async_rollout import AsyncRollout
 from .cadence import Cadence, log0, planned_steps
 from .experience import Stage, StepState, decode_queries, gathered_rollout, rl_stages, score_batch
 from .roles import build_roles
@@ -165,7 +166,7 @@ class RLTrainer:
         self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
                                  deadlines={"rollout": t.watchdog_slow_timeout_s, "eval": t.watchdog_slow_timeout_s,
                                             "load": t.watchdog_slow_timeout_s, "save": t.watchdog_slow_timeout_s,
-                                            "rollout_refill": refill_s})
+                                            "rollout_refill": refill_s, "produce": t.watchdog_slow_timeout_s})
         for n in notes:
             log0(n)
         torch.manual_seed(cfg.optim.seed)
@@ -183,6 +184,7 @@ class RLTrainer:
         self.kl_ctl = make_kl_controller(a.init_kl_coef, a.kl_target, a.kl_horizon)
         self.reward_norm = RunningMeanStd() if a.normalize_reward else None
         self.invalid_rewards = InvalidRewardGuard(a.max_invalid_reward_batches)
+        self.async_rollout = AsyncRollout(self) if r.async_train else None
         self.stages: List[Stage] = [s for s in rl_stages() if s.applies(self)]
         self.step = 0
         lg = cfg.logging
@@ -263,7 +265,8 @@ class RLTrainer:
                     role.engine.save_checkpoint(os.path.join(tmp, name))
 
         state = {"step": self.step, "kl_coef": self.kl_ctl.value,
-                 "reward_norm": self.reward_norm.state_dict() if self.reward_norm else None}
+                 "reward_norm": self.reward_norm.state_dict() if self.reward_norm else None,
+                 "async_queue": self.async_rollout.state() if self.async_rollout is not None else None}
         with self.watchdog.phase("save"):
             path = ckpt.save_checkpoint(c.ckpt_path, self.step, write, state, c.max_ckpt_num,
                                         identity=ckpt.run_identity(self.cfg))
@@ -285,6 +288,8 @@ class RLTrainer:
             self.kl_ctl.value = st["kl_coef"]
             if self.reward_norm is not None and st.get("reward_norm"):
                 self.reward_norm.load_state_dict(st["reward_norm"])
+            if self.async_rollout is not None:
+                self.async_rollout.restore(st.get("async_queue"))
             ckpt.load_rank_state(path)
         with self.phase(self.stage_named("weight_sync")):
             self.sync_weights()
@@ -347,16 +352,15 @@ class RLTrainer:
         cfg = self.cfg
         self.cadence.start(self)
         n_rows = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
-        pending = None
-        if cfg.rollout.async_train and self.step < self.total_steps:
-            with self.watchdog.phase("rollout"):
-                pending = self.roles.rollout.generate(self.prompts_for(self.step), self.sampling(self.step))
+        if self.async_rollout is not None:  # the first K batches, with the starting (or resumed) weights
+            with self.watchdog.phase("produce"):
+                self.async_rollout.warm_up(self.step, self.total_steps)
         while self.step < self.total_steps:
             t_step = time.perf_counter()
             st = StepState(self.step, self.prompts_for(self.step), cfg.rollout.n_samples_per_prompt,
-                           kl_coef=self.kl_ctl.value, pending=pending)
+                           kl_coef=self.kl_ctl.value)
             self.run_stages(st)
-            pending = st.next_pending
+            st.metrics.update(self.wait_metrics(st.metrics))
             self.kl_ctl.update(st.metrics["kl"], n_rows)
             self.step += 1
             dt = time.perf_counter() - t_step
@@ -365,6 +369,20 @@ class RLTrainer:
                 break
         self.cadence.finish(self)
         return self
+
+    def wait_metrics(self, m: dict) -> dict:
+        """--async_train: how long each side waited for the other this step (this rank's, reported by the ranks of
+        that side only, so the mean over ranks is per side).  The trainer (actor ranks) waits in the rollout
+        gather and the weight sync for the rollout ranks to finish producing; the rollout ranks wait for the
+        trainer in every stage but ``produce``."""
+        if self.async_rollout is None:
+            return {}
+        if self.roles.actor.is_member:
+            return {"async/trainer_wait_s": m.get("time_rollout", 0.0) + m.get("time_weight_sync", 0.0)}
+        if self.roles.rollout.is_member:
+            return {"async/rollout_wait_s": sum(v for k, v in m.items()
+                                                if k.startswith("time_") and k != "time_produce")}
+        return {}
 
     def reduce_metrics(self, metrics: dict) -> dict:
         """Mean over the ranks that computed each metric (critic metrics live on critic ranks only)."""

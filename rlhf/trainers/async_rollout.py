@@ -1,0 +1,204 @@
+"""--async_train on rollout ranks of their own: the queue of batches generated ahead (issue 29).
+
+Timeline of one step t, with K = --async_queue_size:
+
+- ``take`` (the rollout stage, every rank): the batch generated during step t - K (or during the warm-up) is
+  gathered from the engines' first ranks to every rank.  From here on every rank holds the same batch, and
+  everything that is trained is decided from it (SPMD): never from a rank's timing.
+- the reward (streamed: already scored on the rollout ranks), reference, values, old log-prob and advantage
+  stages, as in a synchronous step;
+- ``produce`` (every rank; work only on the engines' first ranks): the batch for step t + K, generated with this
+  step's weights (version t) while the actor ranks go on to their updates;
+- the weight sync, where actor and rollout ranks meet.
+
+A batch is trained K syncs after its generation started (partial rollouts: a sample's oldest token may be older,
+bounded by --max_staleness).  The per-token weight versions travel with the batch; ``age_metrics`` logs how far
+off-policy each step was, and IS correction (on by default here) weighs each token by trainer / rollout
+probability.  The queue itself is not checkpointed: a resume restarts it (the K batches are generated again with
+the resumed weights) and continues each engine's prompt stream where the checkpoint left it.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import List, Optional
+
+import torch
+
+from rlhf.algorithms import dynamic_filter_mask
+from rlhf.distributed.sharding import all_gather_objects, gather_max, gather_rows, shard_rows
+from rlhf.rollout.base import RolloutBatch
+from rlhf.rollout.stream import Group, RolloutStream, age_metrics, groups_to_batch, sample_ages
+
+from .cadence import log0
+
+
+def streams_rewards(tr) -> bool:
+    """Rewards are scored on the rollout ranks as groups complete: a reward function or server (not a reward model
+    on ranks of its own, which scores the gathered batch).  From config and placement: the same on every rank."""
+    return tr.roles.reward is None and tr.reward_source is not None
+
+
+class AsyncRollout:
+    def __init__(self, tr):
+        self.tr = tr
+        cfg = tr.cfg
+        r = cfg.rollout
+        self.k = r.async_queue_size
+        self.n = r.n_samples_per_prompt
+        self.batch = r.rollout_batch_size
+        role = tr.roles.rollout
+        self.engines = len(role.engine_ranks)
+        self.streamed = streams_rewards(tr)
+        self.produced: deque = deque()   # on the engines' first ranks: (batch, stats) not yet gathered
+        self.stream: Optional[RolloutStream] = None
+        self.drawn = 0                  # this engine's prompts drawn so far (its place in its prompt stream)
+        e = role.engine_index
+        if e is None or role.engine_ranks[e][0] != tr.rank:
+            return
+        self.engine_index = e
+        self.quota = shard_rows(self.batch, e, self.engines)
+        cap = shard_rows(r.vllm_generate_batch_size, e, self.engines)
+        a = cfg.algorithm
+        filtering = a.dynamic_filtering
+        chunk = (r.partial_rollout_chunk or max(1, cfg.data.generate_max_len // 4)) if r.partial_rollout else None
+        self.stream = RolloutStream(
+            role.engine, self._draw, n=self.n, capacity=max(cap.stop - cap.start, 1),
+            quota=self.quota.stop - self.quota.start, max_new_tokens=cfg.data.generate_max_len, chunk=chunk,
+            max_staleness=r.max_staleness, score=self._score if self.streamed else None,
+            keep=self._keep if (filtering and self.streamed) else None,
+            max_draws=(a.dynamic_filtering_max_rounds + 2) * max(cap.stop - cap.start, 1) if filtering else 10 ** 12,
+            pad_id=tr.tokenizer.pad_token_id)
+
+    # ---- the prompt stream ---------------------------------------------------------------------------------------
+    def prompt_at(self, index: int):
+        """The prompt at place ``index`` of the global stream: the shuffled episodes of ``prompts_for``."""
+        return self.tr.prompts_for(index // self.batch)[index % self.batch]
+
+    def _draw(self):
+        """This engine's next prompt: without filtering or oversampling exactly its share of ``prompts_for(step)``,
+        as a synchronous step would use; beyond that, the same slices of the following steps."""
+        q = self.quota.stop - self.quota.start
+        step, j = divmod(self.drawn, q)
+        index = step * self.batch + self.quota.start + j
+        self.drawn += 1
+        return index, self.prompt_at(index).ids
+
+    # ---- streaming rewards ---------------------------------------------------------------------------------------
+    def _score(self, groups: List[Group]) -> None:
+        from .experience import decode_queries
+
+        tr = self.tr
+        b = groups_to_batch(groups, tr.tokenizer.pad_token_id)
+        queries, prompts = decode_queries(tr.tokenizer, b, slice(None))
+        labels = [self.prompt_at(g.index).label for g in groups for _ in g.samples]
+        with tr.watchdog.phase("reward_function"):
+            res = tr.reward_source(queries, prompts, labels)
+        for i, g in enumerate(groups):
+            rows = slice(i * self.n, (i + 1) * self.n)
+            g.reward = {"rewards": res["rewards"][rows].float(), "scores": res["scores"][rows].float(),
+                        "valid": res["valid"][rows].bool(),
+                        "extra_logs": {k: v[rows].float() for k, v in res["extra_logs"].items()}}
+
+    def _keep(self, g: Group) -> bool:
+        a = self.tr.cfg.algorithm
+        return bool(dynamic_filter_mask(g.reward["scores"], self.n, a.dynamic_filtering_reward_range,
+                                        g.reward["valid"])[0])
+
+    # ---- produce / take ------------------------------------------------------------------------------------------
+    def produce(self, version: int, train_at: int) -> None:
+        """On the engines' first ranks: generate the batch trained at ``train_at`` with the weights of step
+        ``version``; kept here until ``take`` gathers it."""
+        if self.stream is None:
+            return
+        tr = self.tr
+        groups, stats = self.stream.produce(version, train_at, tr.sampling(train_at),
+                                            round_params=lambda r: tr.sampling(train_at, salt=r))
+        b = groups_to_batch(groups, tr.tokenizer.pad_token_id) if groups else None
+        m = stats.as_metrics()
+        m.update({"async/in_flight_groups": float(len(self.stream.flight)),
+                  "async/buffered_groups": float(len(self.stream.buffer))})
+        self.produced.append((b, m))
+
+    def warm_up(self, step: int, total: int) -> None:
+        """Before the first step (and after a resume): the K batches of steps step .. step + K - 1."""
+        for s in range(step, min(step + self.k, total)):
+            self.produce(step, s)
+
+    def take(self, st) -> RolloutBatch:
+        """Collective: the batch of this step on every rank; sets ``st.prompts``, ``st.rewards`` (streamed) and the
+        queue's metrics."""
+        tr = self.tr
+        local, m = self.produced.popleft() if self.produced else (None, {})
+        batch = self.gather(local)
+        index = batch.group_index.view(-1, self.n)[:, 0].tolist()
+        st.prompts = [self.prompt_at(i) for i in index]
+        if batch.stream_reward is not None:
+            st.rewards = batch.stream_reward
+        ages = sample_ages(batch.versions, batch.action_mask, st.step)
+        too_old = ages > tr.cfg.rollout.max_staleness  # by construction none: the stream restarts such groups
+        if bool(too_old.any()):
+            raise RuntimeError(f"step {st.step + 1}: {int(too_old.sum())} samples are older than --max_staleness "
+                               f"{tr.cfg.rollout.max_staleness} (ages {sorted(set(ages.tolist()))})")
+        st.metrics.update(age_metrics(batch.versions, batch.action_mask, st.step))
+        st.metrics.update(m)  # the engines' first ranks report their stream's counts (mean over those ranks)
+        return batch
+
+    def gather(self, local: Optional[RolloutBatch]) -> RolloutBatch:
+        """Every engine's rows (its share of the prompts, prompt-major) on every rank, with the weight versions,
+        stream places and streamed rewards.  Collectives, the same on every rank: one max of the widths, one
+        gather of the extra-log names when rewards are streamed, one gather of the integer and one of the float
+        columns."""
+        n, B, pad_id = self.n, self.batch, self.tr.tokenizer.pad_token_id
+        rows = B * n
+        owned = None
+        if local is not None:
+            owned = slice(self.quota.start * n, self.quota.stop * n)
+            assert local.sequences.size(0) == owned.stop - owned.start, \
+                f"engine {self.engine_index} produced {local.sequences.size(0)} rows for {owned.stop - owned.start}"
+        P, R = gather_max([local.prompt_len if local is not None else 0, local.num_actions if local is not None else 0])
+        keys = []
+        if self.streamed:
+            own = sorted(local.stream_reward["extra_logs"]) if local is not None else None
+            every = [k for k in all_gather_objects(own) if k is not None]
+            keys = sorted(set.intersection(*map(set, every))) if every else []
+        ints = floats = None
+        if local is not None:
+            pad = torch.nn.functional.pad
+            lp, rp = P - local.prompt_len, R - local.num_actions
+            cols_i = [pad(local.sequences, (lp, rp), value=pad_id), pad(local.attention_mask, (lp, rp)),
+                      pad(local.action_mask, (0, rp)), pad(local.versions, (0, rp), value=-1),
+                      local.truncated.long().unsqueeze(1), local.group_index.unsqueeze(1)]
+            cols_f = [pad(local.rollout_logprobs.float(), (0, rp))]
+            if self.streamed:
+                sr = local.stream_reward
+                cols_i.append(sr["valid"].long().unsqueeze(1))
+                cols_f += [sr["rewards"].unsqueeze(1), sr["scores"].unsqueeze(1)]
+                cols_f += [sr["extra_logs"][k].unsqueeze(1) for k in keys]
+            ints, floats = torch.cat(cols_i, 1), torch.cat(cols_f, 1)
+        wi = 2 * (P + R) + 2 * R + 2 + (1 if self.streamed else 0)
+        wf = R + ((2 + len(keys)) if self.streamed else 0)
+        ints = gather_rows(ints, owned, rows, wi, torch.long)
+        floats = gather_rows(floats, owned, rows, wf, torch.float32)
+        seq, att = ints[:, :P + R], ints[:, P + R:2 * (P + R)]
+        seq = torch.where(att.bool(), seq, torch.full_like(seq, pad_id))
+        o = 2 * (P + R)
+        am, versions = ints[:, o:o + R], ints[:, o + R:o + 2 * R]
+        truncated, gidx = ints[:, o + 2 * R].bool(), ints[:, o + 2 * R + 1]
+        batch = RolloutBatch(seq, att, am, floats[:, :R], P, truncated, versions=versions, group_index=gidx)
+        if self.streamed:
+            batch.stream_reward = {"rewards": floats[:, R], "scores": floats[:, R + 1], "valid": ints[:, -1].bool(),
+                                   "extra_logs": {k: floats[:, R + 2 + i] for i, k in enumerate(keys)}}
+        return batch
+
+    # ---- checkpoint ----------------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """Collective: each engine's place in its prompt stream (saved with the trainer state)."""
+        every = all_gather_objects((self.engine_index, self.drawn) if self.stream is not None else None)
+        return {"drawn": {e: d for e, d in (x for x in every if x is not None)}}
+
+    def restore(self, state: Optional[dict]) -> None:
+        if state and self.stream is not None:
+            self.drawn = int(state["drawn"].get(self.engine_index, state["drawn"].get(str(self.engine_index), 0)))
+        log0("[resume] the async queue restarts: its batches are generated again with the resumed weights; the "
+             "prompts each engine had drawn before the checkpoint (in flight or queued, never trained) are skipped"
+             if state else "[resume] the checkpoint holds no async queue state: the prompt streams start over")
