@@ -166,7 +166,11 @@ class RLTrainer:
         self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
                                  deadlines={"rollout": t.watchdog_slow_timeout_s, "eval": t.watchdog_slow_timeout_s,
                                             "load": t.watchdog_slow_timeout_s, "save": t.watchdog_slow_timeout_s,
-                                            "rollout_refill": refill_s, "produce": t.watchdog_slow_timeout_s})
+                                            "rollout_refill": refill_s, "produce": t.watchdog_slow_timeout_s,
+                                            # async: the actor ranks wait here for the rollout ranks' produce
+                                            # stage, which has its own (slow) deadline on those ranks
+                                            **({"weight_sync": t.watchdog_slow_timeout_s + t.watchdog_timeout_s}
+                                               if r.async_train else {})})
         for n in notes:
             log0(n)
         torch.manual_seed(cfg.optim.seed)
