@@ -28,6 +28,10 @@ class Groups:
     tp_group: Optional[Any] = None    # this rank's rollout engine's TP ranks
     sync: Optional[Any] = None        # actor rank 0 + rollout ranks (separate rollout only)
     sp: Dict[str, SP] = field(default_factory=dict)  # role -> this rank's sequence-parallel group (--ring_attn_size)
+    # the ranks holding a model role (actor, ref, critic, reward), where rollout ranks of their own exist: the
+    # inference forwards gather over them under --async_train, so the rollout ranks generate meanwhile
+    trainers: Optional[Any] = None
+    rollout_only: bool = False        # this rank holds the rollout role and no model role
 
     def group(self, role: str):
         return self.role_groups.get(role)
@@ -61,6 +65,11 @@ def build_groups(plan: Placement, rank: int) -> Groups:
         grp = make(plan.sync_ranks)
         if rank in plan.sync_ranks:
             g.sync = grp
+    trainers = sorted({r for role in ROLES if role != "rollout" for r in (plan.ranks.get(role) or [])})
+    if trainers and trainers != world:
+        grp = make(trainers)
+        g.trainers = grp if rank in trainers else None
+        g.rollout_only = rank not in trainers
     for role, sp_groups in plan.sp_groups.items():  # one SP object per role (each wraps its model's attention)
         for ranks in sp_groups:
             grp = make(ranks)

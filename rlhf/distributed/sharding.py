@@ -49,13 +49,13 @@ def micro_plan(n_rows: int, index: int, size: int, micro: int) -> List[Optional[
 
 
 def gather_rows(local: Optional[torch.Tensor], rows: Optional[slice], n_rows: int, width: int,
-                dtype=torch.float32) -> torch.Tensor:
+                dtype=torch.float32, group=None) -> torch.Tensor:
     """(n_rows, width) on every rank, on the CPU: rows ``rows`` from ``local`` (this rank's part, or None),
     zeros elsewhere.
 
     Each row must be contributed by exactly one rank.  ``local`` may be narrower than
-    ``width`` (right-padded with zeros) and live on any device.  One all_reduce over the world, on the
-    collective device (``comm.device()``).
+    ``width`` (right-padded with zeros) and live on any device.  One all_reduce over ``group`` (default the
+    world; every rank of it calls), on the collective device (``comm.device()``).
     """
     out = torch.zeros((n_rows, width), dtype=dtype, device=comm.device())
     if local is not None and rows is not None and rows.stop > rows.start:
@@ -63,7 +63,7 @@ def gather_rows(local: Optional[torch.Tensor], rows: Optional[slice], n_rows: in
         if x.dim() == 1:
             x = x.unsqueeze(1)
         out[rows, : x.size(1)] = x
-    comm.all_reduce(out)
+    comm.all_reduce(out, group=group)
     return out.cpu()
 
 

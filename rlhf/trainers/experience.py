@@ -1,5 +1,5 @@
-"""One RL step as a list of stages: rollout -> reward -> ref -> values -> old log-probs -> advantages ->
-(produce) -> critic update -> actor update -> weight sync.
+"""One RL step as a list of stages: rollout -> reward -> (produce) -> ref -> values -> old log-probs -> advantages
+-> critic update -> actor update -> weight sync.
 
 Every rank runs every stage that applies, in this order; whether a stage applies is
 decided from the config and the placement, which every rank shares, never from a
@@ -73,6 +73,9 @@ class Stage:
     applies: Callable = lambda tr: True  # from shared state only (config, placement)
     share: Optional[str] = None
     tags: Optional[List[str]] = None
+    # the rollout ranks of their own skip it under --async_train (they generate meanwhile): its collectives run
+    # over the model roles' ranks only (Groups.trainers); from the placement, so the same on every rank of a kind
+    trainers_only: bool = False
 
 
 def inference_rows(cfg) -> int:
@@ -349,17 +352,21 @@ def rl_stages() -> List[Stage]:
     return [
         Stage("rollout", rollout_stage, role="rollout", applies=lambda tr: not refills(tr.cfg)),
         Stage("reward", reward_stage, role="reward", applies=lambda tr: not refills(tr.cfg) and not (
-            tr.cfg.rollout.async_train and streams_rewards(tr))),  # streamed: scored as the groups completed
+            tr.cfg.rollout.async_train and streams_rewards(tr)),  # streamed: scored as the groups completed
+              trainers_only=True),
         Stage("rollout_refill", refill_rollout_stage, applies=lambda tr: refills(tr.cfg)),
-        Stage("ref", ref_stage, role="ref", applies=lambda tr: tr.roles.ref is not None),
-        Stage("values", values_stage, role="critic", applies=lambda tr: tr.roles.critic is not None),
-        Stage("old_logprobs", old_logprobs_stage, role="actor",
-              applies=lambda tr: needs_old_logprobs(tr.cfg, on_policy_single_update(tr.cfg))),
-        Stage("logprob_gap", logprob_gap_stage, applies=measures_gap_only),  # its own scheduler phase, when due
-        Stage("advantages", advantages_stage),
         Stage("produce", produce_stage, applies=lambda tr: tr.cfg.rollout.async_train),
-        Stage("critic_update", critic_update_stage, role="critic", applies=lambda tr: tr.roles.critic is not None),
-        Stage("actor_update", actor_update_stage, role="actor"),
+        Stage("ref", ref_stage, role="ref", applies=lambda tr: tr.roles.ref is not None, trainers_only=True),
+        Stage("values", values_stage, role="critic", applies=lambda tr: tr.roles.critic is not None,
+              trainers_only=True),
+        Stage("old_logprobs", old_logprobs_stage, role="actor",
+              applies=lambda tr: needs_old_logprobs(tr.cfg, on_policy_single_update(tr.cfg)), trainers_only=True),
+        Stage("logprob_gap", logprob_gap_stage, applies=measures_gap_only,  # its own scheduler phase, when due
+              trainers_only=True),
+        Stage("advantages", advantages_stage, trainers_only=True),
+        Stage("critic_update", critic_update_stage, role="critic", applies=lambda tr: tr.roles.critic is not None,
+              trainers_only=True),
+        Stage("actor_update", actor_update_stage, role="actor", trainers_only=True),
         Stage("weight_sync", weight_sync_stage, role="rollout", share="actor", tags=["weights"]),
     ]
 

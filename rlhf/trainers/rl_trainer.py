@@ -244,7 +244,10 @@ class RLTrainer:
         return stack
 
     def run_stages(self, st: StepState) -> StepState:
+        skip = self.async_rollout is not None and self.groups.rollout_only  # they generate meanwhile
         for stage in self.stages:
+            if skip and stage.trainers_only:
+                continue
             t0 = time.perf_counter()
             with self.phase(stage):
                 stage.run(self, st)
@@ -365,11 +368,12 @@ class RLTrainer:
                            kl_coef=self.kl_ctl.value)
             self.run_stages(st)
             st.metrics.update(self.wait_metrics(st.metrics))
-            self.kl_ctl.update(st.metrics["kl"], n_rows)
             self.step += 1
             dt = time.perf_counter() - t_step
             st.metrics.update({"time_step": dt, "tokens_per_s": int(st.batch.attention_mask.sum()) / dt})
-            if not self.cadence.after_step(self, self.reduce_metrics(st.metrics)):
+            metrics = self.reduce_metrics(st.metrics)
+            self.kl_ctl.update(metrics["kl"], n_rows)  # the mean over the ranks that computed it: the same value
+            if not self.cadence.after_step(self, metrics):
                 break
         self.cadence.finish(self)
         return self

@@ -36,6 +36,7 @@ class Role:
         self.name, self.members, self.group, self.rank = name, list(members), group, rank
         self.engine = None
         self.sp = SP()  # --ring_attn_size: this member's sequence-parallel group (size 1: none)
+        self.gather_group = None  # the ranks its forwards' rows are gathered to (None: the world)
 
     @property
     def is_member(self) -> bool:
@@ -101,7 +102,7 @@ class ModelRole(Role):
             local = run_micro(fn, parts, dummy=slice(0, 1))
         if budget and rows is not None:
             rows = micro.rows(self.dp_index)
-        return gather_rows(local, rows, n_rows, width)
+        return gather_rows(local, rows, n_rows, width, group=self.gather_group)
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, temperature: float, micro: int, chunk: int, packing: bool) -> torch.Tensor:
@@ -255,6 +256,8 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
             return None
         role = ModelRole(name, members, groups.group(name), rank)
         role.sp = groups.sp_of(name)
+        if cfg.rollout.async_train:  # the rollout ranks of their own generate meanwhile (rlhf.trainers.async_rollout)
+            role.gather_group = groups.trainers
         if role.is_member:
             role.engine = make_engine(t.backend, load(not reads_weights(t.backend, role.group)), spec_fn(role),
                                       group=role.group, device=device)
