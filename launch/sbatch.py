@@ -205,6 +205,7 @@ SHIPPED = {
                       time="48:00:00"),
     "ppo_8b.sh": Job("ppo-8b", "rlhf.train_ppo", ["--config", "configs/ppo_llama3_8b.yaml"]),
     "grpo_7b.sh": Job("grpo-7b", "rlhf.train_grpo", ["--config", "configs/grpo_qwen2.5_7b_math.yaml"]),
+    "grpo_7b_async.sh": Job("grpo-7b-async", "rlhf.train_grpo", ["--config", "configs/grpo_qwen2.5_7b_async.yaml"]),
     "dpo_8b.sh": Job("dpo-8b", "rlhf.train_dpo", ["--config", "configs/dpo_llama3_8b.yaml"], time="12:00:00"),
     "rm_8b.sh": Job("rm-8b", "rlhf.train_rm", ["--config", "configs/rm_llama3_8b.yaml"], time="12:00:00"),
     "tiny_cpu.sh": Job("tiny-cpu", "rlhf.train_sft",

@@ -309,11 +309,10 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
         d = roles["rollout"].dims
         largest = max(d.vocab * d.hidden, d.hidden * d.intermediate) * job.c  # a tensor larger than a bucket
         sync = {"sync:buffer": 2.0 * max(SYNC_BUCKET, largest)}              # is a bucket of its own
-        if job.rollout_engine == "vllm":
-            if sleeping:
-                sync["rollout:vllm"] = terms.vllm_weight_bytes(d.params, rollout_tp)
-            elif "actor" not in roles:  # rollout ranks of their own: vLLM's whole share, receiving buckets
-                sync.update(_rollout_parts(job, d, rollout_tp, device_bytes, on_cuda))
+        # rollout ranks of their own hold vLLM's whole share while they receive buckets: ``resident`` counts it
+        # already (the rollout role is not asleep there), so only a sleeping engine's woken weights are added
+        if job.rollout_engine == "vllm" and sleeping:
+            sync["rollout:vllm"] = terms.vllm_weight_bytes(d.params, rollout_tp)
         add("weight_sync", ("actor",), sync)
     # host memory per rank: every sleeping role's resident states (all asleep during the rollout), the
     # optimizer offload, and vLLM's level-1 sleep copy of its weights (start-up, eval)
