@@ -360,7 +360,11 @@ class RLTrainer:
         self.cadence.start(self)
         n_rows = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
         if self.async_rollout is not None:  # the first K batches, with the starting (or resumed) weights
-            with self.watchdog.phase("produce"):
+            k, slow = cfg.rollout.async_queue_size, cfg.topology.watchdog_slow_timeout_s
+            # K generations, each with the slow deadline; the other ranks wait for them in the first gather
+            # (``waits_for``: the watchdog carries this deadline over to that phase)
+            with self.watchdog.phase("produce", waits_for=None if self.roles.rollout.is_member else "rollout",
+                                     deadline_s=k * slow):
                 self.async_rollout.warm_up(self.step, self.total_steps)
         while self.step < self.total_steps:
             t_step = time.perf_counter()
