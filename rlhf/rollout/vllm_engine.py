@@ -418,9 +418,13 @@ class VLLMEngine(RolloutEngine):
         self.memory = EngineMemory(None, sleep_level, enable_sleep)
         self._pending: List[tuple] = []
         self.llm = None
+        # the longest sequence (prompt + response) vLLM takes: a partial rollout's continuation prompt must stay below
+        # it (vLLM refuses a prompt of max_model_len tokens, vllm/v1/engine/input_processor.py _validate_prompt_len,
+        # and caps a generation there, vllm/v1/core/sched/utils.py check_stop: finish_reason "length")
+        self.max_model_len = _cap_len(model_path, max_model_len)
         if not self.driver:
             return
-        kw = engine_kwargs(model_path, tp_size=tp_size, max_model_len=_cap_len(model_path, max_model_len), seed=seed,
+        kw = engine_kwargs(model_path, tp_size=tp_size, max_model_len=self.max_model_len, seed=seed,
                            dtype=dtype or default_dtype(cuda, False), enforce_eager=enforce_eager,
                            enable_sleep=enable_sleep, gpu_memory_utilization=gpu_memory_utilization,
                            kv_cache_memory_bytes=kv_cache_memory_bytes, cuda=cuda)
