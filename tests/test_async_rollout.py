@@ -218,3 +218,31 @@ def test_async_turns_is_correction_on_unless_told_off():
                                 "--rollout.vllm_generate_batch_size", "16"])
     assert (cfg.rollout.async_queue_size, cfg.rollout.partial_rollout, cfg.rollout.vllm_generate_batch_size) == \
         (2, True, 16)
+
+
+class ContextEngine(ScriptedEngine):
+    """vLLM's limits: a prompt of max_model_len tokens is refused (vllm/v1/engine/input_processor.py
+    _validate_prompt_len), a generation stops at max_model_len with finish_reason "length" (check_stop)."""
+    max_model_len = 9
+
+    def generate(self, prompt_ids, params):
+        assert all(len(p) < self.max_model_len for p in prompt_ids), [len(p) for p in prompt_ids]
+        out = super().generate(prompt_ids, params)
+        rows = [(p, out.sequences[i, out.prompt_len:out.prompt_len + int(out.action_mask[i].sum())].tolist(),
+                 out.rollout_logprobs[i, :int(out.action_mask[i].sum())].tolist(), bool(out.truncated[i]))
+                for i, p in enumerate(prompt_ids)]
+        cut = [(p, r[:self.max_model_len - len(p)], lp[:self.max_model_len - len(p)],
+                t or len(r) > self.max_model_len - len(p)) for p, r, lp, t in rows]
+        return batch_from_rows([c[0] for c in cut], [c[1] for c in cut], [c[2] for c in cut], [c[3] for c in cut], 0)
+
+
+def test_partial_rollout_stops_at_the_engines_context():
+    """Continuation prompts (prompt + tokens so far) never reach the engine's max_model_len: a sample that fills
+    the context is done, truncated, with max_model_len - prompt tokens."""
+    s, _ = stream([20], chunk=2, max_new_tokens=12)  # prompt [20, 5, 6] wants 17 tokens: the context (9) cuts it
+    s.engine = ContextEngine()
+    s.max_len = ContextEngine.max_model_len
+    groups, _ = s.produce(0, 0, PARAMS)
+    for g in groups:
+        for x in g.samples:
+            assert x.done and x.truncated and len(x.tokens) == 9 - 3, (len(x.tokens), x.truncated)

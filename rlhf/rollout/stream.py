@@ -98,6 +98,7 @@ class RolloutStream:
         self.max_staleness, self.score, self.keep = max_staleness, score, keep
         self.max_draws = max_draws if max_draws is not None else 8 * max(quota, 1)
         self.pad_id = pad_id
+        self.max_len = getattr(engine, "max_model_len", None)  # prompt + response limit of the engine (vLLM)
         self.flight: List[Group] = []
         self.buffer: List[Group] = []
         self.spares: List[Group] = []
@@ -105,6 +106,12 @@ class RolloutStream:
     # ---- state ---------------------------------------------------------------------------------------------------
     def in_flight_tokens(self) -> int:
         return sum(len(s.tokens) for g in self.flight for s in g.samples)
+
+    def _left(self, g: Group, s: Sample) -> int:
+        """New tokens ``s`` may still take: --generate_max_len, and the engine's context (a continuation prompt is
+        prompt + tokens so far; vLLM refuses a prompt of max_model_len tokens and stops a generation there)."""
+        left = self.max_new - len(s.tokens)
+        return min(left, self.max_len - len(g.prompt_ids) - len(s.tokens)) if self.max_len else left
 
     def _too_old(self, g: Group, train_at: int) -> bool:
         v = g.oldest()
@@ -132,7 +139,7 @@ class RolloutStream:
 
     def _round(self, version: int, params: SamplingParams, stats: StreamStats) -> None:
         rows = [(g, s) for g in self.flight for s in g.samples if not s.done]
-        budget = [self.max_new - len(s.tokens) for _, s in rows]
+        budget = [self._left(g, s) for g, s in rows]
         call = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                               max_new_tokens=min(self.chunk, max(budget)), stop_token_ids=params.stop_token_ids,
                               seed=params.seed)
@@ -149,7 +156,7 @@ class RolloutStream:
             s.logprobs += lps
             s.versions += [version] * len(toks)
             stats.generated_tokens += len(toks)
-            if stopped or len(s.tokens) >= self.max_new:
+            if stopped or self._left(g, s) <= 0:
                 s.done, s.truncated = True, not stopped
         stats.rounds += 1
         done = [g for g in self.flight if g.complete]
