@@ -22,6 +22,8 @@ from e2e import flags_argv
 BASE = {"generate_max_len": 4, "remote_rm_url": "builtin:arithmetic", "lr_warmup_ratio": 0.0,
         "actor_learning_rate": 1e-4, "max_global_steps": 2, "micro_rollout_batch_size": 2}
 RM = {"remote_rm_url": None, "reward_pretrain": "{kit}/reward"}
+# a reward function (rlhf.rollout: streamed on the rollout ranks under --async_train) whose scores vary by response
+FAULT_RM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_reward.py")
 
 CASES = {
     1: {
@@ -34,8 +36,7 @@ CASES = {
                                                      micro_train_batch_size=8, micro_rollout_batch_size=8,
                                                      dynamic_filtering=True,
                                                      dynamic_filtering_reward_range=(0.2, 0.7), generate_max_len=6,
-                                                     remote_rm_url=os.path.join(os.path.dirname(
-                                                         os.path.abspath(__file__)), "fault_reward.py"))),
+                                                     remote_rm_url=FAULT_RM)),
         # DeepSpeed ZeRO-2: actor and critic trained, the reward model frozen (a plain module below stage 3)
         "w1_deepspeed_zero2_gae_rm": ("ppo", dict(RM, prompts=4, eval_prompts=1, rollout_batch_size=2,
                                                   n_samples_per_prompt=1, train_batch_size=2, micro_train_batch_size=1,
@@ -68,6 +69,18 @@ CASES = {
                                        train_batch_size=4, micro_train_batch_size=2, advantage_estimator="rloo",
                                        actor_num_gpus_per_node=1, vllm_num_engines=1, async_train=True,
                                        max_global_steps=3)),
+        # issue 29: K=2 batches ahead, partial rollout in chunks of 2 of 6 tokens, oversampling (3 groups in flight
+        # for batches of 2) and dynamic filtering of streamed rewards (groups dropped as they complete, new prompts
+        # drawn in their place: the groups in flight fall out of step, so some span weight versions)
+        "w2_async_k2_partial_oversample_filter": ("grpo", dict(prompts=9, eval_prompts=1, rollout_batch_size=2,
+                                                               n_samples_per_prompt=2, train_batch_size=4,
+                                                               micro_train_batch_size=2, actor_num_gpus_per_node=1,
+                                                               vllm_num_engines=1, async_train=True,
+                                                               async_queue_size=2, partial_rollout=True,
+                                                               partial_rollout_chunk=2, generate_max_len=6,
+                                                               vllm_generate_batch_size=3, dynamic_filtering=True,
+                                                               dynamic_filtering_reward_range=(0.2, 0.7),
+                                                               remote_rm_url=FAULT_RM, max_global_steps=4)),
         # DeepSpeed ZeRO-3 under --bf16 with LoRA: partitioned bf16 actor (fp32 masters), LoRA merged at the sync,
         # frozen ref and reward model partitioned too
         "w2_deepspeed_zero3_bf16_lora_rm": ("grpo", dict(RM, prompts=4, eval_prompts=1, rollout_batch_size=2,
@@ -110,6 +123,13 @@ CASES = {
                                                    reward_num_gpus_per_node=1, colocate_critic_reward=True,
                                                    colocate_actor_ref=True, vllm_num_engines=1,
                                                    critic_learning_rate=1e-3)),
+        # issue 29: the actor alone, 2 engines of their own; K=1 with partial rollout, 3 prompts over 2 engines
+        # (quotas 2 and 1), chunks of 1 token
+        "w3_async_partial_rb3_two_engines": ("grpo", dict(prompts=7, eval_prompts=1, rollout_batch_size=3,
+                                                          n_samples_per_prompt=2, train_batch_size=6,
+                                                          micro_train_batch_size=3, actor_num_gpus_per_node=1,
+                                                          vllm_num_engines=2, async_train=True, partial_rollout=True,
+                                                          partial_rollout_chunk=1, remote_rm_url=FAULT_RM)),
         "w3_colocated_uneven": ("grpo", dict(prompts=8, eval_prompts=1, rollout_batch_size=3, n_samples_per_prompt=3,
                                              train_batch_size=9, micro_train_batch_size=3,
                                              colocate_all_models=True, micro_rollout_batch_size=1,
@@ -228,6 +248,9 @@ def run_cases(cases: dict, kit: str, data: str, out: str) -> None:
                                      "refill": [(r.get("dynamic_filter_rounds"), r.get("filtered_frac")) for r in train],
                                      "gap": [r.get("rollout_logprob_gap") for r in train],
                                      "eval_last": ev[-1] if ev else None,
+                                     "async": [{k: v for k, v in r.items() if k.startswith("async/")}
+                                               for r in train],
+                                     "max_staleness": cfg.rollout.max_staleness,
                                      "generations": _lines(os.path.join(cfg.logging.log_dir, "generations.jsonl")),
                                      "last": {k: train[-1].get(k) for k in ("reward", "kl", "policy_loss",
                                                                            "value_loss", "response_len")}}) + "\n")

@@ -15,6 +15,7 @@ import time
 import pytest
 from conftest import free_port
 from e2e import ROOT
+from sweep import BASE, CASES
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +43,38 @@ def _check_sweep(res, cases):
         assert r["finite"], f"{name}: a non-finite metric: {r['last']}"
         assert r["exported"], f"{name}: no final model written"
         assert r["last"]["response_len"] > 0, (name, r)
+        if cases[name][1].get("async_train"):
+            _check_async(name, r, {**BASE, **cases[name][1]})
+
+
+def _check_async(name, r, flags):
+    """--async_train (issue 29), from each step's async/* metrics: the warm-up's K batches are trained at ages
+    0 .. K-1, every later one at least K syncs after its generation started and never beyond --max_staleness;
+    partial rollout generates at most a chunk per sample and round; every prompt drawn is trained, filtered out,
+    dropped as stale or still pending (the counts are means over the engines' first ranks)."""
+    k, a = flags.get("async_queue_size", 1), r["async"]
+    engines, n, rb = flags["vllm_num_engines"], flags["n_samples_per_prompt"], flags["rollout_batch_size"]
+    assert len(a) == len(r["steps"]) and all("async/age_max" in m for m in a), f"{name}: no async metrics: {a}"
+    for i, m in enumerate(a):
+        where = f"{name} step {i + 1}: {m}"
+        assert m["async/age_max"] <= r["max_staleness"], where
+        if i < k:  # the warm-up: every batch generated with the starting weights
+            assert m["async/age_mean"] == m["async/age_max"] == i, where
+        else:
+            assert m["async/age_mean"] >= k and m["async/token_age_mean"] >= k, where
+        if flags.get("partial_rollout") and m["async/generated_tokens"] > 0:
+            chunk = flags["partial_rollout_chunk"]
+            assert flags["generate_max_len"] > chunk and m["async/rounds"] >= 2, where
+            cap = -(-flags.get("vllm_generate_batch_size", rb) // engines)  # the largest engine's groups in flight
+            assert m["async/generated_tokens"] <= chunk * m["async/rounds"] * cap * n, where
+    total = lambda key: sum(m[key] for m in a) * engines  # noqa: E731
+    pending = (a[-1]["async/buffered_groups"] + a[-1]["async/in_flight_groups"]) * engines
+    assert total("async/drawn_prompts") == (len(a) * rb + total("async/filtered_groups")
+                                             + total("async/dropped_stale_groups") + pending), f"{name}: {a}"
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_sweep_every_placement_and_awkward_sizes(world, tiny_kit, tmp_path):
-    from sweep import CASES
-
     cmd = _torchrun(world, [SWEEP, "--kit", tiny_kit, "--data", tmp_path / "data", "--out", tmp_path],
                     extra=["--standalone"])
     t0 = time.time()
@@ -58,6 +85,12 @@ def test_sweep_every_placement_and_awkward_sizes(world, tiny_kit, tmp_path):
     if world == 1:  # dynamic filtering refilled the batch: more rounds where groups were filtered, none masked
         r = res["w1_dynamic_filtering_refill"]
         assert max(rounds for rounds, _ in r["refill"]) >= 2 and all(f == 0 for _, f in r["refill"]), r
+    if world == 2:  # streamed rewards filtered groups as they completed; new prompts took their place, none masked
+        r = res["w2_async_k2_partial_oversample_filter"]
+        filtered = sum(m["async/filtered_groups"] for m in r["async"])
+        assert filtered > 0 and all(f == 0 for _, f in r["refill"]), r
+        # 3 groups in flight for batches of 2: extra complete groups wait in the buffer for a later batch
+        assert max(m["async/buffered_groups"] for m in r["async"]) > 0, r["async"]
     if world == 2:  # --freezing_actor_steps 1: no actor update in step 1; --save_value_network: the critic saved
         r = res["w2_gae_rm_colocated"]
         assert r["actor_updates"] == [False, True] and r["critic_exported"], r
@@ -101,7 +134,7 @@ def test_sweep_two_nodes_of_two_ranks(tiny_kit, tmp_path):
     _check_sweep(_results(tmp_path), NODES2)
 
 
-def _fault_run(tiny_kit, tmp_path, fault, extra_flags=(), nproc=2, layout=("--colocate_all_models",)):
+def _fault_run(tiny_kit, tmp_path, fault, extra_flags=(), nproc=2, layout=("--colocate_all_models",), **env):
     d = os.path.join(tiny_kit, "data")
     mark = tmp_path / "fault_time"
     args = ["-m", "rlhf.train_grpo", "--pretrain", tiny_kit, "--prompt_data", f"{d}/prompts_train.jsonl",
@@ -112,7 +145,7 @@ def _fault_run(tiny_kit, tmp_path, fault, extra_flags=(), nproc=2, layout=("--co
             "--save_path", tmp_path / "m", "--no_progress_bar", *layout, *extra_flags]
     cmd = _torchrun(nproc, args, extra=["--standalone"])
     t0 = time.time()
-    p = subprocess.run(cmd, cwd=tmp_path, env=_env(RLHF_FAULT=fault, RLHF_FAULT_MARK=str(mark)),
+    p = subprocess.run(cmd, cwd=tmp_path, env=_env(RLHF_FAULT=fault, RLHF_FAULT_MARK=str(mark), **env),
                        capture_output=True, text=True, timeout=240)
     end = time.time()
     assert mark.exists(), f"the fault was never injected:\n{p.stderr[-4000:]}"
@@ -171,6 +204,29 @@ def test_separate_roles_exception_on_rollout_rank(tiny_kit, tmp_path):
                                                                   "--vllm_num_engines", 1, "--async_train"))
     assert p.returncode != 0 and after < 60
     assert _rank_lines(p.stderr)[0].startswith("[rank 1] error:")
+
+
+ASYNC_K2_PARTIAL = ("--actor_num_gpus_per_node", 1, "--vllm_num_engines", 1, "--async_train", "--async_queue_size", 2,
+                    "--partial_rollout", "--partial_rollout_chunk", 1, "--vllm_generate_batch_size", 6)
+
+
+def test_rollout_rank_killed_mid_generation_async(tiny_kit, tmp_path):
+    """--async_train, K=2, partial rollout (chunks of 1 of 4 tokens), 6 groups in flight for batches of 4: rewards
+    are streamed, so the reward function runs on the rollout rank (rank 1; the actor is rank 0) inside its produce
+    stage, in the loop of generation rounds.  Its 3rd call is the produce of step 2 (the warm-up's two calls left 4
+    buffered groups, so the batch of step 3 needed none): SIGKILL there while rank 0 trains step 2 ends the job
+    promptly, the lost peer named first, after step 1 was logged."""
+    from rlhf.utils.logging import read_metrics
+
+    p, after, _ = _fault_run(tiny_kit, tmp_path, "kill", layout=ASYNC_K2_PARTIAL, RLHF_FAULT_CALL="3")
+    assert p.returncode != 0
+    assert after < 60, f"the job took {after:.0f}s to end after the rollout rank was killed"
+    assert "Signal 9 (SIGKILL)" in p.stderr or "exitcode  : -9" in p.stderr, p.stderr[-3000:]
+    lines = _rank_lines(p.stderr)
+    assert lines and lines[0].startswith("[rank 0] lost a peer rank"), "\n".join(lines[:20])
+    assert not any("Traceback" in ln for ln in lines), "a survivor's traceback would point at the wrong rank"
+    steps = [r["step"] for r in read_metrics(str(tmp_path / "logs" / "metrics.jsonl")) if r["split"] == "train"]
+    assert steps == [1], f"the rollout rank died in the produce of step 2, yet the steps logged are {steps}"
 
 
 def test_sigterm_to_torchrun_checkpoints_and_says_not_complete(tiny_kit, tmp_path):
