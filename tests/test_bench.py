@@ -74,3 +74,32 @@ def test_bench_summary_and_spread_flag():
     tight = [2.0, 2.02, 1.98, 2.01]
     assert verdict(tight)["stable"] and "UNSTABLE wall" not in table("x", rows, {}, tight)
     assert not verdict([2.0])["stable"], "one round has no spread: never a result"
+
+
+def test_async_rl_bench_smoke(tmp_path):
+    """bench/async_rl.py --smoke: sync and --async_train K=2 + partial rollout + 2x oversampling run under torchrun
+    (actor on rank 0, rollout engine on rank 1) and the results JSON holds each configuration's throughput, idle
+    times, ages, IS weights, reward curve and the comparison with sync.  Values are checked for sanity, not speed."""
+    _run(["bench/async_rl.py", "--smoke"], tmp_path)
+    res = json.load(open(tmp_path / "async_rl_smoke.json"))
+    s = res["settings"]
+    assert set(res["configs"]) == {"sync", "async_k2_partial"}, list(res["configs"])
+    lens = res["length_distribution"]
+    assert lens["samples"] == 512 and 1 <= lens["percentiles"]["p50"] <= lens["percentiles"]["p99"] <= 12, lens
+    for name, c in res["configs"].items():
+        assert len(c["reward_curve"]) == s["steps"] and len(c["accuracy_curve"]) == s["steps"], (name, c)
+        assert all(0.0 <= x <= 1.0 for x in c["reward_curve"]), (name, c["reward_curve"])
+        assert c["s_per_step"] > 0 and abs(c["steps_per_s"] * c["s_per_step"] - 1) < 1e-9, (name, c)
+        assert c["generated_tokens_per_s"] > 0 and c["trained_response_tokens_per_s"] > 0, (name, c)
+        assert 0 <= c["trainer_wait_s"] < c["s_per_step"], f"{name}: the trainer idles less than a whole step"
+        assert 0 < c["response_len"] <= 12 and 0 <= c["truncated_frac"] <= 1, (name, c)
+    sync, asy = res["configs"]["sync"], res["configs"]["async_k2_partial"]
+    assert "age_mean" not in sync, "sync has no queue: no age metrics"
+    # K=2: the first step trains the warm-up batch (age 0), later ones are 2 syncs behind; partial samples go older
+    assert 0 < asy["age_mean"] <= asy["age_max"] and 2 <= asy["age_max"], asy
+    assert 0 < asy["is_weight_min"] <= 1 <= asy["is_weight_max"], "IS correction is on by default under --async_train"
+    assert asy["rollout_wait_s"] >= 0 and asy["dropped_stale_groups"] >= 0
+    assert res["ratios_vs_sync"]["sync"]["steps_per_s"] == 1.0
+    assert set(res["reward_vs_sync"]["async_k2_partial"]) >= {"delta_vs_sync", "noise_2se", "within_noise"}
+    assert [r["seed"] for r in res["runs"]["async_k2_partial"]] == s["seeds"]
+    assert res["machine"]["cpus"] >= 1 and len(res["machine"]["loadavg_end"]) == 3
