@@ -65,10 +65,11 @@ CASES = {
                                                            micro_train_batch_size=2, advantage_estimator="reinforce",
                                                            actor_num_gpus_per_node=1, colocate_actor_ref=True,
                                                            vllm_num_engines=1)),
-        "w2_async_rloo": ("grpo", dict(prompts=7, eval_prompts=1, rollout_batch_size=2, n_samples_per_prompt=2,
-                                       train_batch_size=4, micro_train_batch_size=2, advantage_estimator="rloo",
-                                       actor_num_gpus_per_node=1, vllm_num_engines=1, async_train=True,
-                                       max_global_steps=3)),
+        # the reward model on the actor's rank scores each batch ahead between the update and the weight sync
+        "w2_async_rloo_rm": ("grpo", dict(RM, prompts=7, eval_prompts=1, rollout_batch_size=2,
+                                             n_samples_per_prompt=2, train_batch_size=4, micro_train_batch_size=2,
+                                             advantage_estimator="rloo", actor_num_gpus_per_node=1,
+                                             vllm_num_engines=1, async_train=True, max_global_steps=3)),
         # issue 29: K=2 batches ahead, partial rollout in chunks of 2 of 6 tokens, oversampling (3 groups in flight
         # for batches of 2) and dynamic filtering of streamed rewards (groups dropped as they complete, new prompts
         # drawn in their place: the groups in flight fall out of step, so some span weight versions)
@@ -130,6 +131,14 @@ CASES = {
                                                           micro_train_batch_size=3, actor_num_gpus_per_node=1,
                                                           vllm_num_engines=2, async_train=True, partial_rollout=True,
                                                           partial_rollout_chunk=1, remote_rm_url=FAULT_RM)),
+        # issue 29: a reward model on a rank of its own scores each batch ahead (right after the engine produced it,
+        # while the actor trains); K=2 with partial rollout; the scores are checked against scoring the batch anew
+        "w3_async_rm_own_rank_k2": ("grpo", dict(RM, prompts=7, eval_prompts=1, rollout_batch_size=2,
+                                                 n_samples_per_prompt=2, train_batch_size=4, micro_train_batch_size=2,
+                                                 actor_num_gpus_per_node=1, reward_num_gpus_per_node=1,
+                                                 vllm_num_engines=1, async_train=True, async_queue_size=2,
+                                                 partial_rollout=True, partial_rollout_chunk=2, generate_max_len=6,
+                                                 max_global_steps=3)),
         "w3_colocated_uneven": ("grpo", dict(prompts=8, eval_prompts=1, rollout_batch_size=3, n_samples_per_prompt=3,
                                              train_batch_size=9, micro_train_batch_size=3,
                                              colocate_all_models=True, micro_rollout_batch_size=1,
@@ -209,6 +218,27 @@ def _lines(path: str) -> int:
         return sum(1 for _ in fh)
 
 
+def check_rewards_ahead(trainer) -> list:
+    """Under --async_train with a reward model, each batch's scores are computed ahead, on the reward model's ranks
+    (rlhf.trainers.async_rollout.AsyncRollout.score_ahead): wrap ``take`` to score the taken batch anew, the
+    synchronous way (every rank), and record the largest difference per step."""
+    from rlhf.trainers.experience import score_batch
+
+    ar, diffs = trainer.async_rollout, []
+    if ar is None or not ar.ahead:
+        return diffs
+    take = ar.take
+
+    def checked(st):
+        batch = take(st)
+        again = score_batch(trainer, batch, st.labels)["rewards"]
+        diffs.append(float((again - st.rewards["rewards"]).abs().max()))
+        return batch
+
+    ar.take = checked
+    return diffs
+
+
 def run_cases(cases: dict, kit: str, data: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -223,6 +253,7 @@ def run_cases(cases: dict, kit: str, data: str, out: str) -> None:
         t0 = time.time()
         cfg = parse(kind, argv, defaults[kind])
         trainer = RLTrainer(cfg, name)
+        ahead_diffs = check_rewards_ahead(trainer)
         trainer.fit()
         trainer.watchdog.stop()
         dist.barrier()
@@ -251,6 +282,7 @@ def run_cases(cases: dict, kit: str, data: str, out: str) -> None:
                                      "async": [{k: v for k, v in r.items() if k.startswith("async/")}
                                                for r in train],
                                      "max_staleness": cfg.rollout.max_staleness,
+                                     "reward_ahead_diff": max(ahead_diffs) if ahead_diffs else None,
                                      "generations": _lines(os.path.join(cfg.logging.log_dir, "generations.jsonl")),
                                      "last": {k: train[-1].get(k) for k in ("reward", "kl", "policy_loss",
                                                                            "value_loss", "response_len")}}) + "\n")

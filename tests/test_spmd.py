@@ -53,6 +53,8 @@ def _check_async(name, r, flags):
     partial rollout generates at most a chunk per sample and round; every prompt drawn is trained, filtered out,
     dropped as stale or still pending (the counts are means over the engines' first ranks)."""
     k, a = flags.get("async_queue_size", 1), r["async"]
+    if flags.get("reward_pretrain"):  # scored ahead on the reward model's ranks: the same scores as scored anew
+        assert r["reward_ahead_diff"] is not None and r["reward_ahead_diff"] < 1e-5, f"{name}: {r['reward_ahead_diff']}"
     engines, n, rb = flags["vllm_num_engines"], flags["n_samples_per_prompt"], flags["rollout_batch_size"]
     assert len(a) == len(r["steps"]) and all("async/age_max" in m for m in a), f"{name}: no async metrics: {a}"
     for i, m in enumerate(a):

@@ -32,6 +32,10 @@ class Groups:
     # inference forwards gather over them under --async_train, so the rollout ranks generate meanwhile
     trainers: Optional[Any] = None
     rollout_only: bool = False        # this rank holds the rollout role and no model role
+    # rollout ranks of their own + the reward model's ranks (where both exist): under --async_train the reward
+    # model scores each batch over them as soon as the engines produced it (rlhf.trainers.async_rollout)
+    rollout_reward: Optional[Any] = None
+    rollout_reward_ranks: List[int] = field(default_factory=list)
 
     def group(self, role: str):
         return self.role_groups.get(role)
@@ -70,6 +74,10 @@ def build_groups(plan: Placement, rank: int) -> Groups:
         grp = make(trainers)
         g.trainers = grp if rank in trainers else None
         g.rollout_only = rank not in trainers
+    if plan.separate_rollout and plan.ranks.get("reward"):
+        g.rollout_reward_ranks = sorted(set(plan.ranks["rollout"]) | set(plan.ranks["reward"]))
+        grp = make(g.rollout_reward_ranks)
+        g.rollout_reward = grp if rank in g.rollout_reward_ranks else None
     for role, sp_groups in plan.sp_groups.items():  # one SP object per role (each wraps its model's attention)
         for ranks in sp_groups:
             grp = make(ranks)

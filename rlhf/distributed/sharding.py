@@ -67,10 +67,10 @@ def gather_rows(local: Optional[torch.Tensor], rows: Optional[slice], n_rows: in
     return out.cpu()
 
 
-def gather_max(values: Sequence[int]) -> List[int]:
-    """The element-wise maximum of ``values`` over every rank (one all_reduce)."""
+def gather_max(values: Sequence[int], group=None) -> List[int]:
+    """The element-wise maximum of ``values`` over every rank of ``group`` (default the world; one all_reduce)."""
     t = torch.tensor(list(values), dtype=torch.long, device=comm.device())
-    comm.all_reduce(t, op="max")
+    comm.all_reduce(t, op="max", group=group)
     return [int(v) for v in t.tolist()]
 
 
@@ -86,6 +86,6 @@ def run_micro(fn: Callable[[slice], torch.Tensor], plan: Sequence[Optional[slice
     return torch.cat(outs) if outs else None
 
 
-def all_gather_objects(obj) -> list:
-    """Every rank's ``obj`` (pickled), in rank order."""
-    return comm.all_gather_object(obj)
+def all_gather_objects(obj, group=None) -> list:
+    """Every rank's ``obj`` (pickled), in rank order (of ``group``; default the world)."""
+    return comm.all_gather_object(obj, group=group)

@@ -5,10 +5,12 @@ Timeline of one step t, with K = --async_queue_size:
 - ``take`` (the rollout stage, every rank): the batch generated during step t - K (or during the warm-up) is
   gathered from the engines' first ranks to every rank.  From here on every rank holds the same batch, and
   everything that is trained is decided from it (SPMD): never from a rank's timing.
-- the reward (streamed: already scored on the rollout ranks), reference, values, old log-prob and advantage
-  stages, as in a synchronous step;
+- the reference, values, old log-prob and advantage stages, as in a synchronous step; no reward stage: rewards
+  came with the batch (streamed: scored on the rollout ranks as groups completed; a reward model: scored ahead);
 - ``produce`` (every rank; work only on the engines' first ranks): the batch for step t + K, generated with this
   step's weights (version t) while the actor ranks go on to their updates;
+- ``score_ahead`` (the reward_ahead stage, after the updates; rollout and reward-model ranks): with a reward model,
+  the batch just produced is gathered to the reward model's ranks and scored there; ``take`` hands the scores on;
 - the weight sync, where actor and rollout ranks meet.
 
 A batch is trained K syncs after its generation started (partial rollouts: a sample's oldest token may be older,
@@ -33,9 +35,20 @@ from .cadence import log0
 
 
 def streams_rewards(tr) -> bool:
-    """Rewards are scored on the rollout ranks as groups complete: a reward function or server (not a reward model
-    on ranks of its own, which scores the gathered batch).  From config and placement: the same on every rank."""
+    """Rewards are scored on the rollout ranks as groups complete: a reward function or server (a reward model
+    scores each batch ahead instead: ``scores_ahead``).  From config and placement: the same on every rank."""
     return tr.roles.reward is None and tr.reward_source is not None
+
+
+def scores_ahead(tr) -> bool:
+    """A reward model scores each batch as soon as the engines produced it, on its own ranks, while the actor
+    trains (``AsyncRollout.score_ahead``).  From config and placement: the same on every rank."""
+    return tr.roles.reward is not None
+
+
+def rewards_ahead(tr) -> bool:
+    """--async_train takes the rewards with the batch (streamed or scored ahead): no reward stage."""
+    return tr.cfg.rollout.async_train and (streams_rewards(tr) or scores_ahead(tr))
 
 
 class AsyncRollout:
@@ -49,7 +62,9 @@ class AsyncRollout:
         role = tr.roles.rollout
         self.engines = len(role.engine_ranks)
         self.streamed = streams_rewards(tr)
+        self.ahead = scores_ahead(tr)
         self.produced: deque = deque()   # on the engines' first ranks: (batch, stats) not yet gathered
+        self.scored: deque = deque()     # on the reward model's ranks: (group_index, sequences, scores) not yet taken
         self.stream: Optional[RolloutStream] = None
         self.drawn = 0                  # this engine's prompts drawn so far (its place in its prompt stream)
         e = role.engine_index
@@ -120,9 +135,53 @@ class AsyncRollout:
         self.produced.append((b, m))
 
     def warm_up(self, step: int, total: int) -> None:
-        """Before the first step (and after a resume): the K batches of steps step .. step + K - 1."""
-        for s in range(step, min(step + self.k, total)):
+        """Before the first step (and after a resume): the K batches of steps step .. step + K - 1 (and, with a
+        reward model, their scores)."""
+        count = len(range(step, min(step + self.k, total)))
+        for s in range(step, step + count):
             self.produce(step, s)
+        self.score_ahead(count)
+
+    def score_ahead(self, count: int) -> None:
+        """A reward model (``scores_ahead``): the last ``count`` produced batches go from the engines to the reward
+        model's ranks and are scored there at once, so reward latency leaves the trainer's path: with the reward
+        model on ranks of its own (or the critic's) the actor trains meanwhile, and the scores travel with the
+        batch when its step comes (``take``).  Collective over ``Groups.rollout_reward`` only (the rollout and
+        reward ranks; every other rank skips it): per batch one ``gather`` over those ranks, then the reward
+        model's forwards, gathered over its own ranks.  The count is shared state (step, K, total steps)."""
+        tr = self.tr
+        g = tr.groups
+        if not self.ahead or count <= 0 or tr.rank not in g.rollout_reward_ranks:
+            return
+        from .experience import inference_forward
+
+        reward = tr.roles.reward
+        mine = list(self.produced)[-count:] if self.stream is not None else [(None, None)] * count
+        for local, _ in mine:
+            batch = self.gather(local, group=g.rollout_reward)
+            if reward.is_member:
+                with tr.watchdog.phase("reward_model"):
+                    s = inference_forward(tr.cfg, reward, batch, lambda b, micro: reward.scores(
+                        b, micro, tr.roles.reward_stats, over=reward.group))
+                self.scored.append((batch.group_index, batch.sequences, s))
+
+    def take_scores(self, batch: RolloutBatch, step: int) -> dict:
+        """Collective (every rank): the reward model's scores of this step's batch (``score_ahead``), from the
+        reward model's first rank; each reward rank checks that its scores were computed for this very batch."""
+        tr = self.tr
+        reward = tr.roles.reward
+        owner = tr.rank == reward.members[0]
+        local = None
+        if reward.is_member:
+            index, seqs, scores = self.scored.popleft()
+            if not (torch.equal(index, batch.group_index) and torch.equal(seqs, batch.sequences)):
+                raise RuntimeError(f"step {step + 1}: the reward model's scores ahead belong to another batch "
+                                   f"(prompts {sorted(set(index.tolist()))} for "
+                                   f"{sorted(set(batch.group_index.tolist()))}): the async queue is out of order")
+            local = scores if owner else None
+        rows = batch.sequences.size(0)
+        r = gather_rows(local, slice(0, rows) if owner else None, rows, 1).squeeze(1)
+        return {"rewards": r, "scores": r, "valid": torch.ones_like(r, dtype=torch.bool), "extra_logs": {}}
 
     def take(self, st) -> RolloutBatch:
         """Collective: the batch of this step on every rank; sets ``st.prompts``, ``st.rewards`` (streamed) and the
@@ -134,6 +193,8 @@ class AsyncRollout:
         st.prompts = [self.prompt_at(i) for i in index]
         if batch.stream_reward is not None:
             st.rewards = batch.stream_reward
+        if self.ahead:
+            st.rewards = self.take_scores(batch, st.step)
         ages = sample_ages(batch.versions, batch.action_mask, st.step)
         too_old = ages > tr.cfg.rollout.max_staleness  # by construction none: the stream restarts such groups
         if bool(too_old.any()):
@@ -143,11 +204,11 @@ class AsyncRollout:
         st.metrics.update(m)  # the engines' first ranks report their stream's counts (mean over those ranks)
         return batch
 
-    def gather(self, local: Optional[RolloutBatch]) -> RolloutBatch:
-        """Every engine's rows (its share of the prompts, prompt-major) on every rank, with the weight versions,
-        stream places and streamed rewards.  Collectives, the same on every rank: one max of the widths, one
-        gather of the extra-log names when rewards are streamed, one gather of the integer and one of the float
-        columns."""
+    def gather(self, local: Optional[RolloutBatch], group=None) -> RolloutBatch:
+        """Every engine's rows (its share of the prompts, prompt-major) on every rank of ``group`` (default the
+        world), with the weight versions, stream places and streamed rewards.  Collectives, the same on every rank
+        of the group: one max of the widths, one gather of the extra-log names when rewards are streamed, one
+        gather of the integer and one of the float columns."""
         n, B, pad_id = self.n, self.batch, self.tr.tokenizer.pad_token_id
         rows = B * n
         owned = None
@@ -155,11 +216,12 @@ class AsyncRollout:
             owned = slice(self.quota.start * n, self.quota.stop * n)
             assert local.sequences.size(0) == owned.stop - owned.start, \
                 f"engine {self.engine_index} produced {local.sequences.size(0)} rows for {owned.stop - owned.start}"
-        P, R = gather_max([local.prompt_len if local is not None else 0, local.num_actions if local is not None else 0])
+        P, R = gather_max([local.prompt_len if local is not None else 0, local.num_actions if local is not None else 0],
+                          group)
         keys = []
         if self.streamed:
             own = sorted(local.stream_reward["extra_logs"]) if local is not None else None
-            every = [k for k in all_gather_objects(own) if k is not None]
+            every = [k for k in all_gather_objects(own, group) if k is not None]
             keys = sorted(set.intersection(*map(set, every))) if every else []
         ints = floats = None
         if local is not None:
@@ -177,8 +239,8 @@ class AsyncRollout:
             ints, floats = torch.cat(cols_i, 1), torch.cat(cols_f, 1)
         wi = 2 * (P + R) + 2 * R + 2 + (1 if self.streamed else 0)
         wf = R + ((2 + len(keys)) if self.streamed else 0)
-        ints = gather_rows(ints, owned, rows, wi, torch.long)
-        floats = gather_rows(floats, owned, rows, wf, torch.float32)
+        ints = gather_rows(ints, owned, rows, wi, torch.long, group)
+        floats = gather_rows(floats, owned, rows, wf, torch.float32, group)
         seq, att = ints[:, :P + R], ints[:, P + R:2 * (P + R)]
         seq = torch.where(att.bool(), seq, torch.full_like(seq, pad_id))
         o = 2 * (P + R)

@@ -1,5 +1,5 @@
 """One RL step as a list of stages: rollout -> reward -> (produce) -> ref -> values -> old log-probs -> advantages
--> critic update -> actor update -> weight sync.
+-> critic update -> actor update -> (reward ahead) -> weight sync.
 
 Every rank runs every stage that applies, in this order; whether a stage applies is
 decided from the config and the placement, which every rank shares, never from a
@@ -19,7 +19,7 @@ from rlhf.distributed.sharding import all_gather_objects, gather_rows, shard_row
 from rlhf.rollout.base import RolloutBatch
 
 from .advantage_stage import StageInputs, _gap_metric, advantage_stage, needs_old_logprobs
-from .async_rollout import streams_rewards
+from .async_rollout import rewards_ahead
 from .cadence import log0
 from .ppo_update import train_actor, train_critic
 
@@ -174,9 +174,10 @@ def score_batch(tr, batch: RolloutBatch, labels: List) -> dict:
     if tr.agent_mode:  # agent rollouts: the environment already scored every row
         r = batch.rewards
         return {"rewards": r, "scores": batch.scores, "valid": torch.isfinite(r), "extra_logs": {}}
-    if tr.roles.reward is not None:
+    if tr.roles.reward is not None:  # gathered over the world: every rank calls this (under --async_train too,
+        # where only the eval does: the train batches are scored ahead)
         r = inference_forward(tr.cfg, tr.roles.reward, batch,
-                              lambda b, micro: tr.roles.reward.scores(b, micro, tr.roles.reward_stats))
+                              lambda b, micro: tr.roles.reward.scores(b, micro, tr.roles.reward_stats, over=None))
         return {"rewards": r, "scores": r, "valid": torch.ones_like(r, dtype=torch.bool), "extra_logs": {}}
     # a reward function: every rank calls it on its share of the rows (remote servers see parallel requests)
     sl = shard_rows(n, tr.rank, tr.world)
@@ -321,6 +322,15 @@ def produce_stage(tr, st: StepState) -> None:
         tr.async_rollout.produce(st.step, st.step + tr.cfg.rollout.async_queue_size)
 
 
+def reward_ahead_stage(tr, st: StepState) -> None:
+    """Async with a reward model: the batch ``produce`` just made goes to the reward model's ranks and is scored
+    there (``AsyncRollout.score_ahead``), after the updates: a reward model on ranks of its own (or the critic's)
+    scores while the actor trains, one on the actor's ranks scores while the actor would wait for the engines at
+    the weight sync anyway.  The rollout and reward ranks take part; the others pass."""
+    if st.step + tr.cfg.rollout.async_queue_size < tr.total_steps:  # produce_stage made a batch this step
+        tr.async_rollout.score_ahead(1)
+
+
 def critic_update_stage(tr, st: StepState) -> None:
     c = tr.roles.critic
     if c.is_member:
@@ -351,9 +361,8 @@ def rl_stages() -> List[Stage]:
     """The stages of one RL step, in order; ``applies`` reads only config and placement (shared by every rank)."""
     return [
         Stage("rollout", rollout_stage, role="rollout", applies=lambda tr: not refills(tr.cfg)),
-        Stage("reward", reward_stage, role="reward", applies=lambda tr: not refills(tr.cfg) and not (
-            tr.cfg.rollout.async_train and streams_rewards(tr)),  # streamed: scored as the groups completed
-              trainers_only=True),
+        Stage("reward", reward_stage, role="reward", applies=lambda tr: not refills(tr.cfg) and not rewards_ahead(tr),
+              trainers_only=True),  # async: streamed as the groups completed, or scored ahead (``reward_ahead``)
         Stage("rollout_refill", refill_rollout_stage, applies=lambda tr: refills(tr.cfg)),
         Stage("produce", produce_stage, applies=lambda tr: tr.cfg.rollout.async_train),
         Stage("ref", ref_stage, role="ref", applies=lambda tr: tr.roles.ref is not None, trainers_only=True),
@@ -367,6 +376,8 @@ def rl_stages() -> List[Stage]:
         Stage("critic_update", critic_update_stage, role="critic", applies=lambda tr: tr.roles.critic is not None,
               trainers_only=True),
         Stage("actor_update", actor_update_stage, role="actor", trainers_only=True),
+        Stage("reward_ahead", reward_ahead_stage,
+              applies=lambda tr: tr.cfg.rollout.async_train and tr.roles.reward is not None),
         Stage("weight_sync", weight_sync_stage, role="rollout", share="actor", tags=["weights"]),
     ]
 

@@ -169,7 +169,9 @@ class RLTrainer:
                                             "rollout_refill": refill_s, "produce": t.watchdog_slow_timeout_s,
                                             # async: the actor ranks wait here for the rollout ranks' produce
                                             # stage, which has its own (slow) deadline on those ranks
-                                            **({"weight_sync": t.watchdog_slow_timeout_s + t.watchdog_timeout_s}
+                                            # and the reward model's ranks for it in ``reward_ahead``
+                                            **({"weight_sync": t.watchdog_slow_timeout_s + t.watchdog_timeout_s,
+                                                "reward_ahead": t.watchdog_slow_timeout_s + t.watchdog_timeout_s}
                                                if r.async_train else {})})
         for n in notes:
             log0(n)

@@ -14,7 +14,7 @@ sequence whatever the shard sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -92,9 +92,11 @@ class ModelRole(Role):
 
     engine: Optional[TrainEngine]
 
-    def rows_forward(self, n_rows: int, micro: int, fn: Callable[[slice], torch.Tensor], width: int) -> torch.Tensor:
-        """(n_rows, width) on every rank: members run ``fn`` on their micro-batches (the same count on every
-        member: sharded forwards are collectives), then one gather over the world."""
+    def rows_forward(self, n_rows: int, micro: int, fn: Callable[[slice], torch.Tensor], width: int,
+                     over: Any = "default") -> torch.Tensor:
+        """(n_rows, width) on every rank of ``over`` (default ``gather_group``: the world, or the model roles'
+        ranks under --async_train): members run ``fn`` on their micro-batches (the same count on every member:
+        sharded forwards are collectives), then one gather over those ranks."""
         local, rows = None, self.rows(n_rows)
         budget = getattr(micro, "plan", None)  # --use_dynamic_batch: rlhf.trainers.experience.InferencePlan
         if self.is_member and n_rows > 0:
@@ -102,7 +104,7 @@ class ModelRole(Role):
             local = run_micro(fn, parts, dummy=slice(0, 1))
         if budget and rows is not None:
             rows = micro.rows(self.dp_index)
-        return gather_rows(local, rows, n_rows, width, group=self.gather_group)
+        return gather_rows(local, rows, n_rows, width, group=self.gather_group if over == "default" else over)
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, temperature: float, micro: int, chunk: int, packing: bool) -> torch.Tensor:
@@ -128,11 +130,11 @@ class ModelRole(Role):
         return self.rows_forward(batch.sequences.size(0), micro, fn, batch.num_actions) * batch.action_mask
 
     @torch.no_grad()
-    def scores(self, batch: RolloutBatch, micro: int, stats) -> torch.Tensor:
-        """Reward-model scores, (B,)."""
+    def scores(self, batch: RolloutBatch, micro: int, stats, over: Any = "default") -> torch.Tensor:
+        """Reward-model scores, (B,), on every rank of ``over`` (see ``rows_forward``)."""
         fn = lambda p: score_sequences(self.engine.model, batch.sequences[p], batch.attention_mask[p], stats,  # noqa: E731
                                        p.stop - p.start if hasattr(micro, "plan") else micro).unsqueeze(1)
-        return self.rows_forward(batch.sequences.size(0), micro, fn, 1).squeeze(1)
+        return self.rows_forward(batch.sequences.size(0), micro, fn, 1, over).squeeze(1)
 
 
 class RolloutRole(Role):
