@@ -32,6 +32,10 @@ MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 KillWait=30
+# sbatch --wait polls every 2 s while 2 s < MinJobAge / 2, else backs off x4 up to 32 s (src/sbatch/sbatch.c
+# _job_wait): with the default 300 a 20-s job returns after 42 s. 4 keeps the 2-s poll; a finished job's record
+# lives 4 s, twice that poll.
+MinJobAge=4
 InactiveLimit=0
 NodeName=${HOST} CPUs=${CPUS} RealMemory=${MEM_MB} State=UNKNOWN
 PartitionName=debug Nodes=${HOST} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES

@@ -24,6 +24,8 @@ BASE = {"generate_max_len": 4, "remote_rm_url": "builtin:arithmetic", "lr_warmup
 RM = {"remote_rm_url": None, "reward_pretrain": "{kit}/reward"}
 # a reward function (rlhf.rollout: streamed on the rollout ranks under --async_train) whose scores vary by response
 FAULT_RM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_reward.py")
+# scores that vary from sample to sample: a reward function, and a two-turn agent (feedback between the turns)
+VARIED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "varied_scores.py")
 
 CASES = {
     1: {
@@ -42,6 +44,10 @@ CASES = {
                                                   n_samples_per_prompt=1, train_batch_size=2, micro_train_batch_size=1,
                                                   advantage_estimator="gae", critic_learning_rate=1e-3,
                                                   backend="deepspeed", zero_stage=2)),
+        # a two-turn agent, synchronous: episodes on the HF engine, the environment's rewards, feedback masked
+        "w1_agent_two_turns": ("grpo", dict(prompts=5, eval_prompts=1, rollout_batch_size=2, n_samples_per_prompt=2,
+                                            train_batch_size=4, micro_train_batch_size=2, agent_func_path=VARIED,
+                                            max_steps=2, remote_rm_url=None, generate_max_len=6)),
         "w1_rloo_small_data": ("grpo", dict(prompts=3, eval_prompts=0, rollout_batch_size=3, n_samples_per_prompt=2,
                                             train_batch_size=6, micro_train_batch_size=3,
                                             advantage_estimator="rloo", max_epochs=2)),
@@ -70,9 +76,22 @@ CASES = {
                                              n_samples_per_prompt=2, train_batch_size=4, micro_train_batch_size=2,
                                              advantage_estimator="rloo", actor_num_gpus_per_node=1,
                                              vllm_num_engines=1, async_train=True, max_global_steps=3)),
+        # agents under --async_train, K=2: episodes run whole on the rollout rank while the actor trains, 3 groups
+        # in flight for batches of 2 (oversampling), streamed groups filtered by their environment's scores
+        "w2_async_agent_k2_oversample_filter": ("grpo", dict(prompts=9, eval_prompts=1, rollout_batch_size=2,
+                                                             n_samples_per_prompt=2, train_batch_size=4,
+                                                             micro_train_batch_size=2, actor_num_gpus_per_node=1,
+                                                             vllm_num_engines=1, async_train=True,
+                                                             async_queue_size=2, vllm_generate_batch_size=3,
+                                                             agent_func_path=VARIED, max_steps=2, remote_rm_url=None,
+                                                             generate_max_len=6, dynamic_filtering=True,
+                                                             dynamic_filtering_reward_range=(0.2, 0.7),
+                                                             max_global_steps=3)),
         # issue 29: K=2 batches ahead, partial rollout in chunks of 2 of 6 tokens, oversampling (3 groups in flight
         # for batches of 2) and dynamic filtering of streamed rewards (groups dropped as they complete, new prompts
-        # drawn in their place: the groups in flight fall out of step, so some span weight versions)
+        # drawn in their place).  The random kit's samples all run to the limit, so groups complete together and
+        # none spans a sync here: samples that do are checked on the SFT'd model (tests/test_vllm_e2e.py) and on a
+        # scripted engine (tests/test_async_rollout.py)
         "w2_async_k2_partial_oversample_filter": ("grpo", dict(prompts=9, eval_prompts=1, rollout_batch_size=2,
                                                                n_samples_per_prompt=2, train_batch_size=4,
                                                                micro_train_batch_size=2, actor_num_gpus_per_node=1,
@@ -81,7 +100,12 @@ CASES = {
                                                                partial_rollout_chunk=2, generate_max_len=6,
                                                                vllm_generate_batch_size=3, dynamic_filtering=True,
                                                                dynamic_filtering_reward_range=(0.2, 0.7),
-                                                               remote_rm_url=FAULT_RM, max_global_steps=4)),
+                                                               remote_rm_url=FAULT_RM, max_global_steps=4,
+                                                               save_steps=2)),
+        # ... and resumed from its step-2 checkpoint (its step-4 one removed): the queue is not checkpointed, only
+        # the engine's place in its prompt stream; the K batches are generated again with the resumed weights,
+        # from the prompts after those the first run had drawn
+        "w2_async_k2_resume": ("grpo", dict(resumes="w2_async_k2_partial_oversample_filter")),
         # DeepSpeed ZeRO-3 under --bf16 with LoRA: partitioned bf16 actor (fp32 masters), LoRA merged at the sync,
         # frozen ref and reward model partitioned too
         "w2_deepspeed_zero3_bf16_lora_rm": ("grpo", dict(RM, prompts=4, eval_prompts=1, rollout_batch_size=2,
@@ -162,6 +186,14 @@ CASES = {
                                              packing_samples=True, ring_attn_size=2, advantage_estimator="gae",
                                              critic_learning_rate=1e-3, init_kl_coef=0.01, lora_rank=4,
                                              lora_alpha=8, gradient_checkpointing=True)),
+        # actor on ranks 0-1, reference on 2, rollout on 3 (weights by broadcast), one step off-policy: step 1 is
+        # generated with the weights it trains, steps 2-3 with those of one update earlier (the gap shows it)
+        "w4_actor2_ref1_rollout1_async_gap": ("grpo", dict(prompts=7, eval_prompts=1, rollout_batch_size=2,
+                                                           n_samples_per_prompt=4, train_batch_size=8,
+                                                           micro_train_batch_size=4, actor_num_gpus_per_node=2,
+                                                           ref_num_gpus_per_node=1, vllm_num_engines=1,
+                                                           async_train=True, enable_is_correction=True,
+                                                           remote_rm_url=VARIED, max_global_steps=3)),
         "w4_actor2_rollout2_async": ("grpo", dict(prompts=6, eval_prompts=1, rollout_batch_size=3,
                                                   n_samples_per_prompt=2, train_batch_size=6,
                                                   micro_train_batch_size=3, actor_num_gpus_per_node=2,
@@ -188,8 +220,16 @@ def write_prompts(path: str, rows) -> str:
     return path
 
 
+def resumed_case(name: str, spec: dict, table: dict):
+    """(name of the case whose run and files this one resumes, its spec) for a case ``dict(resumes=earlier)``;
+    else (name, spec)."""
+    earlier = spec[1].get("resumes")
+    return (earlier, table[earlier]) if earlier else (name, spec)
+
+
 def case_argv(name: str, spec: dict, kit: str, data: str, out: str):
-    """(kind, argv, expected steps) for one case; writes its prompt files."""
+    """(kind, argv, expected steps) for one case; writes its prompt files.  A case that ``resumes`` an earlier
+    one runs with that case's flags and folders and --load_checkpoint."""
     kind, flags = spec
     flags = {**BASE, **flags}
     with open(os.path.join(kit, "data", "prompts_train.jsonl")) as fh:
@@ -239,7 +279,34 @@ def check_rewards_ahead(trainer) -> list:
     return diffs
 
 
-def run_cases(cases: dict, kit: str, data: str, out: str) -> None:
+def drop_last_checkpoint(ckpt: str, save: str, step: int) -> None:
+    """Before a resume: the run's step-``step`` checkpoint and its final model go, so the resume starts from the
+    one before (rank 0 removes, every rank waits)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        shutil.rmtree(os.path.join(ckpt, f"global_step_{step}"))
+        os.remove(os.path.join(save, "model.safetensors"))
+    dist.barrier()
+
+
+def queue_places(ckpt: str) -> dict:
+    """{step: prompts drawn over the engines} of each checkpoint's async queue state (trainer state)."""
+    from rlhf.utils.checkpoint import load_trainer_state
+
+    out = {}
+    if os.path.isdir(ckpt):
+        for d in sorted(os.listdir(ckpt)):
+            if d.startswith("global_step_"):
+                q = load_trainer_state(os.path.join(ckpt, d)).get("async_queue")
+                if q:
+                    out[int(d.split("_")[-1])] = sum(q["drawn"].values())
+    return out
+
+
+def run_cases(cases: dict, kit: str, data: str, out: str, table: dict) -> None:
     import torch.distributed as dist
 
     from rlhf.config import parse
@@ -249,8 +316,15 @@ def run_cases(cases: dict, kit: str, data: str, out: str) -> None:
 
     defaults = {"grpo": GRPO_DEFAULTS, "ppo": PPO_DEFAULTS}
     for name, spec in cases.items():
-        kind, argv, steps = case_argv(name, spec, kit, data, out)
+        first = 1
+        run, run_spec = resumed_case(name, spec, table)
+        kind, argv, steps = case_argv(run, run_spec, kit, data, out)
         t0 = time.time()
+        if run != name:
+            save_steps = run_spec[1]["save_steps"]
+            first = (steps - 1) // save_steps * save_steps + 1  # after the last checkpoint before the end
+            drop_last_checkpoint(os.path.join(out, run, "ckpt"), os.path.join(out, run, "model"), steps)
+            argv = argv + ["--load_checkpoint", "--log_dir", os.path.join(out, name, "logs")]
         cfg = parse(kind, argv, defaults[kind])
         trainer = RLTrainer(cfg, name)
         ahead_diffs = check_rewards_ahead(trainer)
@@ -269,7 +343,8 @@ def run_cases(cases: dict, kit: str, data: str, out: str) -> None:
             critic_dir = cfg.checkpoint.save_path + "_critic"
             with open(os.path.join(out, "results.jsonl"), "a") as fh:
                 fh.write(json.dumps({"case": name, "world": trainer.world, "steps": [r["step"] for r in train],
-                                     "expected_steps": steps, "eval_rows": len(ev),
+                                     "expected_steps": steps, "first_step": first,
+                                     "queue_places": queue_places(cfg.checkpoint.ckpt_path), "eval_rows": len(ev),
                                      "eval_samples": [r.get("samples") for r in ev], "finite": finite,
                                      "seconds": round(time.time() - t0, 2),
                                      "exported": any(os.path.isfile(os.path.join(cfg.checkpoint.save_path, f))
@@ -305,7 +380,7 @@ def main(argv=None):
     os.makedirs(a.data, exist_ok=True)
     from rlhf.distributed.failfast import guarded
 
-    guarded(lambda: run_cases({n: table[n] for n in names}, a.kit, a.data, a.out))
+    guarded(lambda: run_cases({n: table[n] for n in names}, a.kit, a.data, a.out, table))
     import torch.distributed as dist
 
     if dist.is_initialized():

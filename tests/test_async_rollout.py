@@ -154,6 +154,46 @@ def test_streaming_rewards_filter_groups_as_they_complete():
     assert [g.index for g in groups] == [0] and stats.drawn_prompts == 3 and len(s2.spares) == 2
 
 
+def agent_episodes(calls):
+    """An agent's ``episodes`` callback (rlhf.trainers.async_rollout.AsyncRollout._episodes' contract): every
+    group's samples whole -- a 2-token model turn, 1 feedback token (mask 0), a (1 + j)-token second turn -- and
+    the environment's reward: 1 for odd prompts, 0 for even ones."""
+    def episodes(groups, params):
+        calls.append(([g.index for g in groups], params.n))
+        for g in groups:
+            for j, s in enumerate(g.samples):
+                s.tokens, s.mask = [11, 12, 99] + [13] * (1 + j), [1, 1, 0] + [1] * (1 + j)
+                s.logprobs = [-0.1, -0.2, 0.0] + [-0.3] * (1 + j)
+            r = torch.full((len(g.samples),), float(g.index % 2))
+            g.reward = {"rewards": r, "scores": r, "valid": torch.ones_like(r, dtype=torch.bool), "extra_logs": {}}
+    return episodes
+
+
+def test_agent_episodes_run_whole_oversampled_and_filtered():
+    """--agent_func_path under --async_train: 3 groups in flight for batches of 2, groups filtered by their
+    environment's scores as they complete; each round finishes every episode in one agent call, with the
+    weights of that batch's step; environment tokens stay out of the action mask and the token count."""
+    calls = []
+    s, eng = stream([4], capacity=3, quota=2, episodes=agent_episodes(calls), keep=lambda g: g.index % 2 == 1)
+    groups, st = s.produce(0, 2, PARAMS)
+    # round 1 draws 0, 1, 2 and keeps 1; round 2 draws 3, 4, 5 and keeps 3, 5: the batch is [1, 3], 5 waits
+    assert calls == [([0, 1, 2], 2), ([3, 4, 5], 2)] and eng.calls == [], (calls, eng.calls)
+    assert [g.index for g in groups] == [1, 3] and [g.index for g in s.buffer] == [5] and not s.flight
+    assert (st.rounds, st.drawn_prompts, st.filtered_groups) == (2, 6, 3), st
+    assert st.generated_tokens == 6 * (3 + 4), st  # model tokens only: 2 + 1 and 2 + 2 per group's two samples
+    b = groups_to_batch(groups, 0)
+    assert b.action_mask.tolist() == [[1, 1, 0, 1, 0], [1, 1, 0, 1, 1]] * 2, b.action_mask
+    assert b.versions.tolist() == [[0, 0, 0, 0, -1], [0, 0, 0, 0, 0]] * 2, b.versions
+    assert b.stream_reward["rewards"].tolist() == [1.0] * 4 and b.truncated.tolist() == [False] * 4
+    # the next batch, with the weights of step 1: the buffered group 5 (generated at version 0) and a new one
+    groups, st = s.produce(1, 3, PARAMS)
+    assert [g.index for g in groups] == [5, 7] and sample_ages(groups_to_batch(groups, 0).versions,
+                                                              groups_to_batch(groups, 0).action_mask, 3).tolist() \
+        == [3, 3, 2, 2]
+    with pytest.raises(ValueError, match="no chunk"):
+        stream([4], chunk=2, episodes=agent_episodes([]))
+
+
 def test_groups_to_batch_versions_and_ages():
     s, eng = stream([5, 9], capacity=2, quota=2, chunk=2)
     s.produce(version=0, train_at=1, params=PARAMS)  # group 0 done, group 1 still in flight
@@ -194,6 +234,7 @@ def test_default_staleness_is_the_pipelines_own_bound():
     (["--async_train", "--async_queue_size", "2", "--max_staleness", "1"], "--max_staleness"),
     (["--async_train", "--vllm_generate_batch_size", "2", "--rollout_batch_size", "4"], "--vllm_generate_batch_size"),
     (["--async_train", "--partial_rollout_chunk", "4"], "--partial_rollout_chunk"),
+    (["--async_train", "--agent_func_path", "agent.py", "--partial_rollout"], "--partial_rollout"),
 ])
 def test_async_flags_refused_with_the_flag_named(argv, flag):
     import click

@@ -15,7 +15,7 @@ import time
 import pytest
 from conftest import free_port
 from e2e import ROOT
-from sweep import BASE, CASES
+from sweep import BASE, CASES, resumed_case
 
 pytestmark = pytest.mark.slow
 
@@ -39,12 +39,13 @@ def _results(out):
 def _check_sweep(res, cases):
     assert sorted(res) == sorted(cases), f"cases that did not report: {sorted(set(cases) - set(res))}"
     for name, r in res.items():
-        assert r["steps"] == list(range(1, r["expected_steps"] + 1)), (name, r)
+        assert r["steps"] == list(range(r["first_step"], r["expected_steps"] + 1)), (name, r)
         assert r["finite"], f"{name}: a non-finite metric: {r['last']}"
         assert r["exported"], f"{name}: no final model written"
         assert r["last"]["response_len"] > 0, (name, r)
-        if cases[name][1].get("async_train"):
-            _check_async(name, r, {**BASE, **cases[name][1]})
+        flags = {**BASE, **resumed_case(name, cases[name], cases)[1][1]}
+        if flags.get("async_train"):
+            _check_async(name, r, flags)
 
 
 def _check_async(name, r, flags):
@@ -87,12 +88,24 @@ def test_sweep_every_placement_and_awkward_sizes(world, tiny_kit, tmp_path):
     if world == 1:  # dynamic filtering refilled the batch: more rounds where groups were filtered, none masked
         r = res["w1_dynamic_filtering_refill"]
         assert max(rounds for rounds, _ in r["refill"]) >= 2 and all(f == 0 for _, f in r["refill"]), r
-    if world == 2:  # streamed rewards filtered groups as they completed; new prompts took their place, none masked
-        r = res["w2_async_k2_partial_oversample_filter"]
-        filtered = sum(m["async/filtered_groups"] for m in r["async"])
-        assert filtered > 0 and all(f == 0 for _, f in r["refill"]), r
-        # 3 groups in flight for batches of 2: extra complete groups wait in the buffer for a later batch
-        assert max(m["async/buffered_groups"] for m in r["async"]) > 0, r["async"]
+    for name in [c for c in res if "agent" in c]:  # two turns and the feedback between them: longer than one turn,
+        r, flags = res[name], CASES[world][name][1]  # scored by the agent's environment: 0, 0.5 or 1 per sample
+        assert r["last"]["response_len"] > flags["generate_max_len"], (name, r["last"])
+        assert abs(r["last"]["reward"] * 8 - round(r["last"]["reward"] * 8)) < 1e-6, (name, r["last"])
+    if world == 2:
+        # streamed rewards (a reward function's, an agent environment's) filtered groups as they completed; new
+        # prompts took their place, none masked
+        for name in ("w2_async_k2_partial_oversample_filter", "w2_async_agent_k2_oversample_filter"):
+            r = res[name]
+            filtered = sum(m["async/filtered_groups"] for m in r["async"])
+            assert filtered > 0 and all(f == 0 for _, f in r["refill"]), (name, r)
+            # 3 groups in flight for batches of 2: extra complete groups wait in the buffer for a later batch
+            assert max(m["async/buffered_groups"] for m in r["async"]) > 0, (name, r["async"])
+    if world == 2:
+        check_async_resume(res["w2_async_k2_partial_oversample_filter"], res["w2_async_k2_resume"], p.stdout)
+    if world == 4:  # one step off-policy: step 1 trains the weights that generated it, steps 2-3 one update older
+        gap = res["w4_actor2_ref1_rollout1_async_gap"]["gap"]
+        assert gap[0] < 1e-4 and all(g > 1e-3 and g > 100 * gap[0] for g in gap[1:]), gap
     if world == 2:  # --freezing_actor_steps 1: no actor update in step 1; --save_value_network: the critic saved
         r = res["w2_gae_rm_colocated"]
         assert r["actor_updates"] == [False, True] and r["critic_exported"], r
@@ -103,6 +116,21 @@ def test_sweep_every_placement_and_awkward_sizes(world, tiny_kit, tmp_path):
         assert e["samples"] == 2 and 0 <= e["eval_default_pass1"] <= e["eval_default_pass2"] <= 1, e
         assert r["generations"] == 2 and r["gap"][0] is not None and r["gap"][0] < 1e-4, r
         check_quiet(p.stdout + p.stderr)
+
+
+def check_async_resume(full, resumed, out):
+    """--async_train K=2 with partial rollout and oversampling, saved at step 2 and resumed (sweep case
+    w2_async_k2_resume): the queue is not checkpointed, only the engine's place in its prompt stream (trainer state
+    ``async_queue``); the resume says so, generates the K batches again with the resumed weights (ages 0 and 1
+    again: ``_check_async``), from the prompts after those the first run had drawn."""
+    drawn = lambda r: sum(m["async/drawn_prompts"] for m in r["async"])  # noqa: E731  (one engine)
+    # at step 2 the batches of steps 3 and 4 were already generated (K=2 ahead): every prompt of the run was drawn
+    assert full["queue_places"]["2"] == drawn(full) > 2 * 2, (full["queue_places"], drawn(full))
+    assert out.count("[resume] the async queue restarts") == 1, out[-3000:]
+    assert "global_step_2" in out and resumed["first_step"] == 3
+    # the resumed stream went on from the first run's place: its checkpoint at step 4 counts both runs' draws
+    assert resumed["queue_places"]["4"] == drawn(full) + drawn(resumed), (resumed["queue_places"], drawn(resumed))
+    assert drawn(resumed) >= 2 * 2, resumed["async"]
 
 
 # what no 2-rank job should print: transformers' per-rank load report (the critic's "lm_head UNEXPECTED"), DeepSpeed's

@@ -198,9 +198,10 @@ def _validate_async(cfg) -> None:
                f"--partial_rollout_chunk {max(1, d.generate_max_len // 4)}")
         _check(r.partial_rollout, "partial_rollout_chunk", "--partial_rollout_chunk sets the rounds of "
                "--partial_rollout: add --partial_rollout, or drop it")
-    _check(not r.agent_func_path, "async_train",
-           "--async_train with --agent_func_path is not supported: agent episodes run whole on the rollout ranks "
-           "(use the synchronous trainer for agents)")
+    _check(not (r.agent_func_path and r.partial_rollout), "partial_rollout",
+           "--partial_rollout with --agent_func_path: an agent's episode runs whole (its turns and environment "
+           "steps) in the weights of one step, it is never cut at a weight sync; drop --partial_rollout (async "
+           "agents keep --async_queue_size and --vllm_generate_batch_size)")
     if a.is_correction_level is None and not a.enable_is_correction:
         a.enable_is_correction = True  # tis, [--is_truncated_threshold_low, --is_truncated_threshold]
 

@@ -24,6 +24,10 @@ groups of one train batch (this engine's share of --rollout_batch_size) and keep
   group there and the next round draws a new prompt in its place: filtering costs no extra rounds of the whole
   batch.  A group filtered out is kept as a spare: if ``max_draws`` prompts were drawn for one batch and it is
   still short, spares fill it (they stay masked out of the loss, as the synchronous refill does).
+- **Agent episodes** (--agent_func_path).  ``episodes(groups, params)`` runs every group in flight to the end of
+  its episodes in one round (the agent's turns and environment steps, the environment's rewards on each group):
+  an episode is never cut at a sync, so there is no partial rollout here; oversampling, streamed filtering and
+  bounded staleness work as for single-turn samples.  Environment feedback tokens carry action-mask 0 (``mask``).
 - **Bounded staleness.**  A batch produced at ``step`` is trained at ``train_at``; a sample's age there is
   ``train_at - versions[0]`` (its oldest token).  A group in flight or buffered that would be older than
   ``max_staleness`` at ``train_at`` is restarted from its prompt (in flight) or dropped (buffered): counted in
@@ -46,9 +50,11 @@ class Sample:
     versions: List[int] = field(default_factory=list)
     done: bool = False
     truncated: bool = False
+    mask: Optional[List[int]] = None  # agent episodes: 1 on model tokens, 0 on environment feedback (None: all 1)
 
     def reset(self) -> None:
         self.tokens, self.logprobs, self.versions, self.done, self.truncated = [], [], [], False, False
+        self.mask = None
 
 
 @dataclass
@@ -89,15 +95,18 @@ class RolloutStream:
     def __init__(self, engine, draw: Callable[[], tuple], *, n: int, capacity: int, quota: int,
                  max_new_tokens: int, chunk: Optional[int], max_staleness: int,
                  score: Optional[Callable[[List[Group]], None]] = None, keep: Optional[Callable[[Group], bool]] = None,
-                 max_draws: Optional[int] = None, pad_id: int = 0):
+                 max_draws: Optional[int] = None, pad_id: int = 0,
+                 episodes: Optional[Callable[[List[Group], SamplingParams], None]] = None):
         if capacity < quota:
             raise ValueError(f"capacity {capacity} groups < quota {quota}: nothing could fill a batch")
+        if episodes is not None and (chunk or score is not None):
+            raise ValueError("agent episodes run whole and are scored by their environment: no chunk, no score")
         self.engine, self.draw, self.n = engine, draw, n
         self.capacity, self.quota, self.max_new = capacity, quota, max_new_tokens
         self.chunk = max_new_tokens if not chunk else min(chunk, max_new_tokens)
         self.max_staleness, self.score, self.keep = max_staleness, score, keep
         self.max_draws = max_draws if max_draws is not None else 8 * max(quota, 1)
-        self.pad_id = pad_id
+        self.pad_id, self.episodes = pad_id, episodes
         self.max_len = getattr(engine, "max_model_len", None)  # prompt + response limit of the engine (vLLM)
         self.flight: List[Group] = []
         self.buffer: List[Group] = []
@@ -137,7 +146,35 @@ class RolloutStream:
             draws += 1
         return draws
 
+    def _episode_round(self, version: int, params: SamplingParams, stats: StreamStats) -> None:
+        """Agents: every group in flight runs its episodes to the end (``episodes``), with the weights of
+        ``version``; the environment sets each group's reward."""
+        self.episodes(self.flight, params)
+        for g in self.flight:
+            if g.reward is None:
+                raise RuntimeError(f"the agent's episodes of prompt {g.index} came back without rewards")
+            for s in g.samples:
+                s.versions, s.done = [version] * len(s.tokens), True
+                stats.generated_tokens += sum(s.mask) if s.mask is not None else len(s.tokens)
+
     def _round(self, version: int, params: SamplingParams, stats: StreamStats) -> None:
+        if self.episodes is not None:
+            self._episode_round(version, params, stats)
+        else:
+            self._sample_round(version, params, stats)
+        stats.rounds += 1
+        done = [g for g in self.flight if g.complete]
+        self.flight = [g for g in self.flight if not g.complete]
+        if done and self.score is not None:
+            self.score(done)
+        for g in done:
+            if self.keep is None or self.keep(g):
+                self.buffer.append(g)
+            else:
+                self.spares.append(g)
+                stats.filtered_groups += 1
+
+    def _sample_round(self, version: int, params: SamplingParams, stats: StreamStats) -> None:
         rows = [(g, s) for g in self.flight for s in g.samples if not s.done]
         budget = [self._left(g, s) for g, s in rows]
         call = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
@@ -158,17 +195,6 @@ class RolloutStream:
             stats.generated_tokens += len(toks)
             if stopped or self._left(g, s) <= 0:
                 s.done, s.truncated = True, not stopped
-        stats.rounds += 1
-        done = [g for g in self.flight if g.complete]
-        self.flight = [g for g in self.flight if not g.complete]
-        if done and self.score is not None:
-            self.score(done)
-        for g in done:
-            if self.keep is None or self.keep(g):
-                self.buffer.append(g)
-            else:
-                self.spares.append(g)
-                stats.filtered_groups += 1
 
     # ---- one batch -----------------------------------------------------------------------------------------------
     def produce(self, version: int, train_at: int, params: SamplingParams,
@@ -198,8 +224,11 @@ def groups_to_batch(groups: Sequence[Group], pad_id: int) -> RolloutBatch:
     """The padded batch of these groups' samples (prompt-major rows), with ``versions`` (B, R) (-1 on padding) and
     the streamed rewards when every group carries them."""
     rows = [(g, s) for g in groups for s in g.samples]
+    masks = None
+    if any(s.mask is not None for _, s in rows):  # agent episodes: environment tokens are not actions
+        masks = [s.mask if s.mask is not None else [1] * len(s.tokens) for _, s in rows]
     b = batch_from_rows([g.prompt_ids for g, _ in rows], [s.tokens for _, s in rows],
-                        [s.logprobs for _, s in rows], [s.truncated for _, s in rows], pad_id)
+                        [s.logprobs for _, s in rows], [s.truncated for _, s in rows], pad_id, action_masks=masks)
     v = torch.full((len(rows), b.num_actions), -1, dtype=torch.long)
     for i, (_, s) in enumerate(rows):
         if s.versions:

@@ -35,15 +35,17 @@ from .cadence import log0
 
 
 def streams_rewards(tr) -> bool:
-    """Rewards are scored on the rollout ranks as groups complete: a reward function or server (a reward model
-    scores each batch ahead instead: ``scores_ahead``).  From config and placement: the same on every rank."""
-    return tr.roles.reward is None and tr.reward_source is not None
+    """Rewards come with each group from the rollout ranks as it completes: scored there by a reward function or
+    server, or by an agent's environment (a reward model scores each batch ahead instead: ``scores_ahead``).
+    From config and placement: the same on every rank."""
+    return tr.agent_mode or (tr.roles.reward is None and tr.reward_source is not None)
 
 
 def scores_ahead(tr) -> bool:
     """A reward model scores each batch as soon as the engines produced it, on its own ranks, while the actor
-    trains (``AsyncRollout.score_ahead``).  From config and placement: the same on every rank."""
-    return tr.roles.reward is not None
+    trains (``AsyncRollout.score_ahead``); agents are scored by their environment (as ``score_batch`` does).
+    From config and placement: the same on every rank."""
+    return tr.roles.reward is not None and not tr.agent_mode
 
 
 def rewards_ahead(tr) -> bool:
@@ -76,13 +78,14 @@ class AsyncRollout:
         a = cfg.algorithm
         filtering = a.dynamic_filtering
         chunk = (r.partial_rollout_chunk or max(1, cfg.data.generate_max_len // 4)) if r.partial_rollout else None
+        agent = tr.agent_mode  # episodes run whole by the agent and scored by its environment (no partial rollout)
         self.stream = RolloutStream(
             role.engine, self._draw, n=self.n, capacity=max(cap.stop - cap.start, 1),
             quota=self.quota.stop - self.quota.start, max_new_tokens=cfg.data.generate_max_len, chunk=chunk,
-            max_staleness=r.max_staleness, score=self._score if self.streamed else None,
+            max_staleness=r.max_staleness, score=self._score if self.streamed and not agent else None,
             keep=self._keep if (filtering and self.streamed) else None,
             max_draws=(a.dynamic_filtering_max_rounds + 2) * max(cap.stop - cap.start, 1) if filtering else 10 ** 12,
-            pad_id=tr.tokenizer.pad_token_id)
+            pad_id=tr.tokenizer.pad_token_id, episodes=self._episodes if agent else None)
 
     # ---- the prompt stream ---------------------------------------------------------------------------------------
     def prompt_at(self, index: int):
@@ -113,6 +116,28 @@ class AsyncRollout:
             g.reward = {"rewards": res["rewards"][rows].float(), "scores": res["scores"][rows].float(),
                         "valid": res["valid"][rows].bool(),
                         "extra_logs": {k: v[rows].float() for k, v in res["extra_logs"].items()}}
+
+    def _episodes(self, groups: List[Group], params) -> None:
+        """--agent_func_path: the agent runs these groups' episodes whole on this engine (``RolloutRole.run_agent``,
+        as a synchronous step runs them), and each group takes its samples' tokens (environment feedback with
+        action-mask 0), behaviour log-probs and the environment's rewards, as ``score_batch`` reads them."""
+        tr = self.tr
+        b = tr.roles.rollout.run_agent([self.prompt_at(g.index) for g in groups], params, True)
+        if b is None or b.sequences.size(0) != len(groups) * self.n:
+            raise RuntimeError(f"the agent returned {None if b is None else b.sequences.size(0)} episodes for "
+                               f"{len(groups)} prompts x {self.n} samples")
+        P = b.prompt_len
+        lens = b.attention_mask[:, P:].sum(1).tolist()
+        rows = (s for g in groups for s in g.samples)
+        for i, s in enumerate(rows):
+            k = int(lens[i])
+            s.tokens, s.logprobs = b.sequences[i, P:P + k].tolist(), b.rollout_logprobs[i, :k].tolist()
+            s.mask, s.truncated = b.action_mask[i, :k].tolist(), bool(b.truncated[i])
+        scores = b.scores if b.scores is not None else b.rewards
+        for j, g in enumerate(groups):
+            r = b.rewards[j * self.n:(j + 1) * self.n].float()
+            g.reward = {"rewards": r, "scores": scores[j * self.n:(j + 1) * self.n].float(),
+                        "valid": torch.isfinite(r), "extra_logs": {}}
 
     def _keep(self, g: Group) -> bool:
         a = self.tr.cfg.algorithm

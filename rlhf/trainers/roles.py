@@ -167,11 +167,11 @@ class RolloutRole(Role):
             return None
         first = self.engine_ranks[e][0] == self.rank
         if self.agent is not None:
-            return self._run_agent(mine, params, first)
+            return self.run_agent(mine, params, first)
         batch = self.engine.generate([p.ids for p in mine], params)
         return batch if first else None
 
-    def _run_agent(self, mine, params: SamplingParams, first: bool) -> Optional[RolloutBatch]:
+    def run_agent(self, mine, params: SamplingParams, first: bool) -> Optional[RolloutBatch]:
         """The agent runs on the engine's first rank only (its environment steps once per episode); the engine's
         other TP ranks take part in each of its generate calls (colocated: vLLM's TP ranks run in lock-step) or,
         with vLLM in its own processes, have nothing to do."""
