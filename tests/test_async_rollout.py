@@ -187,9 +187,8 @@ def test_agent_episodes_run_whole_oversampled_and_filtered():
     assert b.stream_reward["rewards"].tolist() == [1.0] * 4 and b.truncated.tolist() == [False] * 4
     # the next batch, with the weights of step 1: the buffered group 5 (generated at version 0) and a new one
     groups, st = s.produce(1, 3, PARAMS)
-    assert [g.index for g in groups] == [5, 7] and sample_ages(groups_to_batch(groups, 0).versions,
-                                                              groups_to_batch(groups, 0).action_mask, 3).tolist() \
-        == [3, 3, 2, 2]
+    b = groups_to_batch(groups, 0)
+    assert [g.index for g in groups] == [5, 7] and sample_ages(b.versions, b.action_mask, 3).tolist() == [3, 3, 2, 2]
     with pytest.raises(ValueError, match="no chunk"):
         stream([4], chunk=2, episodes=agent_episodes([]))
 

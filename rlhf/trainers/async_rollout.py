@@ -122,7 +122,7 @@ class AsyncRollout:
         as a synchronous step runs them), and each group takes its samples' tokens (environment feedback with
         action-mask 0), behaviour log-probs and the environment's rewards, as ``score_batch`` reads them."""
         tr = self.tr
-        b = tr.roles.rollout.run_agent([self.prompt_at(g.index) for g in groups], params, True)
+        b = tr.roles.rollout.run_agent([self.prompt_at(g.index) for g in groups], params, first=True)
         if b is None or b.sequences.size(0) != len(groups) * self.n:
             raise RuntimeError(f"the agent returned {None if b is None else b.sequences.size(0)} episodes for "
                                f"{len(groups)} prompts x {self.n} samples")
