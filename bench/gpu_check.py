@@ -24,7 +24,7 @@ import os
 import resource
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -92,9 +92,23 @@ class Probe:
             return int(self.torch.cuda.max_memory_allocated())
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
+    def memory(self) -> dict:
+        """The phase's peak reserved bytes (the caching allocator's hold: what other processes cannot use), the
+        device's free bytes now (``mem_get_info``) and the pinned host bytes PyTorch's host allocator holds (sleep
+        / offload copies), beside the peak allocated bytes."""
+        if not self.cuda:
+            return {"reserved": 0, "free": 0, "pinned": 0}
+        cuda = self.torch.cuda
+        stats = getattr(cuda, "host_memory_stats", None)
+        host = stats() if stats is not None else {}
+        pinned = next((int(v) for k, v in host.items() if k.endswith("allocated_bytes.current")), 0) \
+            if isinstance(host, dict) else 0
+        return {"reserved": int(cuda.max_memory_reserved()), "free": int(cuda.mem_get_info()[0]), "pinned": pinned}
+
     def record(self, name: str):
         self.sync()
-        self.phases.setdefault(name, []).append({"s": time.perf_counter() - self._t0, "peak": self.peak_bytes()})
+        self.phases.setdefault(name, []).append({"s": time.perf_counter() - self._t0, "peak": self.peak_bytes(),
+                                                 **self.memory()})
 
     def wrap_watchdog(self, watchdog):
         """Record every top-level phase the trainer enters (nested ones, e.g. reward_function, count in theirs)."""
@@ -152,9 +166,9 @@ def model_numel(engine) -> int:
 
 
 # ---- one trainer ------------------------------------------------------------------------------------------------
-def trainer_argv(kind: str, kit: str, out: str, steps: int, world: int, gen_len: int) -> List[str]:
+def trainer_argv(kind: str, kit: str, out: str, steps: int, world: int, gen_len: int, name: str = "") -> List[str]:
     d = os.path.join(kit, "data")
-    run = os.path.join(out, f"{kind}_w{world}")
+    run = os.path.join(out, f"{name or kind}_w{world}")
     argv = ["--pretrain", kit, "--bf16", "--max_global_steps", str(steps), "--no_progress_bar",
             "--save_path", os.path.join(run, "model"), "--ckpt_path", os.path.join(run, "ckpt"),
             "--log_dir", os.path.join(run, "logs"), "--max_samples", "256"]
@@ -162,13 +176,45 @@ def trainer_argv(kind: str, kit: str, out: str, steps: int, world: int, gen_len:
         return argv + ["--prompt_data", f"{d}/prompts_train.jsonl", "--remote_rm_url", "builtin:arithmetic",
                        "--rollout_engine", "hf", "--colocate_all_models", "--rollout_batch_size", "4",
                        "--n_samples_per_prompt", "4", "--train_batch_size", "16", "--micro_train_batch_size", "4",
-                       "--micro_rollout_batch_size", "8", "--generate_max_len", str(gen_len), "--eval_split", "0"]
+                       "--micro_rollout_batch_size", "8", "--generate_max_len", str(gen_len)]
     data = "sft_train.jsonl" if kind == "sft" else "pref_train.jsonl"
-    return argv + ["--dataset", f"{d}/{data}", "--train_batch_size", "8", "--micro_train_batch_size", str(8 // world),
-                   "--eval_split", "0"]
+    return argv + ["--dataset", f"{d}/{data}", "--train_batch_size", "8", "--micro_train_batch_size", str(8 // world)]
 
 
-def run_kind(kind: str, kit: str, out: str, steps: int, gen_len: int) -> None:
+def planned(cfg, kind: str, placement, world: int, device_bytes: float, cuda: bool) -> Dict[str, float]:
+    """The memory planner's peak per stage for rank 0 of this job (rlhf/planning), in bytes; {} when it cannot
+    plan (a model it cannot read)."""
+    try:
+        from rlhf.planning.memory import plan_for_config
+
+        plan, _ = plan_for_config(cfg, kind, placement, world, device_bytes, cuda, False)
+    except Exception as e:  # noqa: BLE001 - the prediction is a figure beside the measurement, not the gate
+        print(f"[gpu_check] memory plan unavailable: {type(e).__name__}: {e}", flush=True)
+        return {}
+    group = next((g for g in plan.groups if 0 in g.ranks), plan.groups[0])
+    return {s.name: s.total for s in group.stages}
+
+
+PHASE_STAGE = {"train": "train", "actor_update": "actor_update", "critic_update": "critic_update", "ref": "ref",
+               "rollout": "rollout", "old_logprobs": "old_logprobs", "weight_sync": "weight_sync", "reward": "reward",
+               "values": "values", "load": "load"}
+
+
+def memory_rows(probe, plan: Dict[str, float]) -> Dict[str, dict]:
+    """Per phase: the largest record of rank 0 beside the planner's stage of the same name."""
+    g = 2 ** 30
+    out = {}
+    for ph, recs in probe.phases.items():
+        r = max(recs, key=lambda x: x["peak"])
+        stage = PHASE_STAGE.get(ph)
+        out[ph] = {"allocated_GiB": round(r["peak"] / g, 4), "reserved_GiB": round(r["reserved"] / g, 4),
+                   "free_GiB": round(r["free"] / g, 4), "pinned_GiB": round(r["pinned"] / g, 4), "stage": stage,
+                   "predicted_GiB": round(plan[stage] / g, 4) if stage in plan else None}
+    return out
+
+
+def run_kind(kind: str, kit: str, out: str, steps: int, gen_len: int, name: str = "",
+             extra: Optional[List[str]] = None) -> None:
     import torch
 
     from rlhf.config import parse
@@ -181,14 +227,16 @@ def run_kind(kind: str, kit: str, out: str, steps: int, gen_len: int) -> None:
     if cuda:
         torch.cuda.set_device(dev)
     probe = Probe(dev)
-    argv = trainer_argv(kind, kit, out, steps, world, gen_len)
+    argv = trainer_argv(kind, kit, out, steps, world, gen_len, name) + list(extra or [])
+    name = name or kind
     probe.reset()
     t0 = time.perf_counter()
     if kind == "grpo":
         from rlhf.train_grpo import GRPO_DEFAULTS
         from rlhf.trainers.rl_trainer import RLTrainer
 
-        trainer = RLTrainer(parse("grpo", argv, GRPO_DEFAULTS), "gpu_check_grpo")
+        cfg = parse("grpo", argv, GRPO_DEFAULTS)
+        trainer = RLTrainer(cfg, "gpu_check_grpo")
         engine = trainer.roles.actor.engine
     else:
         import importlib
@@ -198,7 +246,8 @@ def run_kind(kind: str, kit: str, out: str, steps: int, gen_len: int) -> None:
 
         mod = importlib.import_module(f"rlhf.train_{kind}")
         task = {"sft": tasks.SFTTask, "rm": tasks.RMTask, "dpo": tasks.DPOTask}[kind]
-        trainer = SupervisedTrainer(parse(kind, argv, mod.DEFAULTS), task, "sft" if kind == "sft" else "pref")
+        cfg = parse(kind, argv, mod.DEFAULTS)
+        trainer = SupervisedTrainer(cfg, task, "sft" if kind == "sft" else "pref")
         engine = trainer.engine
     probe.record("load")
     load_s = time.perf_counter() - t0
@@ -212,12 +261,16 @@ def run_kind(kind: str, kit: str, out: str, steps: int, gen_len: int) -> None:
                                               for k, v in probe.phases.items()}}
     ranks = comm.all_gather_object(mine)
     comm.barrier()
+    failed = False
     if comm.rank() == 0:
         times = [r["s"] for r in probe.phases.get(train, [])]
         steady = sorted(times[1:] or times)
         step_s = steady[len(steady) // 2] if steady else float("nan")
         tokens = sum(probe.train_tokens) / max(1, len(times))   # per step, this rank (padded tokens)
-        res = {"kind": kind, "world": world, "backend": comm.backend_string(), "status": "ok",
+        total = torch.cuda.mem_get_info()[1] if cuda else 80 * 2 ** 30
+        plan = planned(cfg, kind, getattr(trainer, "plan", None), world, float(total), cuda)
+        res = {"name": name, "kind": kind, "world": world, "backend": comm.backend_string(), "status": "ok",
+               "argv": argv, "memory": memory_rows(probe, plan),
                "device": str(dev), "batch_devices": sorted(probe.devices), "master_dtypes": master_dtypes(engine),
                "params": numel, "model_fp32_GB": round(numel * 4 / 1e9, 3), "model_bf16_GB": round(numel * 2 / 1e9, 3),
                "load_s": round(load_s, 2), "train_step_s": round(step_s, 4),
@@ -227,8 +280,19 @@ def run_kind(kind: str, kit: str, out: str, steps: int, gen_len: int) -> None:
         with open(os.path.join(out, "results.jsonl"), "a") as fh:
             fh.write(json.dumps(res) + "\n")
         print(f"[gpu_check] {kind} world {world}: ok, {trainer.step} steps", flush=True)
+        on = {d.split(":")[0] for d in probe.devices}
+        masters = master_dtypes(engine)["params"]
+        ok = trainer.step >= 1 and on <= {dev.type} and masters == ["torch.float32"]
+        pk = res["memory"]
+        print(f"GATE {name}: {'PASS' if ok else 'FAIL'} {trainer.step} steps at {world} rank(s), batch on "
+              f"{sorted(probe.devices)}, masters {masters}, peak GiB " +
+              " ".join(f"{k}={v['allocated_GiB']:.2f}" + (f"/plan {v['predicted_GiB']:.2f}" if v["predicted_GiB"]
+                                                           is not None else "") for k, v in pk.items()), flush=True)
+        failed = not ok
     comm.barrier()
     comm.destroy()
+    if failed:
+        raise SystemExit(1)
 
 
 # ---- the collective discipline at 2 ranks --------------------------------------------------------------------------
@@ -309,6 +373,9 @@ def run_collectives(out: str) -> None:
                       indent=1)
         for k, v in gathered[0].items():
             print(f"[collectives] {k}: {v}", flush=True)
+        bad = sorted({k for c in gathered for k, v in c.items() if v != "ok" and not str(v).startswith("n/a")})
+        print(f"GATE collectives: {'FAIL' if bad else 'PASS'} {len(gathered[0])} checks at {world} ranks on "
+              f"{comm.backend_string()} ({dev})" + (f"; not ok: {', '.join(bad)}" if bad else ""), flush=True)
     comm.barrier()
     comm.destroy()
 
@@ -388,12 +455,15 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--gen_len", type=int, default=64)
     p.add_argument("--smoke", action="store_true", help="kit: the tiny model (CPU)")
-    a = p.parse_args(argv)
+    p.add_argument("--name", default="", help="run: the gate's name (default: the kind)")
+    a, extra = p.parse_known_args(argv)
+    if extra and a.what != "run":
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     os.makedirs(a.out, exist_ok=True)
     if a.what == "kit":
         print(build_kit(a.path, a.smoke))
     elif a.what == "run":
-        run_kind(a.kind, a.kit, a.out, a.steps, a.gen_len)
+        run_kind(a.kind, a.kit, a.out, a.steps, a.gen_len, a.name, extra)
     elif a.what == "collectives":
         run_collectives(a.out)
     elif a.what == "peak":

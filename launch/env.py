@@ -7,8 +7,19 @@ import shlex
 import subprocess
 from typing import Dict, List, Optional, Sequence
 
+# One value in every process of the job, set before any NCCL communicator exists: the trainer ranks (comm.init
+# calls apply_process_env before init_process_group) and every process they start (vLLM's workers inherit it).
+# NCCL_CUMEM_ENABLE: vLLM forces 0 in each process that imports it (vllm/env_override.py: cuMem costs 1-2 GiB with
+# CUDA graphs + all-reduce, NVIDIA/nccl#1234; newer vLLM keeps a value already set); a communicator between a
+# process that started NCCL before importing vLLM (cuMem on, NCCL's default) and vLLM's workers (off) may hang.
+# veRL sets 0 for every process of the job for this reason (verl/trainer/constants_ppo.py PPO_RAY_RUNTIME_ENV,
+# "to prevent hanging or crash during synchronization of weights between actor and rollout").  Multi-node NVLink
+# (GB200 NVL72) needs 1: export NCCL_CUMEM_ENABLE=1 there; as everywhere here, the user's export wins.
+PROCESS_ENV = {"NCCL_CUMEM_ENABLE": "0"}
+
 # Why each default (the user's own export wins over every one of them; see job_env / shell_exports):
 NCCL_DEFAULTS = {
+    **PROCESS_ENV,
     # InfiniBand between nodes: NCCL docs, "Environment Variables" (NCCL_IB_*, NCCL_SOCKET_IFNAME, NCCL_CROSS_NIC).
     "NCCL_IB_DISABLE": "0",              # use InfiniBand (NCCL falls back to TCP sockets when set to 1)
     "NCCL_IB_HCA": "mlx5",               # all mlx5 HCAs; narrow with e.g. mlx5_0,mlx5_1
@@ -41,6 +52,86 @@ NCCL_DEFAULTS = {
     "OMP_NUM_THREADS": "8",              # torch's default is every core per rank: 8 ranks x 64 threads thrash
     "TOKENIZERS_PARALLELISM": "false",   # the Rust tokenizer's threads deadlock after fork (data workers)
 }
+
+
+def apply_process_env(environ=None) -> Dict[str, str]:
+    """Set, in this process, what every process of the job must agree on (PROCESS_ENV), and on a multi-node job
+    ``GLOO_SOCKET_IFNAME`` beside ``NCCL_SOCKET_IFNAME``; values already set win.  Returns what it set.
+
+    Every group carries gloo (comm.init: ``cuda:nccl,cpu:gloo``), and gloo binds to the address its host name
+    resolves to unless ``GLOO_SOCKET_IFNAME`` names interfaces (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp);
+    on clusters that is often a loopback or management address the other nodes cannot reach.  Gloo takes only
+    interface names (not NCCL's ``^lo,docker`` exclusions), so: NCCL's list when it is one, else the interface
+    that routes to MASTER_ADDR."""
+    environ = os.environ if environ is None else environ
+    done = {}
+    for k, v in PROCESS_ENV.items():
+        if k not in environ:
+            environ[k] = done[k] = v
+    if "GLOO_SOCKET_IFNAME" not in environ and multi_node(environ):
+        ifname = gloo_ifname(environ.get("NCCL_SOCKET_IFNAME", ""), environ.get("MASTER_ADDR", ""))
+        if ifname:
+            environ["GLOO_SOCKET_IFNAME"] = done["GLOO_SOCKET_IFNAME"] = ifname
+    return done
+
+
+def multi_node(environ) -> bool:
+    world = int(environ.get("WORLD_SIZE", "1"))
+    return world > int(environ.get("LOCAL_WORLD_SIZE", world)) or int(environ.get("SLURM_NNODES", "1")) > 1
+
+
+def gloo_ifname(nccl_ifname: str, master_addr: str) -> Optional[str]:
+    """Interfaces for gloo: NCCL_SOCKET_IFNAME when it lists names (its ``=`` exact-match prefix dropped; NCCL
+    matches the others as prefixes, gloo needs the full name), else, for a ``^`` exclusion list or nothing, the
+    interface whose address routes to ``master_addr``; None when neither is known."""
+    if nccl_ifname.startswith("="):
+        return nccl_ifname[1:] or None
+    if nccl_ifname and not nccl_ifname.startswith("^"):
+        return ",".join(expand_prefixes(nccl_ifname.split(","))) or None
+    return route_ifname(master_addr) if master_addr else None
+
+
+def expand_prefixes(names: List[str], present: Optional[List[str]] = None) -> List[str]:
+    """NCCL reads ``eth`` as every interface starting with it; gloo wants names: each entry that is not an interface
+    of this node becomes the interfaces it prefixes (left as given where none does)."""
+    import socket
+
+    present = present if present is not None else [n for _, n in socket.if_nameindex()]
+    out: List[str] = []
+    for name in names:
+        match = [name] if name in present else [p for p in present if p.startswith(name)] or [name]
+        out += [m for m in match if m not in out]
+    return out
+
+
+def route_ifname(host: str) -> Optional[str]:
+    """The local interface the kernel routes ``host`` through (a UDP connect sends nothing), or None."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    return ifname_of(local)
+
+
+def ifname_of(address: str) -> Optional[str]:
+    """The interface holding IPv4 ``address`` (SIOCGIFADDR per interface; Linux), or None."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
 
 
 def expand_nodelist(nodelist: str) -> List[str]:

@@ -22,8 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ---- preemption lead time: how long before the time limit / on preemption SLURM sends USR1 -------------------------
 # The rule (README "## SLURM"): the trainers finish the step they are in, then write a sharded checkpoint, so
 #   lead = max(LEAD_FLOOR_S, LEAD_MARGIN * (step_s + save_s))
-#   save_s = bytes each node writes / FS_WRITE_GBPS;  bytes = sum over trained models of params * CKPT_BYTES_PER_PARAM
-#            (bf16 weights 2 + fp32 master 4 + Adam m and v 8), spread over the nodes (every rank writes its shard)
+#   save_s = bytes each node writes / FS_WRITE_GBPS + the same bytes read back for the manifest's hashes / HASH_GBPS;
+#            bytes = sum over trained models of params * CKPT_BYTES_PER_PARAM (bf16 weights 2 + fp32 master 4 +
+#            Adam m and v 8), spread over the nodes (every rank writes its shard)
 #   step_s = FLOPs of one step / (GPUs * effective TFLOP/s per GPU); FLOPs = tokens per step * (k * params of each
 #            trained model + 2 * params of each frozen one), k = 6 (forward + backward) for SFT/RM/DPO and 8 for RL
 #            (the extra forward for old log-probs / values); RL's effective rate is lower: generation is memory-bound
@@ -33,6 +34,13 @@ CKPT_BYTES_PER_PARAM = 14     # bf16 weights + fp32 master weights + fp32 Adam e
 FS_WRITE_GBPS = 1.0           # GB/s one node sustains to the shared checkpoint filesystem (a busy Lustre / NFS)
 RL_TFLOPS_PER_GPU = 50.0      # effective TFLOP/s of an RL step with generation (~5% of an H100/H200's bf16 peak)
 TRAIN_TFLOPS_PER_GPU = 200.0  # effective TFLOP/s of a supervised step (~20% of the bf16 peak, gradient checkpointing)
+# After writing, every rank reads its share of the checkpoint back to hash it into manifest.json
+# (rlhf/utils/checkpoint.py save_checkpoint): a save costs the write and that read-back; a resume's verification
+# (pick_checkpoint) has rank 0 hash the whole checkpoint.
+HASH_GBPS = 1.0               # GB/s of the read-back + hash (blake2b ~1 GB/s on one core; xxh3 is faster, the FS not)
+FS_READ_GBPS = 1.0            # GB/s one node reads from the shared filesystem (weights at start-up, a resume)
+WEIGHT_BYTES_PER_PARAM = 4    # HF weights read at start-up: fp32 at worst (bf16 files are half)
+IO_MARGIN = 2.0               # the watchdog's load/save deadlines: twice the estimate (a busy filesystem)
 _SIZE_IN_NAME = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s*[bB](?![a-zA-Z])")
 
 
@@ -100,14 +108,24 @@ def _recipe(args: List[str]) -> Dict:
     return out
 
 
-def signal_lead_s(module: str, args: List[str], nodes: int, gpus_per_node: int) -> Tuple[int, str]:
-    """(seconds of notice USR1 gives before the time limit, the sum that gave it) by the rule above, from the
-    trainer module and its recipe.  Falls back to LEAD_FLOOR_S, saying why, when no model size is known."""
+@dataclass
+class Estimate:
+    """One step's and one save's seconds for a recipe by the rule above (``estimate``)."""
+    step_s: float
+    save_s: float
+    params: int
+    source: str
+    ckpt_bytes: float
+    rl: bool
+
+
+def estimate(module: str, args: List[str], nodes: int, gpus_per_node: int) -> Tuple[Optional[Estimate], str]:
+    """(the estimate, "") from the trainer module and its recipe, or (None, why) when no model size is known."""
     cfg = _recipe(args)
     kind = module.rsplit(".", 1)[-1].replace("train_", "")
     n, src = model_params(cfg.get("pretrain"))
     if n is None:
-        return LEAD_FLOOR_S, f"floor {LEAD_FLOOR_S}s: model size unknown from {src}; pass --signal_lead_s"
+        return None, src
     sizes = {}
     for key in ("critic_pretrain", "reward_pretrain"):
         if cfg.get(key):
@@ -125,12 +143,61 @@ def signal_lead_s(module: str, args: List[str], nodes: int, gpus_per_node: int) 
     gpus = max(1, nodes * gpus_per_node)
     k, rate = (8, RL_TFLOPS_PER_GPU) if rl else (6, TRAIN_TFLOPS_PER_GPU)
     step_s = tokens * (k * sum(trained) + 2 * sum(frozen)) / (gpus * rate * 1e12)
-    save_s = sum(trained) * CKPT_BYTES_PER_PARAM / max(1, nodes) / (FS_WRITE_GBPS * 1e9)
-    lead = max(LEAD_FLOOR_S, int(math.ceil(LEAD_MARGIN * (step_s + save_s) / 60.0)) * 60)
-    why = (f"{LEAD_MARGIN} x (step ~{step_s:.0f}s + save ~{save_s:.0f}s) rounded up to minutes, floor "
-           f"{LEAD_FLOOR_S}s; {n / 1e9:.1f}B params from {src}; {sum(trained) * CKPT_BYTES_PER_PARAM / 1e9:.0f} GB "
-           f"of checkpoint over {nodes} node(s) at {FS_WRITE_GBPS:g} GB/s each")
+    ckpt_bytes = sum(trained) * CKPT_BYTES_PER_PARAM
+    return Estimate(step_s, save_seconds(ckpt_bytes, nodes), n, src, ckpt_bytes, rl), ""
+
+
+def save_seconds(ckpt_bytes: float, nodes: int) -> float:
+    """One checkpoint save: each node writes its share, then reads it back for the manifest's hashes."""
+    share = ckpt_bytes / max(1, nodes)
+    return share / (FS_WRITE_GBPS * 1e9) + share / (HASH_GBPS * 1e9)
+
+
+def io_deadlines_s(trained_params: int, all_params: int, nodes: int, floor_s: float) -> Dict[str, float]:
+    """The watchdog's deadlines for the "load" and "save" phases: IO_MARGIN x the seconds their bytes take, never
+    below ``floor_s`` (--watchdog_slow_timeout_s).  save: ``save_seconds`` of the trained models' checkpoint;
+    load: the larger of reading every model's weights at start-up (a node's source rank reads whole models) and a
+    resume (each node reads its share of the checkpoint; rank 0 first hashes the whole of it)."""
+    ckpt = trained_params * CKPT_BYTES_PER_PARAM
+    startup = all_params * WEIGHT_BYTES_PER_PARAM / (FS_READ_GBPS * 1e9)
+    resume = ckpt / max(1, nodes) / (FS_READ_GBPS * 1e9) + ckpt / (HASH_GBPS * 1e9)
+    return {"load": max(floor_s, IO_MARGIN * max(startup, resume)),
+            "save": max(floor_s, IO_MARGIN * save_seconds(ckpt, nodes))}
+
+
+def signal_lead_s(module: str, args: List[str], nodes: int, gpus_per_node: int) -> Tuple[int, str]:
+    """(seconds of notice USR1 gives before the time limit, the sum that gave it) by the rule above, from the
+    trainer module and its recipe.  Falls back to LEAD_FLOOR_S, saying why, when no model size is known."""
+    e, why_not = estimate(module, args, nodes, gpus_per_node)
+    if e is None:
+        return LEAD_FLOOR_S, f"floor {LEAD_FLOOR_S}s: model size unknown from {why_not}; pass --signal_lead_s"
+    lead = max(LEAD_FLOOR_S, int(math.ceil(LEAD_MARGIN * (e.step_s + e.save_s) / 60.0)) * 60)
+    why = (f"{LEAD_MARGIN} x (step ~{e.step_s:.0f}s + save ~{e.save_s:.0f}s) rounded up to minutes, floor "
+           f"{LEAD_FLOOR_S}s; {e.params / 1e9:.1f}B params from {e.source}; {e.ckpt_bytes / 1e9:.0f} GB "
+           f"of checkpoint over {nodes} node(s) at {FS_WRITE_GBPS:g} GB/s each, read back for its hashes at "
+           f"{HASH_GBPS:g} GB/s")
     return lead, why
+
+
+# ---- stop signals with a deadline: torchrun's grace after it forwards SIGTERM ------------------------------------
+# torchrun SIGKILLs its ranks --shutdown_timeout seconds after forwarding a TERM (30 s by default; the env variable
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT sets it, torch/distributed/launcher/api.py).  A TERM cuts an RL step after its
+# generation / reward phases (rlhf/trainers/rl_trainer.py CUT_STAGES); what may still be running is the update
+# (UPDATE_SHARE of a step; a whole step for supervised trainers, which cut nothing), then the save:
+#   grace = max(GRACE_FLOOR_S, LEAD_MARGIN * (share * step_s + save_s)) rounded up to minutes
+GRACE_FLOOR_S = 60
+UPDATE_SHARE = 0.5  # an RL step's phases after generation and reward (ref/old log-probs, update, weight sync)
+
+
+def shutdown_timeout_s(module: str, args: List[str], nodes: int, gpus_per_node: int) -> Tuple[int, str]:
+    """(torchrun's grace after a TERM, the sum that gave it); GRACE_FLOOR_S when no model size is known."""
+    e, why_not = estimate(module, args, nodes, gpus_per_node)
+    if e is None:
+        return GRACE_FLOOR_S, f"floor {GRACE_FLOOR_S}s: model size unknown from {why_not}"
+    share = UPDATE_SHARE if e.rl else 1.0
+    grace = max(GRACE_FLOOR_S, int(math.ceil(LEAD_MARGIN * (share * e.step_s + e.save_s) / 60.0)) * 60)
+    return grace, (f"{LEAD_MARGIN} x ({share:g} x step ~{e.step_s:.0f}s + save ~{e.save_s:.0f}s) rounded up to "
+                   f"minutes, floor {GRACE_FLOOR_S}s")
 
 
 @dataclass
@@ -147,6 +214,7 @@ class Job:
     cpu_only: bool = False
     extra: List[str] = field(default_factory=list)
     signal_lead_s: int = 0        # 0: by the rule (signal_lead_s()); else seconds, as given
+    notes: List[str] = field(default_factory=list)  # comment lines for the reader (e.g. where the data comes from)
 
     def lead(self) -> Tuple[int, str]:
         if self.signal_lead_s > 0:
@@ -184,8 +252,15 @@ def render(job: Job) -> str:
               f"# {job.name}: {job.nodes} node(s) x {job.gpus_per_node} ranks. Extra flags after the script name",
               "# override the config, e.g.  sbatch slurm/<this>.sh --actor_learning_rate 1e-6",
               f"# USR1 {lead}s before the time limit (finish the step, save, requeue): {why}",
+              *[f"# {n}" for n in job.notes],
               f"export RLHF_SIGNAL_LEAD_S={lead}",
               ]
+    grace, grace_why = shutdown_timeout_s(job.module, job.args, job.nodes, job.gpus_per_node)
+    lines += [f"# TERM (scancel, a preemption): torchrun gives the ranks {grace}s to save before SIGKILL ({grace_why});",
+              f"# SLURM kills after its KillWait (slurm.conf, often 30 s): ask for KillWait >= {grace + 30}s, or stop "
+              f"with",
+              "# `scancel --signal=USR1 --batch <job>` (no deadline: finish the step, save, requeue)",
+              f'export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-{grace}}}"']
     if job.cpu_only:
         lines.append(f"export GPUS_PER_NODE=${{GPUS_PER_NODE:-{job.gpus_per_node}}}")
     lines.append('source "${RLHF_HOME:-${SLURM_SUBMIT_DIR:-.}}/slurm/common.sh"')
@@ -200,12 +275,19 @@ def render(job: Job) -> str:
     return "\n".join(lines) + "\n"
 
 
+GSM8K_NOTES = ["Data: the config's openai/gsm8k@main ('@' names a data_dir, as in OpenRLHF: gsm8k has the configs main "
+               "and", "socratic and no default). Nodes without internet read the HF cache: fill it once where there "
+               "is internet with",
+               "  python -c \"import datasets; datasets.load_dataset('openai/gsm8k', data_dir='main')\""]
+
 SHIPPED = {
     "ppo_70b.sh": Job("ppo-70b", "rlhf.train_ppo", ["--config", "configs/ppo_llama3_70b_hybrid.yaml"], nodes=4,
                       time="48:00:00"),
     "ppo_8b.sh": Job("ppo-8b", "rlhf.train_ppo", ["--config", "configs/ppo_llama3_8b.yaml"]),
-    "grpo_7b.sh": Job("grpo-7b", "rlhf.train_grpo", ["--config", "configs/grpo_qwen2.5_7b_math.yaml"]),
-    "grpo_7b_async.sh": Job("grpo-7b-async", "rlhf.train_grpo", ["--config", "configs/grpo_qwen2.5_7b_async.yaml"]),
+    "grpo_7b.sh": Job("grpo-7b", "rlhf.train_grpo", ["--config", "configs/grpo_qwen2.5_7b_math.yaml"],
+                      notes=GSM8K_NOTES),
+    "grpo_7b_async.sh": Job("grpo-7b-async", "rlhf.train_grpo", ["--config", "configs/grpo_qwen2.5_7b_async.yaml"],
+                            notes=GSM8K_NOTES),
     "dpo_8b.sh": Job("dpo-8b", "rlhf.train_dpo", ["--config", "configs/dpo_llama3_8b.yaml"], time="12:00:00"),
     "rm_8b.sh": Job("rm-8b", "rlhf.train_rm", ["--config", "configs/rm_llama3_8b.yaml"], time="12:00:00"),
     "tiny_cpu.sh": Job("tiny-cpu", "rlhf.train_sft",

@@ -94,7 +94,7 @@ def check_fill_from_other_rank(rank, world, kit):
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from rlhf.backends.fsdp2 import decoder_layers, fill_from_first, model_tensors
+    from rlhf.backends.fsdp2 import decoder_layers, fill_from_first, host_copies
     from rlhf.distributed import comm
 
     cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -105,7 +105,7 @@ def check_fill_from_other_rank(rank, world, kit):
     with torch.no_grad():
         want = src_model(input_ids=ids).logits
     if rank == 1:
-        model, full = src_model, model_tensors(src_model)
+        model, full = src_model, host_copies(src_model)  # taken before fully_shard moves .data (GPU)
     else:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)

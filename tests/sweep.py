@@ -20,7 +20,9 @@ from e2e import flags_argv
 # name -> (trainer kind, flags); sizes are chosen to be awkward: fewer prompts than ranks or engines, rollout
 # batches that do not divide over the engines, data sets not a multiple of the batch, one-prompt eval sets.
 BASE = {"generate_max_len": 4, "remote_rm_url": "builtin:arithmetic", "lr_warmup_ratio": 0.0,
-        "actor_learning_rate": 1e-4, "max_global_steps": 2, "micro_rollout_batch_size": 2}
+        "actor_learning_rate": 1e-4, "max_global_steps": 2, "micro_rollout_batch_size": 2,
+        # greedy, one sample per eval prompt (OpenRLHF's defaults, 0.6 and 4, make every eval 4x)
+        "eval_temperature": 0.0, "eval_n_samples_per_prompt": 1}
 RM = {"remote_rm_url": None, "reward_pretrain": "{kit}/reward"}
 # a reward function (rlhf.rollout: streamed on the rollout ranks under --async_train) whose scores vary by response
 FAULT_RM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_reward.py")
@@ -53,17 +55,17 @@ CASES = {
                                             advantage_estimator="rloo", max_epochs=2)),
     },
     2: {
-        # the issue's own case: 16 prompts, default 10% eval split -> 1 eval prompt for 2 ranks
+        # the issue's own case: 16 prompts, a 10% eval hold-out (--eval_holdout 0.1) -> 1 eval prompt for 2 ranks
         # (on-policy: the gap is measured by the logprob_gap stage; eval: 2 samples of the one prompt -> pass@2)
         "w2_issue_16_prompts": ("grpo", dict(prompts=16, eval_prompts=None, rollout_batch_size=8,
                                              n_samples_per_prompt=2, train_batch_size=16, micro_train_batch_size=8,
-                                             max_samples=16, colocate_all_models=True,
+                                             max_samples=16, colocate_all_models=True, eval_holdout=0.1,
                                              eval_n_samples_per_prompt=2, eval_temperature=1.0)),
         "w2_colocated_sleep_rb1": ("grpo", dict(prompts=4, eval_prompts=1, rollout_batch_size=1,
                                                 n_samples_per_prompt=2, train_batch_size=2, micro_train_batch_size=1,
                                                 colocate_all_models=True, vllm_enable_sleep=True,
                                                 deepspeed_enable_sleep=True)),
-        "w2_colocated_rb3_split": ("grpo", dict(prompts=10, eval_split=0.0, rollout_batch_size=3,
+        "w2_colocated_rb3_split": ("grpo", dict(prompts=10, eval_holdout=0.0, rollout_batch_size=3,
                                                 n_samples_per_prompt=2, train_batch_size=6, micro_train_batch_size=3,
                                                 colocate_all_models=True, advantage_estimator="dr_grpo")),
         "w2_actor_ref_colocated_rollout_own": ("ppo", dict(prompts=5, eval_prompts=1, rollout_batch_size=2,
@@ -239,14 +241,14 @@ def case_argv(name: str, spec: dict, kit: str, data: str, out: str):
     if n_eval is not None and n_eval > 0:
         flags["eval_dataset"] = write_prompts(os.path.join(data, f"{name}_eval.jsonl"), pool[32:32 + n_eval])
     elif n_eval == 0:
-        flags["eval_split"] = 0.0
+        flags["eval_holdout"] = 0.0
     flags.update(pretrain=kit, log_dir=os.path.join(out, name, "logs"), save_path=os.path.join(out, name, "model"),
                  ckpt_path=os.path.join(out, name, "ckpt"), no_progress_bar=True)
     if flags.get("reward_pretrain"):
         flags["reward_pretrain"] = flags["reward_pretrain"].format(kit=kit)
     argv = flags_argv(flags)
-    n_train = n - (max(1, int(n * flags.get("eval_split", 0.1))) if "eval_dataset" not in flags
-                   and flags.get("eval_split", 0.1) > 0 else 0)
+    n_train = n - (max(1, int(n * flags.get("eval_holdout", 0.0))) if "eval_dataset" not in flags
+                   and flags.get("eval_holdout", 0.0) > 0 else 0)
     steps = min(n_train // flags["rollout_batch_size"] * flags.get("num_episodes", 1), flags["max_global_steps"])
     return kind, argv, steps
 

@@ -233,7 +233,6 @@ def test_default_staleness_is_the_pipelines_own_bound():
     (["--async_train", "--async_queue_size", "2", "--max_staleness", "1"], "--max_staleness"),
     (["--async_train", "--vllm_generate_batch_size", "2", "--rollout_batch_size", "4"], "--vllm_generate_batch_size"),
     (["--async_train", "--partial_rollout_chunk", "4"], "--partial_rollout_chunk"),
-    (["--async_train", "--agent_func_path", "agent.py", "--partial_rollout"], "--partial_rollout"),
 ])
 def test_async_flags_refused_with_the_flag_named(argv, flag):
     import click
@@ -242,6 +241,19 @@ def test_async_flags_refused_with_the_flag_named(argv, flag):
 
     with pytest.raises((click.UsageError, ConfigError), match=flag):
         parse("grpo", ["--n_samples_per_prompt", "2", *argv])
+
+
+def test_partial_rollout_with_an_agent_is_accepted_and_said(capsys):
+    """OpenRLHF's train_reinforce_baseline_ray_agent_async.sh passes --train.partial_rollout_enable with an agent
+    (openrlhf/trainer/ppo_trainer_async.py accepts it): here the agent's episodes run whole in one step's weights,
+    so the flag is turned off with a notice instead of refusing the command."""
+    from rlhf.config.cli import parse
+
+    cfg = parse("grpo", ["--n_samples_per_prompt", "2", "--async_train", "--train.agent_func_path", "agent.py",
+                         "--train.partial_rollout_enable", "--partial_rollout_chunk", "8"])
+    assert (cfg.rollout.partial_rollout, cfg.rollout.partial_rollout_chunk) == (False, None), \
+        "with an agent --partial_rollout must end up off (episodes run whole)"
+    assert "--partial_rollout with --agent_func_path" in capsys.readouterr().err, "the change must be said"
 
 
 def test_async_turns_is_correction_on_unless_told_off():

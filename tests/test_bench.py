@@ -103,3 +103,33 @@ def test_async_rl_bench_smoke(tmp_path):
     assert set(res["reward_vs_sync"]["async_k2_partial"]) >= {"delta_vs_sync", "noise_2se", "within_noise"}
     assert [r["seed"] for r in res["runs"]["async_k2_partial"]] == s["seeds"]
     assert res["machine"]["cpus"] >= 1 and len(res["machine"]["loadavg_end"]) == 3
+
+
+def test_gpu_check_summary_collects_verdicts(tmp_path):
+    """bench/gpu.sh's last step (bench/gpu_gates.py summary): every gate's verdict line and each trainer run's
+    per-phase memory beside the planner's stage end up in $OUT's summary.json / summary.txt, the FAIL lines in
+    failures.txt, and the exit status is 1 when any gate failed (0 when none did); nothing else is written."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu_gates
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    (work / "verdicts.txt").write_text("GATE load_peak: PASS peak 1.0 GiB\nGATE sft_lora: FAIL exit 1 after 3s: "
+                                       "ValueError: x\nGATE head_gap: SKIP CPU\n")
+    mem = {"train": {"allocated_GiB": 1.5, "reserved_GiB": 2.0, "free_GiB": 70.0, "pinned_GiB": 0.25,
+                     "stage": "train", "predicted_GiB": 1.75}}
+    (work / "results.jsonl").write_text(json.dumps({"name": "sft_packing", "kind": "sft", "world": 1, "status": "ok",
+                                                    "batch_devices": ["cuda:0"], "memory": mem}) + "\n")
+    assert gpu_gates.summary(str(work), str(out)) == 1
+    assert sorted(os.listdir(out)) == ["failures.txt", "summary.json", "summary.txt"]
+    res = json.load(open(out / "summary.json"))
+    assert [(g["gate"], g["verdict"]) for g in res["gates"]] == [("load_peak", "PASS"), ("sft_lora", "FAIL"),
+                                                                 ("head_gap", "SKIP")]
+    assert res["failed"] == 1 and res["runs"][0]["memory"]["train"]["predicted_GiB"] == 1.75
+    assert (out / "failures.txt").read_text() == "GATE sft_lora: FAIL exit 1 after 3s: ValueError: x\n"
+    txt = (out / "summary.txt").read_text()
+    assert "reserved   2.000" in txt and "planned   1.750 (train)" in txt, txt
+    (work / "verdicts.txt").write_text("GATE load_peak: PASS peak 1.0 GiB\n")
+    assert gpu_gates.summary(str(work), str(out)) == 0
+    assert (out / "failures.txt").read_text() == ""

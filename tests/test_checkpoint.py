@@ -196,30 +196,42 @@ def test_cut_short_saves_removed_only_under_lock(tmp_path):
 
 
 def test_cli_sft_resume_falls_back_from_corrupted_shard(tiny_kit, tmp_path):
-    """The one real run (1 rank, plain python): save steps 1 and 2, overwrite 4 KiB inside a model shard of step 2
-    (size unchanged), resume: the log names the damaged checkpoint and the fallback, training redoes step 2 with a
-    finite loss."""
+    """The one real run (1 rank, plain python), in OpenRLHF's layout (--save_path ./ckpt, --ckpt_path
+    ./ckpt/checkpoints_sft, logs under ./ckpt too, as OpenRLHF's examples/scripts): save steps 1 and 2 and export
+    the model into ./ckpt -- the export must leave the checkpoints, the logs and a foreign file there (issue 42
+    item 1: it deleted them) -- then overwrite 4 KiB inside a model shard of step 2 (size unchanged), resume: the
+    log names the damaged checkpoint and the fallback, training redoes step 2 with a finite loss, and the second
+    export replaces the first."""
     import math
 
     from e2e import torchrun
 
     d = os.path.join(tiny_kit, "data")
+    save, ck, logs = tmp_path / "ckpt", tmp_path / "ckpt" / "checkpoints_sft", tmp_path / "ckpt" / "logs"
+    save.mkdir()
+    (save / "notes.txt").write_text("mine")
     common = ["--pretrain", tiny_kit, "--dataset", f"{d}/sft_train.jsonl", "--max_samples", 64, "--eval_split", 0,
-              "--train_batch_size", 4, "--micro_train_batch_size", 2, "--save_path", tmp_path / "out",
-              "--ckpt_path", tmp_path / "ck", "--save_steps", 1, "--learning_rate", 1e-3]
-    torchrun("rlhf.train_sft", 0, common + ["--max_global_steps", 2], tmp_path, str(tmp_path / "logs"))
-    p1, p2 = str(tmp_path / "ck" / "global_step_1"), str(tmp_path / "ck" / "global_step_2")
+              "--train_batch_size", 4, "--micro_train_batch_size", 2, "--save_path", save,
+              "--ckpt_path", ck, "--save_steps", 1, "--learning_rate", 1e-3]
+    torchrun("rlhf.train_sft", 0, common + ["--max_global_steps", 2], tmp_path, str(logs))
+    p1, p2 = str(ck / "global_step_1"), str(ck / "global_step_2")
+    assert os.path.isdir(p1) and os.path.isdir(p2), f"the final export deleted the checkpoints in {save}"
+    assert os.path.isfile(logs / "metrics.jsonl") and (save / "notes.txt").read_text() == "mine"
+    assert os.path.isfile(save / "model.safetensors") and "model.safetensors" in ckpt.export_record(str(save))
     shards = sorted(f for f in ckpt.read_manifest(p2)["files"] if f.startswith("model/") and "distcp" in f)
     assert shards, ckpt.read_manifest(p2)["files"].keys()
     f = os.path.join(p2, shards[0])
     with open(f, "r+b") as fh:
         fh.seek(os.path.getsize(f) // 2)
         fh.write(b"\x7f" * 4096)
+    first = open(save / "model.safetensors", "rb").read()
     train, _, out = torchrun("rlhf.train_sft", 0, common + ["--max_global_steps", 3, "--load_checkpoint"], tmp_path,
                              str(tmp_path / "logs2"))
     assert f"{p2} is damaged" in out and f"falling back to {p1}" in out and "at step 1" in out, out[-3000:]
     assert [r["step"] for r in train] == [2, 3], train
     assert all(math.isfinite(r["loss"]) for r in train), train
+    assert open(save / "model.safetensors", "rb").read() != first, "the second export did not replace the first"
+    assert os.path.isdir(ck / "global_step_3") and (save / "notes.txt").read_text() == "mine"
 
 
 def test_missing_manifest_of_a_new_checkpoint_is_damage(tmp_path):
@@ -240,3 +252,199 @@ def test_every_checkpoint_damaged_is_refused_not_started_fresh(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="no intact checkpoint") as e:
         ckpt.pick_checkpoint(str(root))
     assert p1 in str(e.value) and p2 in str(e.value)
+
+
+# ---------------------------------------------------------------- issue 42 item 1: the final export
+
+def _tiny_model(tiny_kit):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(tiny_kit), AutoTokenizer.from_pretrained(tiny_kit)
+
+
+def _tree(folder):
+    return {os.path.relpath(os.path.join(b, n), folder): open(os.path.join(b, n), "rb").read()
+            for b, _, ns in os.walk(folder) for n in ns}
+
+
+def test_export_keeps_openrlhf_layout_and_foreign_files(tiny_kit, tmp_path):
+    """OpenRLHF's scripts put --ckpt_path and the logs under --save_path (--save_path ./ckpt --ckpt_path
+    ./ckpt/checkpoints_ppo_ray) and write the model into that folder (openrlhf/utils/deepspeed/deepspeed.py
+    ``save_model``: os.makedirs(exist_ok=True) + save_pretrained, nothing deleted). save_hf used to rmtree
+    --save_path before its rename: every checkpoint, the metrics and any other file went. Now they stay byte for
+    byte, a second export replaces the first one's files, and a file the export would overwrite that no export
+    wrote is refused at start (preflight, naming --save_path and the file) and at the install (nothing touched)."""
+    from transformers import AutoModelForCausalLM
+
+    save = tmp_path / "ckpt"
+    root = save / "checkpoints_ppo_ray"
+    _save(root, 1)
+    (save / "logs").mkdir()
+    (save / "logs" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (save / "notes.txt").write_text("mine")
+    before = _tree(save)
+    model, tok = _tiny_model(tiny_kit)
+    out = dict(save_path=str(save), ckpt_path=str(root), log_dir=str(save / "logs"), pretrain=tiny_kit)
+    preflight(build_config(out, "sft"), "sft")  # OpenRLHF's layout: accepted
+    ckpt.save_hf(model.state_dict(), model, tok, str(save))
+    after = _tree(save)
+    lost = [k for k, v in before.items() if after.get(k) != v]
+    assert not lost, f"the export deleted or changed files it did not write: {lost}"
+    assert ckpt.verify_checkpoint(str(root / "global_step_1")) is None
+    assert AutoModelForCausalLM.from_pretrained(str(save)).config.hidden_size == model.config.hidden_size
+    rec = ckpt.export_record(str(save))
+    assert "model.safetensors" in rec and "config.json" in rec and "notes.txt" not in rec, rec
+    assert not os.path.exists(str(save) + ".tmp")
+
+    import torch  # the second export (a resumed run) replaces the first one's files, nothing else
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ckpt.save_hf(model.state_dict(), model, tok, str(save))
+    again = _tree(save)
+    assert again["model.safetensors"] != after["model.safetensors"]
+    assert all(again.get(k) == v for k, v in before.items())
+    preflight(build_config(out, "sft"), "sft")  # its own earlier export is no obstacle
+
+    foreign = tmp_path / "theirs"  # someone else's model in --save_path: refused before training
+    foreign.mkdir()
+    (foreign / "config.json").write_text('{"theirs": 1}')
+    (foreign / "model.safetensors").write_bytes(b"theirs")
+    with pytest.raises(ConfigError, match=r"--save_path .*theirs holds config.json, model.safetensors, which the "
+                                          r"final export would overwrite"):
+        preflight(build_config({**out, "save_path": str(foreign)}, "sft"), "sft")
+    with pytest.raises(ckpt.ExportError, match=r"holds config.json, model.safetensors, which no export .* the "
+                                               r"export is complete in"):
+        ckpt.save_hf(model.state_dict(), model, tok, str(foreign))
+    assert (foreign / "config.json").read_text() == '{"theirs": 1}'
+    assert (foreign / "model.safetensors").read_bytes() == b"theirs"
+
+
+def test_export_temporary_folder_of_someone_else_is_not_deleted(tmp_path):
+    """``<save_path>.tmp`` is where the export is written first; one this project did not mark is refused, not
+    deleted; a marked one (an export cut short) is replaced."""
+    (tmp_path / "m.tmp").mkdir()
+    (tmp_path / "m.tmp" / "x").write_text("keep")
+    with pytest.raises(ckpt.ExportError, match="not written by an export of this project"):
+        ckpt.begin_export(str(tmp_path / "m"))
+    assert (tmp_path / "m.tmp" / "x").read_text() == "keep"
+    (tmp_path / "m.tmp" / "x").unlink()
+    (tmp_path / "m.tmp").rmdir()
+    tmp = ckpt.begin_export(str(tmp_path / "m"))  # cut short: marked, left behind
+    (tmp_path / "m.tmp" / "half.safetensors").write_bytes(b"half")
+    assert ckpt.begin_export(str(tmp_path / "m")) == tmp and os.listdir(tmp) == [ckpt.EXPORT_RECORD]
+
+
+# ---------------------------------------------------------------- issue 42 item 3: a full disk after a requeue
+
+def test_dead_runs_cut_short_save_is_cleared_before_the_first_save(tmp_path):
+    """Run 1 fills the disk while saving (ENOSPC inside write) and dies, leaving .tmp-global_step_N-<host>-<pid>;
+    the requeued run 2 takes the lock, which proves run 1 dead, and clears it at once -- before its first save
+    needs the space (it used to be cleared only after a successful save, so the requeued save hit the full disk
+    again)."""
+    import errno
+
+    root = tmp_path / "ck"
+
+    def write(tmp):
+        with open(os.path.join(tmp, "shard.bin"), "wb") as fh:
+            fh.write(os.urandom(1 << 20))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.save_checkpoint(str(root), 7, write, {"step": 7})
+    left = [e for e in os.listdir(root) if e.startswith(".tmp-global_step_7-")]
+    assert left, os.listdir(root)
+    # what run 1 leaves in the lock file when it dies (its flock went with it)
+    (root / ckpt.LOCK_FILE).write_text(f"host={ckpt.socket.gethostname()} pid=999999999 job=41")
+    try:
+        notices = ckpt.acquire_lock(str(root))
+        assert not [e for e in os.listdir(root) if e.startswith(".tmp-")], "the dead run's save is still there"
+        assert any("removed 1 save(s) cut short" in n and left[0] in n and "1.0 MiB" in n for n in notices), notices
+        assert "stale lock" in notices[0] and "job=41" in notices[0], notices
+    finally:
+        ckpt.release_lock(str(root))
+
+
+# ---------------------------------------------------------------- issue 42 item 5: the data stream's flags
+
+def _rl_cfg(tmp_path, tiny_kit, **kw):
+    d = os.path.join(tiny_kit, "data")
+    return build_config(dict(save_path=str(tmp_path / "out"), ckpt_path=str(tmp_path / "ck"),
+                             log_dir=str(tmp_path / "logs"), pretrain=tiny_kit, prompt_data=f"{d}/prompts_train.jsonl",
+                             reward_pretrain=os.path.join(tiny_kit, "reward"), train_batch_size=4, **kw), "ppo")
+
+
+@pytest.mark.parametrize("flag,value", [("rollout_batch_size", 4), ("n_samples_per_prompt", 2), ("seed", 7)])
+def test_resume_with_another_data_stream_flag_refused_naming_it(tmp_path, tiny_kit, flag, value):
+    """RL step N trains prompts N x --rollout_batch_size .. of a --seed shuffle (rl_trainer.prompts_for): another
+    value on resume re-trains some prompts and skips others, silently (the identity left these out). Refused in
+    preflight, before any model loads, naming the flag and both values."""
+    _save(tmp_path / "ck", 2, _rl_cfg(tmp_path, tiny_kit, rollout_batch_size=8))
+    saved = {"rollout_batch_size": 8, "n_samples_per_prompt": 1, "seed": 42}[flag]
+    with pytest.raises(ConfigError, match=rf"saved with --{flag} {saved}, this run has --{flag} {value}") as e:
+        preflight(_rl_cfg(tmp_path, tiny_kit, load_checkpoint=True, **{"rollout_batch_size": 8, flag: value}), "ppo")
+    assert "global_step_2" in str(e.value) and f"Resume with --{flag} {saved}" in str(e.value)
+    preflight(_rl_cfg(tmp_path, tiny_kit, load_checkpoint=True, rollout_batch_size=8), "ppo")  # same: resumes
+
+
+def test_sft_resume_with_another_train_batch_size_refused(tmp_path, tiny_kit):
+    """The supervised trainers' step N is samples N x --train_batch_size of a --seed shuffle (supervised.batches_for)."""
+    _save(tmp_path / "ck", 1, _ident_cfg(tmp_path, tiny_kit))
+    with pytest.raises(ConfigError, match=r"saved with --train_batch_size 8, this run has --train_batch_size 64"):
+        preflight(_ident_cfg(tmp_path, tiny_kit, train_batch_size=64, load_checkpoint=True), "sft")
+
+
+# ---------------------------------------------------------------- issue 41 item 7: --load_checkpoint on a first run
+
+def test_load_checkpoint_first_run_starts_fresh_damaged_refused(tmp_path, tiny_kit):
+    """OpenRLHF starts from step 0 when --ckpt_path holds no checkpoint (openrlhf/trainer/ppo_trainer.py
+    ``init_checkpoint_states``: ``if args.load_checkpoint and os.path.exists(ckpt_path)`` else global_step 0): one
+    notice line. A folder whose checkpoint is damaged is still refused naming the file -- including a
+    global_step_N whose trainer_state.json is gone (it used to be invisible, so that run would start fresh)."""
+    notes = preflight(_ident_cfg(tmp_path, tiny_kit, load_checkpoint=True), "sft")
+    hit = [n for n in notes if "starting from step 0" in n]
+    assert len(hit) == 1 and "--ckpt_path" in hit[0] and "does not exist" in hit[0], notes
+    p = _save(tmp_path / "ck2", 2)
+    os.remove(os.path.join(p, ckpt.STATE_FILE))
+    with pytest.raises(ConfigError, match=rf"{p} is damaged \({ckpt.STATE_FILE} is missing\)"):
+        preflight(build_config(dict(save_path=str(tmp_path / "out"), ckpt_path=str(tmp_path / "ck2"),
+                                    log_dir=str(tmp_path / "logs"), pretrain=tiny_kit, load_checkpoint=True), "sft"),
+                  "sft")
+
+
+# ---------------------------------------------------------------- issue 40 item 14: CUDA rng state
+
+def test_cuda_rng_state_saved_and_restored(tmp_path, monkeypatch):
+    """With CUDA, every device's generator state goes into rank_N.pt (torch.cuda.random.get_rng_state_all, as
+    transformers' trainer.py ``_save_rng_state``) and comes back per device on resume (only the devices this node
+    has). CPU stand-in for torch.cuda."""
+    import torch
+
+    states = [torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([4, 5, 6], dtype=torch.uint8)]
+    restored = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in states])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: restored.__setitem__(i, s.clone()))
+    p = _save(tmp_path / "ck", 3)
+    saved = torch.load(os.path.join(p, "rank_0.pt"), weights_only=False)["rng"]
+    assert [s.tolist() for s in saved["cuda"]] == [[1, 2, 3], [4, 5, 6]], saved.keys()
+    ckpt.load_rank_state(p)
+    assert list(restored) == [0] and restored[0].tolist() == [1, 2, 3], restored
+
+
+def test_critic_export_keeps_other_files(tiny_kit, tmp_path):
+    """``<save_path>_critic`` (--save_value_network) goes through the same install: a folder with other files keeps
+    them, and the critic folder reads back (backbone + value_head.pt)."""
+    from rlhf.models.critic import CriticModel
+
+    critic = CriticModel.from_pretrained(tiny_kit)
+    dst = tmp_path / "m_critic"
+    dst.mkdir()
+    (dst / "notes.txt").write_text("mine")
+    critic.save_hf(critic.state_dict(), None, str(dst))
+    assert (dst / "notes.txt").read_text() == "mine", "the critic export deleted a file it did not write"
+    assert "value_head.pt" in ckpt.export_record(str(dst))
+    again = CriticModel.from_pretrained(str(dst))
+    assert again.value_head.weight.tolist() == critic.value_head.weight.tolist()

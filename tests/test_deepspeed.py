@@ -185,7 +185,8 @@ def test_grpo_deepspeed_zero3_rollout_logprobs_equal_trainer_after_sync(tiny_kit
             "--rollout_batch_size", 8, "--n_samples_per_prompt", 4, "--train_batch_size", 16,
             "--micro_train_batch_size", 4, "--micro_rollout_batch_size", 8, "--backend", "deepspeed",
             "--zero_stage", 3, "--colocate_all_models", "--actor_learning_rate", 1e-4, "--lr_warmup_ratio", 0,
-            "--max_global_steps", 3, "--eval_steps", -1, "--save_path", tmp_path / "m"]
+            "--max_global_steps", 3, "--eval_steps", -1, "--save_path", tmp_path / "m",
+            "--eval_temperature", 0, "--eval_n_samples_per_prompt", 1]
     train, _, _ = torchrun("rlhf.train_grpo", 2, args, tmp_path, str(tmp_path / "logs"))
     assert [r["step"] for r in train] == [1, 2, 3]
     for r in train:

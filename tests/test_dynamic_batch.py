@@ -34,8 +34,8 @@ def test_min_micro_batches_first_fit_decreasing():
     # OpenRLHF's docstring example: [5, 3, 7, 2, 6] under 10 -> 3 bins ([7, 3], [6, 2], [5])
     assert min_micro_batches([5, 3, 7, 2, 6], 10) == 3
     assert min_micro_batches([], 10) == 0
-    with pytest.raises(ValueError, match="a sequence of 11 tokens exceeds the micro-batch token budget 10"):
-        min_micro_batches([3, 11], 10)
+    # over the budget: a bin of its own, as OpenRLHF's first fit (issue 41 item 12), not an error
+    assert min_micro_batches([3, 11], 10) == 2 and min_micro_batches([3, 11, 12, 4], 10) == 3
 
 
 def test_token_micro_batches_stay_within_budget():
@@ -85,22 +85,13 @@ def test_flags_and_parse_time_errors(capsys):
     flat = parse("ppo", ["--use_dynamic_batch", "--max_tokens_per_gpu", "3000"])  # OpenRLHF's first name
     assert flat.optim.train_max_tokens_per_gpu == 3000
     assert parse("sft", []).optim.train_max_tokens_per_gpu == 16192, "OpenRLHF's default"
-    with pytest.raises(click.UsageError, match=r"--train_max_tokens_per_gpu 2000 is smaller than one sequence "
-                       r"\(--prompt_max_len 1024 \+ --generate_max_len 1024 = 2048 tokens\).*use "
-                       r"--train_max_tokens_per_gpu 2048 or more"):
-        parse("grpo", ["--use_dynamic_batch", "--train_max_tokens_per_gpu", "2000"])
-    with pytest.raises(click.UsageError, match=r"--rollout_max_tokens_per_gpu 100 .*use --rollout_max_tokens_per_gpu "
-                       r"2048"):
-        parse("ppo", ["--use_dynamic_batch", "--rollout_max_tokens_per_gpu", "100"])
-    with pytest.raises(click.UsageError, match=r"--train_max_tokens_per_gpu 512 .*--max_len 1024 = 1024 tokens"):
-        parse("sft", ["--use_dynamic_batch", "--train_max_tokens_per_gpu", "512", "--max_len", "1024"])
-    with pytest.raises(click.UsageError, match=r"chosen/rejected pair, 2 x --max_len 1024 = 2048"):
-        parse("dpo", ["--use_dynamic_batch", "--train_max_tokens_per_gpu", "1500", "--max_len", "1024"])
-    # sequence parallelism splits a packed row over --ring_attn_size GPUs: the budget is per GPU (OpenRLHF)
-    with pytest.raises(click.UsageError, match=r"--train_max_tokens_per_gpu 600 x --ring_attn_size 2 = 1200 is "
-                       r"smaller than one sequence .*use --train_max_tokens_per_gpu 1024 or more"):
-        parse("ppo", ["--use_dynamic_batch", "--train_max_tokens_per_gpu", "600", "--ring_attn_size", "2",
-                      "--packing_samples"])
+    # a budget below the longest sequence is accepted (issue 41 item 12: OpenRLHF's
+    # train_reinforce_baseline_hybrid_engine.sh, 74240-token sequences under --train.max_tokens_per_gpu 16192)
+    big = parse("ppo", ["--use_dynamic_batch", "--train_max_tokens_per_gpu", "600", "--ring_attn_size", "2",
+                        "--packing_samples"])
+    assert big.optim.train_max_tokens_per_gpu == 600
+    with pytest.raises(click.UsageError, match=r"--train_max_tokens_per_gpu must be >= 1 token, got 0"):
+        parse("sft", ["--use_dynamic_batch", "--train_max_tokens_per_gpu", "0"])
     with pytest.raises(click.UsageError, match=r"--adam_offload .*ZeRO stages 1-3 only: use --zero_stage 1"):
         parse("sft", ["--adam_offload", "--backend", "deepspeed", "--zero_stage", "0"])
     assert parse("sft", ["--adam_offload", "--backend", "deepspeed", "--zero_stage", "1"]).topology.adam_offload
@@ -221,3 +212,31 @@ def test_inference_plan_reorders_and_restores(packed):
             assert not packed or tokens <= 18, f"a packed micro-batch of {tokens} tokens under 18"
     assert len(counts) == 1, "every DP rank runs the same number of forwards"
     assert torch.equal(out[plan.inverse], torch.arange(8)), "outputs are not restored to the batch's order"
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_over_budget_sequence_gets_a_micro_batch_of_its_own(packed):
+    """Issue 41 item 12: OpenRLHF (openrlhf/utils/seqlen_balancing.py ``get_minimum_num_micro_batch_size``) puts a
+    sequence longer than the token budget in a bin of its own; so does the plan here, on every rank, and counts
+    such micro-batches (metric over_budget_micro_batches) instead of refusing."""
+    import warnings
+
+    from rlhf.algorithms.seqlen_balancing import OVER_BUDGET
+
+    items = [Item(2, n) for n in (100, 8, 8, 6, 70, 4, 4, 2)]   # two rows over a budget of 32 tokens
+    OVER_BUDGET.take()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ranks, micro = plan_step(items, 2, 32, packed)
+    assert sorted(i for r in ranks for i in r) == list(range(8))
+    assert len({len(m) for m in micro}) == 1, f"micro-batch counts differ between ranks: {micro}"
+    for ms in micro:
+        for m in ms:
+            if m is None:
+                continue
+            cost = sum(items[i].tokens for i in m) if packed else padded_cost([items[i] for i in m])
+            assert cost <= 32 or len(m) == 1, f"an over-budget sequence shares a micro-batch: {m} ({cost} tokens)"
+    alone = sorted(m[0] for ms in micro for m in ms if m is not None and len(m) == 1 and items[m[0]].tokens > 32)
+    assert alone == [0, 4], f"rows 0 and 4 (102 and 72 tokens) should each run alone, got {micro}"
+    assert OVER_BUDGET.take() == 2, "the two over-budget micro-batches are counted"
+    assert OVER_BUDGET.take() == 0, "take() resets the count"

@@ -16,7 +16,7 @@ def _rl_args(kit, sft, **over):
     args = {"pretrain": sft, "prompt_data": f"{d}/prompts_train.jsonl", "eval_dataset": f"{d}/prompts_eval.jsonl",
             "remote_rm_url": "builtin:arithmetic", "generate_max_len": 6, "rollout_batch_size": 8,
             "n_samples_per_prompt": 4, "train_batch_size": 16, "micro_train_batch_size": 8,
-            "micro_rollout_batch_size": 32}
+            "micro_rollout_batch_size": 32, "eval_temperature": 0.0, "eval_n_samples_per_prompt": 1}
     args.update(over)
     return flags_argv(args)
 

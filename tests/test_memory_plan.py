@@ -134,16 +134,20 @@ def _plan_cli(capsys, *args):
 
 
 def test_recipes_planned(capsys):
-    # the recipe as shipped (0.5) fits; OpenRLHF's 0.6 does not
-    assert "fits: the largest peak is load on ranks 0-31: 74.1 of 80.0 GiB" in _plan_cli(
+    # the recipe as shipped (0.5) fits, and 0.6 (OpenRLHF's critic-free hybrid examples) too; 0.7 does not
+    assert "fits: the largest peak is load on ranks 0-31: 66.0 of 80.0 GiB" in _plan_cli(
         capsys, "--config", "configs/ppo_llama3_70b_hybrid.yaml")
-    out = _plan_cli(capsys, "--config", "configs/ppo_llama3_70b_hybrid.yaml", "--vllm_gpu_memory_utilization", 0.6)
-    # 4 roles' fp32 shards (4 x 70.55e9 x 4 / 32 ranks = 32.6 GiB... the reward/critic lack the LM head) + vLLM's
-    # 0.6 x 80 = 48 GiB + 1.5 GiB runtime: vLLM cannot start next to the loaded models
-    assert re.search(r"OVERFLOW: load on ranks 0-31 needs 82\.\d GiB of 80\.0 GiB \(2\.\d GiB over\)", out), out
-    assert "fits with: --vllm_gpu_memory_utilization 0.5" in out
+    assert "fits: the largest peak is load on ranks 0-31: 74.0 of 80.0 GiB" in _plan_cli(
+        capsys, "--config", "configs/ppo_llama3_70b_hybrid.yaml", "--vllm_gpu_memory_utilization", 0.6)
+    out = _plan_cli(capsys, "--config", "configs/ppo_llama3_70b_hybrid.yaml", "--vllm_gpu_memory_utilization", 0.7)
+    # the actor's and critic's fp32 shards (4 N / 32), the frozen ref's and reward model's bf16 shards (2 N / 32:
+    # rlhf/models/load.py weight_dtype), 24.5 GiB (the reward/critic lack the LM head) + vLLM's 0.7 x 80 = 56 GiB
+    # + 1.5 GiB runtime: vLLM cannot start next to the loaded models
+    assert re.search(r"^  load +24\.46 .* 56\.00 +1\.50 +81\.96  NO", out, re.M), out
+    assert re.search(r"OVERFLOW: load on ranks 0-31 needs 82\.0 GiB of 80\.0 GiB \(2\.0 GiB over\)", out), out
+    assert "fits with: --vllm_gpu_memory_utilization 0.6" in out
     stages = re.findall(r"^  ([a-z_]+) +[\d.]+ ", out, re.M)
-    assert stages == ["load", "rollout", "reward", "ref", "values", "old_logprobs", "critic_update", "actor_update",
+    assert stages == ["shard", "load", "rollout", "reward", "ref", "values", "old_logprobs", "critic_update", "actor_update",
                       "weight_sync"], stages
     short = _plan_cli(capsys, "--config", "configs/grpo_qwen2.5_7b_math.yaml", "--world_size", 8)
     long = _plan_cli(capsys, "--config", "configs/grpo_qwen2.5_7b_math.yaml", "--world_size", 8,
@@ -230,3 +234,213 @@ def test_preflight_refuses_before_any_process_group(tiny_kit, tmp_path):
     cfg.topology.gpu_memory_gb = 0.05
     with pytest.raises(ConfigError, match=r"memory plan: \w+ on ranks 0 needs \d\.\d\d GiB of 0\.05 GiB"):
         preflight(cfg, "grpo", 1)
+
+
+# ---- the largest transients (issue 40 item 9) and a budget below the runtime reserve (issue 42 item 14) ----------
+QWEN7 = ModelDims.known("qwen2.5-7b")
+
+
+def _stage(plan, name, group=0):
+    return next(s for s in plan.groups[group].stages if s.name == name)
+
+
+def test_frozen_models_stored_in_bf16():
+    """rlhf/models/load.py ``weight_dtype``: a frozen model (ref, reward) is stored in bf16 under --bf16 (veRL
+    verl/workers/fsdp_workers.py: fp32 only for the trained actor), so its FSDP2 shards are 2 N / dp, not 4 N / dp."""
+    assert terms.fsdp2_states(1000, 4, 2, 3, False, 100, 200).params == 2 * 1000 / 4
+    assert terms.fsdp2_states(1000, 4, 2, 3, True, 100, 200).params == 4 * 1000 / 4  # the trained master: fp32
+    assert terms.fsdp2_states(1000, 4, 4, 3, False, 100, 200).params == 4 * 1000 / 4  # fp32 run: fp32
+    plan = plan_memory(Job(kind="dpo", bf16=True), {"actor": SMALL}, world=2, device_bytes=80 * GiB)
+    load = _stage(plan, "load").parts
+    assert load["actor:params"] == 4 * SMALL.params / 2 and load["ref:params"] == 2 * SMALL.params / 2, load
+
+
+def test_load_transient_one_full_tensor_before_the_rollout_engine():
+    """rlhf/backends/fsdp2.py ``fill_from_first``: the source rank moves one full tensor at a time (its host copy
+    is detached, so torch's ``fully_shard`` move of ``.data``, torch/distributed/fsdp/_fully_shard/_fsdp_init.py
+    ``_move_states_to_device``, does not pile the model up on its GPU) and every member receives it into a device
+    buffer: the 'shard' stage holds every role's shards plus the largest tensor in its stored dtype (fp32 for the
+    trained actor: Qwen2.5-7B's 152k x 3584 embedding, 2.03 GiB), without vLLM's share (the engine starts after)."""
+    from rlhf.config import TopologyConfig
+    from rlhf.distributed.placement import make_placement
+
+    t = TopologyConfig()
+    t.colocate_all_models = True
+    plan = plan_memory(Job(bf16=True), {"actor": QWEN7}, make_placement(t, 8), device_bytes=80 * GiB)
+    shard = _stage(plan, "shard").parts
+    assert shard["load:transient"] == 4 * 152064 * 3584, shard
+    assert not any(k.startswith("rollout:") for k in shard), shard
+    assert [s.name for s in plan.groups[0].stages][:2] == ["shard", "load"]
+    sft = plan_memory(Job(kind="sft"), {"actor": SMALL}, world=2, device_bytes=GiB)
+    assert _stage(sft, "shard").parts["load:transient"] == 4 * SMALL.vocab * SMALL.hidden
+    # one rank reads its own checkpoint and moves it tensor by tensor (rlhf/backends/base.py loads_on_first):
+    # no broadcast buffer beside the parameters
+    one = plan_memory(Job(kind="sft"), {"actor": SMALL}, world=1, device_bytes=GiB)
+    assert "load:transient" not in _stage(one, "shard").parts
+    ds = plan_memory(Job(kind="sft", backend="deepspeed"), {"actor": SMALL}, world=1, device_bytes=GiB)
+    assert "shard" not in [s.name for s in ds.groups[0].stages]  # DeepSpeed loads its own way (zero.Init)
+
+
+def test_unfused_head_under_zero3_holds_every_tokens_logits():
+    """rlhf/models/lm_head.py ``fusable_head``: a ZeRO-3 partitioned head weight (DeepSpeed's ``ds_id``) is not
+    fused, so the model's own forward computes (b x s, V) logits for every token, not the response rows in chunks."""
+    job = Job(kind="sft", backend="deepspeed", zero_stage=3, bf16=True, max_len=512, micro_train_batch_size=2)
+    plan = plan_memory(job, {"actor": QWEN7}, world=8, device_bytes=80 * GiB)
+    logits = _stage(plan, "train").parts["logits"]
+    assert logits == terms.lm_head_bytes(2 * 512, QWEN7.vocab, 2, 1024, 1 << 30, True, fused=False), logits
+    fused = plan_memory(replace(job, zero_stage=2), {"actor": QWEN7}, world=8, device_bytes=80 * GiB)
+    assert _stage(fused, "train").parts["logits"] == terms.lm_head_bytes(2 * 512, QWEN7.vocab, 2, 1024, 1 << 30, True)
+
+
+def test_weight_sync_gathers_in_the_engine_dtype_into_its_buckets():
+    """rlhf/distributed/weight_sync.py: each weight is gathered in the engine's dtype (``full_tensor(p, dtype)``:
+    the fp32 master's local shard is cast to bf16 first, then all-gathered, as veRL's
+    verl/workers/sharding_manager/fsdp_vllm.py gathers the bf16 state dict), straight into the bucket: no fp32
+    copy of a whole weight.  Colocated with vLLM: the bucket being gathered, the previous one (still bound) and the
+    layer vLLM holds back (``VLLMEngine.load_weights`` ``_pending``), max(B, layer) + B; the HF engine 2 B; an
+    actor sending to rollout ranks of their own 3 B (``_send_direct``: the previous bucket, the next one and the
+    packed piece in flight); vLLM's workers receiving, layer + 3 B (``vllm_worker.receive_and_load``: two posted
+    pieces and the held-back layer's); a plain fp32 model on one rank hands its parameters over (0)."""
+    from rlhf.config import TopologyConfig
+    from rlhf.distributed.placement import make_placement
+
+    big = 152064 * 3584  # Qwen2.5-7B's embedding: larger than a 256 MiB bucket in bf16 (1.02 GiB)
+    layer = 3584 * (3584 + 2 * 512) + 3584 * 3584 + 3 * 3584 * 18944 + 2 * 3584 + (3584 + 2 * 512)  # q/k/v bias
+    assert layer == QWEN7.layer_params
+    t = TopologyConfig()
+    t.colocate_all_models = True
+    plan = plan_memory(Job(bf16=True), {"actor": QWEN7}, make_placement(t, 8), device_bytes=80 * GiB)
+    sync = _stage(plan, "weight_sync").parts
+    assert "sync:gathered" not in sync, sync  # no fp32 weight gathered whole
+    assert sync["sync:buffer"] == max(2 * big, 2 * layer) + 2 * big, sync
+    assert sync["sync:gathering"] == 2 * big / 8, sync  # the embedding's bf16 local shard, cast before the gather
+    hf = plan_memory(Job(bf16=True, rollout_engine="hf"), {"actor": QWEN7}, make_placement(t, 8), device_bytes=80 * GiB)
+    assert _stage(hf, "weight_sync").parts["sync:buffer"] == 2 * 2 * big
+    t = TopologyConfig()
+    t.actor_num_gpus_per_node, t.vllm_num_engines = 4, 4
+    apart = plan_memory(Job(bf16=True), {"actor": QWEN7}, make_placement(t, 8), device_bytes=80 * GiB)
+    by_roles = {tuple(g.roles): g for g in apart.groups}
+    send = next(s for s in by_roles[("actor", "ref")].stages if s.name == "weight_sync").parts
+    recv = next(s for s in by_roles[("rollout",)].stages if s.name == "weight_sync").parts
+    assert send["sync:buffer"] == 3 * 2 * big and send["sync:gathering"] == 2 * big / 4, send
+    assert recv["sync:buffer"] == 2 * layer + 3 * 2 * big and "sync:gathering" not in recv, recv
+    plain = plan_memory(Job(kind="rl", rollout_engine="hf"), {"actor": SMALL}, make_placement(TopologyConfig(), 1),
+                        device_bytes=GiB, on_cuda=False)
+    assert "sync:buffer" not in _stage(plain, "weight_sync").parts  # fp32, one rank: the parameters themselves
+
+
+def test_lora_base_in_bf16_and_fp32_adapters():
+    """rlhf/models/load.py ``weight_dtype(bf16, trainable, lora=True)``: under --lora_rank the frozen base is
+    stored in bf16 under --bf16 and only the adapters are fp32 masters with gradients and AdamW state (veRL
+    verl/workers/fsdp_workers.py loads the LoRA actor's base in bf16); peft's all-linear adapters are r (in + out)
+    per linear (A: r x in, B: out x r)."""
+    st = terms.fsdp2_states(1000, 4, 2, 3, True, 100, 200, adapters=40)
+    assert (st.params, st.grads, st.optimizer) == (2 * 1000 / 4 + 4 * 40 / 4, 4 * 40 / 4, 8 * 40 / 4), st
+    # SMALL: q 8->8, k 8->4, v 8->4, o 8->8, gate 8->16, up 8->16, down 16->8: 128 (in + out) per layer, 3 layers
+    assert terms.lora_adapter_params(SMALL, 4, "all-linear") == 3 * 4 * 128
+    assert terms.lora_adapter_params(SMALL, 4, "q_proj,v_proj") == 3 * 4 * (16 + 12)
+    a = 3 * 4 * 128
+    job = Job(kind="sft", bf16=True, lora_rank=4)
+    plan = plan_memory(job, {"actor": SMALL}, world=2, device_bytes=GiB, on_cuda=False)
+    train = _stage(plan, "train").parts
+    assert train["actor:params"] == 2 * SMALL.params / 2 + 4 * a / 2, train
+    assert train["actor:optimizer"] == 8 * a / 2 and train["actor:grads"] == 4 * a / 2, train
+    # the load moves the base's largest tensor in bf16 (50 x 8 embedding), not fp32
+    assert _stage(plan, "shard").parts["load:transient"] == 2 * SMALL.vocab * SMALL.hidden
+    # the sync merges the largest adapted weight (8 x 16) in fp32: gathered bf16 base + three fp32 temporaries
+    from rlhf.config import TopologyConfig
+    from rlhf.distributed.placement import make_placement
+
+    t = TopologyConfig()
+    t.colocate_all_models = True
+    rl = plan_memory(replace(job, kind="rl", rollout_engine="hf"), {"actor": SMALL}, make_placement(t, 2),
+                     device_bytes=GiB, on_cuda=False)
+    assert _stage(rl, "weight_sync").parts["sync:lora_merge"] == (2 + 12) * 8 * 16
+    assert "sync:gathering" not in _stage(rl, "weight_sync").parts  # the base is bf16 already: no cast
+
+
+def test_fsdp2_optimizer_state_stays_on_the_host_in_forward_only_stages():
+    """rlhf/backends/fsdp2.py: after a sleep ``wake`` brings the weights only and ``step`` the optimizer state
+    (``_onload_optimizer``; veRL verl/workers/fsdp_workers.py ``load_fsdp_optimizer`` only in ``update_actor``), so
+    under --deepspeed_enable_sleep the forward-only stages (values, old log-probs) hold no optimizer state; the
+    weight sync follows the actor's update with the actor awake, so it does.  DeepSpeed's wake reloads it.  Nothing
+    sleeps unless every role shares every rank."""
+    from rlhf.config import TopologyConfig
+    from rlhf.distributed.placement import make_placement
+
+    t = TopologyConfig()
+    t.colocate_all_models = True
+    sleep = Job(bf16=True, vllm_enable_sleep=True, deepspeed_enable_sleep=True)
+    plan = plan_memory(sleep, {"actor": QWEN7}, make_placement(t, 8), device_bytes=80 * GiB)
+    old = _stage(plan, "old_logprobs").parts
+    assert "actor:optimizer" not in old and old["actor:params"] == 4 * QWEN7.params / 8, old
+    assert _stage(plan, "weight_sync").parts["actor:optimizer"] == 8 * QWEN7.params / 8
+    awake = plan_memory(Job(bf16=True), {"actor": QWEN7}, make_placement(t, 8), device_bytes=80 * GiB)
+    assert _stage(awake, "old_logprobs").parts["actor:optimizer"] == 8 * QWEN7.params / 8  # no sleep: resident
+    ds = plan_memory(replace(sleep, backend="deepspeed"), {"actor": QWEN7}, make_placement(t, 8),
+                     device_bytes=80 * GiB)
+    assert _stage(ds, "old_logprobs").parts["actor:optimizer"] == 16 * QWEN7.params / 8
+    # the scheduler sleeps only when every role shares every rank (rl_trainer.py: enabled=plan.colocated and ...):
+    # with rollout ranks of their own, the actor and the reference stay resident whatever the sleep flags say
+    t = TopologyConfig()
+    t.actor_num_gpus_per_node, t.vllm_num_engines = 4, 4
+    apart = plan_memory(sleep, {"actor": QWEN7}, make_placement(t, 8), device_bytes=80 * GiB)
+    old = next(s for g in apart.groups if "actor" in g.roles for s in g.stages if s.name == "old_logprobs").parts
+    assert old["actor:optimizer"] == 8 * QWEN7.params / 4 and old["ref:params"] == 2 * QWEN7.params / 4, old
+
+
+def test_load_host_copy_on_the_source_rank():
+    """rlhf/backends/fsdp2.py ``host_copies`` / ``fill_from_first``: the group's first rank reads the checkpoint
+    whole into host memory in its stored dtype (fp32 for the trained actor, bf16 for a frozen model under --bf16)
+    and empties it tensor by tensor; the roles load one after another, so the largest of them; other ranks read
+    nothing.  The table names it."""
+    from rlhf.config import TopologyConfig
+    from rlhf.distributed.placement import make_placement
+
+    t = TopologyConfig()
+    t.actor_num_gpus_per_node, t.vllm_num_engines = 4, 4
+    plan = plan_memory(Job(bf16=True), {"actor": QWEN7}, make_placement(t, 8), device_bytes=80 * GiB)
+    by_roles = {tuple(g.roles): g for g in plan.groups}
+    assert by_roles[("actor", "ref")].load_host == 4 * QWEN7.params  # the actor's fp32 copy > the ref's bf16 one
+    assert by_roles[("rollout",)].load_host == 0
+    assert f"at load {4 * QWEN7.params / GiB:.1f} GiB on the host of the rank that reads" in plan.table()
+    ref_only = plan_memory(Job(kind="dpo", bf16=True, lora_rank=8), {"actor": QWEN7}, world=2, device_bytes=80 * GiB)
+    a = terms.lora_adapter_params(QWEN7, 8, "all-linear")
+    assert ref_only.groups[0].load_host == 2 * QWEN7.params + 4 * a  # LoRA: bf16 base + fp32 adapters
+
+
+def test_startup_check_plans_with_free_device_memory(tmp_path, monkeypatch):
+    """At start-up the device is what is free on it (torch.cuda.mem_get_info: free, total), not its total: memory
+    other processes hold cannot be planned with.  80 GiB total with 20 GiB free refuses a job that fits in 80."""
+    import torch
+
+    write_config("qwen2.5-0.5b", str(tmp_path))
+    cfg = _cfg(pretrain=str(tmp_path), bf16=True, max_len=1024)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * GiB})())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=None: (80 * GiB, 80 * GiB))
+    assert startup_check(cfg, "sft", 1)[0].startswith("[memory] plan: the largest peak")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=None: (int(2.5 * GiB), 80 * GiB))
+    with pytest.raises(MemoryPlanError, match=r"of 2\.50 GiB"):
+        startup_check(cfg, "sft", 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=None: (GiB, 80 * GiB))
+    with pytest.raises(MemoryPlanError, match=r"GPU 0's free memory \(1\.00 of 80\.0 GiB; other processes hold the "
+                                              r"rest\) is 1\.00 GiB per rank, no more than the 1\.50 GiB"):
+        startup_check(cfg, "sft", 1)
+
+
+def test_budget_below_the_runtime_reserve_says_so(tmp_path, tiny_kit):
+    """--gpu_memory_gb below the 1.5 GiB runtime reserve: the refusal says the budget is smaller than the reserve
+    and which budget fits, instead of 'needs 0.50 GiB of -1.00 GiB' (issue 42 item 14)."""
+    paths = dict(save_path=str(tmp_path / "m"), ckpt_path=str(tmp_path / "c"), log_dir=str(tmp_path / "l"))
+    cfg = _cfg(pretrain=tiny_kit, gpu_memory_gb=0.5, **paths)
+    with pytest.raises(MemoryPlanError) as e:
+        startup_check(cfg, "grpo", 2, on_cuda=True)
+    msg = str(e.value)
+    assert re.search(r"the given budget \(--gpu_memory_gb\) is 0\.50 GiB per rank, no more than the 1\.50 GiB every "
+                     r"CUDA rank holds before any model .*largest stage, \w+, needs \d\.\d\d GiB at this budget: "
+                     r"--gpu_memory_gb (\d+\.\d) or more fits", msg), msg
+    need = float(re.search(r"--gpu_memory_gb (\d+\.\d) or more fits", msg).group(1))
+    cfg.topology.gpu_memory_gb = need
+    assert startup_check(cfg, "grpo", 2, on_cuda=True)[0].startswith("[memory] plan: the largest peak"), need

@@ -668,3 +668,87 @@ def test_parity_flags_checked_at_parse_time(argv, msg):
 
     with pytest.raises(click.UsageError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         parse("ppo", argv)
+
+
+# ---- issue 41 items 2 and 11: GAE lambda default, flash_reinforce -------------------------------------------------
+
+def test_ppo_defaults_match_openrlhf():
+    """OpenRLHF 0.11.2 openrlhf/cli/train_ppo_ray.py (and 0.10.1's flat --lambd / --gamma): --algo.advantage.lambd 1,
+    --algo.advantage.gamma 1, eps_clip 0.2, value_clip 0.5, kl init_coef 0.01, kl horizon 10000, kl estimator k1,
+    reward clip (-10, 10), actor / critic lr 1e-6 / 9e-6, betas (0.9, 0.95), warmup 0.03, max_norm 1."""
+    from rlhf.config import parse
+
+    cfg = parse("ppo", [])
+    a, o = cfg.algorithm, cfg.optim
+    got = (a.lambd, a.gamma, a.clip_eps_low, a.clip_eps_high, a.value_clip, a.init_kl_coef, a.kl_horizon,
+           a.kl_estimator, a.reward_clip_range, o.actor_learning_rate, o.critic_learning_rate, o.adam_betas,
+           o.lr_warmup_ratio, o.max_norm, o.lr_scheduler)
+    want = (1.0, 1.0, 0.2, 0.2, 0.5, 0.01, 10000, "k1", (-10.0, 10.0), 1e-6, 9e-6, (0.9, 0.95), 0.03, 1.0,
+            "cosine_with_min_lr")
+    assert got == want, f"PPO defaults differ from OpenRLHF's: got {got}, want {want}"
+
+
+def test_gae_with_default_lambda_is_openrlhf_monte_carlo():
+    """With OpenRLHF's default lambd = gamma = 1 (openrlhf/trainer/ppo_utils/experience_maker.py
+    ``get_advantages_and_returns``), A_t = sum_{u>=t} r_u - V_t: rewards r = (0, 0, 1), values (0.5, 0.2, 0.4) give
+    A = (0.5, 0.8, 0.6), returns 1; lambda 0.95 (this project's old default) gives A = (0.4315, 0.77, 0.6)."""
+    from rlhf.config import parse
+
+    lambd = parse("ppo", []).algorithm.lambd
+    adv, ret = compute_advantages("gae", T([1.0]), T([[1, 1, 1]]), values=T([[0.5, 0.2, 0.4]]), gamma=1.0,
+                                  lambd=lambd, whiten=False, clip_range=(-10.0, 10.0))
+    close(adv, [[0.5, 0.8, 0.6]])
+    close(ret, [[1.0, 1.0, 1.0]])
+    # the estimator's own default is OpenRLHF's too
+    adv2, _ = compute_advantages("gae", T([1.0]), T([[1, 1, 1]]), values=T([[0.5, 0.2, 0.4]]), whiten=False)
+    close(adv2, [[0.5, 0.8, 0.6]])
+
+
+def test_flash_reinforce_batch_mean_by_hand():
+    """FlashREINFORCE (OpenRLHF 0.11.2 experience_maker.py: ``rewards = rewards - rewards.mean()`` over the whole
+    rollout batch, no group, no whitening, gamma 1): scores (1, 0, 0, 3) -> mean 1 -> s' = (0, -1, -1, 2); with a
+    KL of 1 per token and coefficient 0.1 the return-to-go of a 2-token row is (s' - 0.2, s' - 0.1)."""
+    mask = torch.ones(4, 2)
+    adv, ret = compute_advantages("flash_reinforce", T([1.0, 0.0, 0.0, 3.0]), mask, kl=torch.ones(4, 2),
+                                  kl_coef=0.1, clip_range=(-10.0, 10.0), group_size=2)
+    s = T([0.0, -1.0, -1.0, 2.0])
+    close(adv, torch.stack([s - 0.2, s - 0.1], 1))
+    close(ret, adv)
+    # not whitened and not grouped: a group-of-2 baseline would give (0.5, -0.5, -1.5, 1.5)
+    adv, _ = compute_advantages("flash_reinforce", T([1.0, 0.0, 0.0, 3.0]), torch.ones(4, 1))
+    close(adv[:, 0], [0.0, -1.0, -1.0, 2.0])
+    # an invalid (NaN) reward enters no mean and gets 0
+    adv, _ = compute_advantages("flash_reinforce", T([1.0, NAN, 3.0]), torch.ones(3, 1))
+    close(adv[:, 0], [-1.0, 0.0, 1.0])
+
+
+def test_flash_reinforce_stage_single_sample_gamma_and_filtering():
+    """Through the advantage stage: n_samples_per_prompt 1 is accepted (no group), --gamma is forced to 1 with a
+    warning (OpenRLHF: "gamma is set to 1.0 for flash_reinforce"), and the batch mean is over the rows that train."""
+    from rlhf.config import parse
+    from rlhf.trainers.advantage_stage import advantage_stage
+
+    cfg = parse("ppo", ["--advantage_estimator", "flash_reinforce", "--n_samples_per_prompt", "1",
+                        "--rollout_batch_size", "4", "--train_batch_size", "4", "--micro_train_batch_size", "1",
+                        "--gamma", "0.5"])
+    assert cfg.algorithm.advantage_estimator == "flash_reinforce" and cfg.model.critic_pretrain is None
+    x = _stage_inputs(T([1.0, 0.0, 0.0, 3.0]), valid=torch.ones(4, dtype=torch.bool), mask=torch.ones(4, 2))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = advantage_stage(cfg, x, 0.0)
+    close(out.advantages, [[0.0, 0.0], [-1.0, -1.0], [-1.0, -1.0], [2.0, 2.0]])
+    assert any("gamma" in str(m.message) for m in w), "--gamma 0.5 with flash_reinforce should warn"
+    # dynamic filtering (groups of 2): group 0 {1, 0} kept, group 1 {0, 3} mean 1.5 outside (0, 1) dropped:
+    # the batch mean is over the kept rows only (0.5), as OpenRLHF computes advantages over accepted samples
+    cfg = _stage_cfg("flash_reinforce", dynamic_filtering=True, dynamic_filtering_reward_range=(0.0, 1.0))
+    out = advantage_stage(cfg, x, 0.0)
+    close(out.advantages, [[0.5, 0.5], [-0.5, -0.5], [0.0, 0.0], [0.0, 0.0]])
+
+
+def test_flash_reinforce_dotted_flag():
+    """--algo.advantage.estimator flash_reinforce (OpenRLHF 0.11.2 train_flash_reinforce_ray_agent_async.sh)."""
+    from rlhf.config import parse
+
+    cfg = parse("ppo", ["--algo.advantage.estimator", "flash_reinforce", "--rollout.n_samples_per_prompt", "1",
+                        "--rollout.batch_size", "8", "--train.batch_size", "8"])
+    assert cfg.algorithm.advantage_estimator == "flash_reinforce"

@@ -1,8 +1,11 @@
 """Reward sources: reward_func loading and every bad-input case, the call and its deadline, the HTTP client (one or
 several servers), what reaches the advantages. The reward server itself: tests/test_serve_rm.py."""
+import hashlib
 import json
 import math
+import os
 import socket
+import sys
 import threading
 import time
 
@@ -321,3 +324,130 @@ def test_http_client_speaks_openrlhf_query_key():
         assert srv.seen[-1] == {"query": ["ab", "abcd"], "prompts": ["a", "a"], "labels": ["x", "y"]}, srv.seen[-1]
     finally:
         srv.server.shutdown()
+
+
+# ---- issue 41 item 10, issue 42 item 10, issue 40 item 14 -------------------------------------------------------
+OPENRLHF_EXAMPLES = os.path.join(os.path.dirname(__file__), "openrlhf_examples")
+
+
+def openrlhf_example(name: str, blob: str, dest) -> str:
+    """Write OpenRLHF's examples/python/<name> from its copy in tests/openrlhf_examples (read at OpenRLHF main,
+    version.txt 0.11.0), checked byte for byte against OpenRLHF's git blob id: the file runs unchanged."""
+    with open(os.path.join(OPENRLHF_EXAMPLES, name + ".txt"), "rb") as fh:
+        data = fh.read()
+    assert hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == blob, f"{name} is not OpenRLHF's file"
+    path = dest / name
+    path.write_bytes(data)
+    return str(path)
+
+
+def test_openrlhf_math_reward_func_runs_unchanged_with_per_sample_semantics(tmp_path, capsys):
+    """OpenRLHF's examples/python/math_reward_func.py imports ``openrlhf.utils`` (extract_boxed_answer, grade_answer:
+    openrlhf/utils/math_utils.py, vendored) and returns ``math_accuracy`` as one value (0-d tensor): OpenRLHF calls
+    reward functions one query at a time (openrlhf/utils/agent.py ``_fetch_rewards_via_func``, batch_size = 1).
+    Before: the import failed; then the one-value log failed ("has 1 values for a batch of 4").  Now the rewards
+    are the per-sample ones, and math_accuracy logged per row averages to the mean of OpenRLHF's per-sample calls."""
+    pytest.importorskip("pylatexenc", reason="OpenRLHF's math_utils needs pylatexenc: pip install -e '.[test]'")
+    path = openrlhf_example("math_reward_func.py", "5f5d5a0f8b63a3c6c47c0529e93ae16adecf2183", tmp_path)
+    src = make_reward_source(path)
+    assert not any(k == "openrlhf" or k.startswith("openrlhf.") for k in sys.modules), "the shim leaked"
+    prompts = ["Q1: ", "Q2: ", "Q3: ", "Q4: "]
+    answers = ["so \\boxed{\\frac{1}{2}}", "\\boxed{0.5}", "\\boxed{7}", "no box: 3"]
+    labels = ["0.5", "\\frac12", "8", "3"]
+    out = src([p + a for p, a in zip(prompts, answers)], prompts, labels)
+    assert out["rewards"].tolist() == [1.0, 1.0, 0.0, 0.0] and out["scores"].tolist() == [1.0, 1.0, 0.0, 0.0]
+    per_sample = [src([p + a], [p], [lab])["extra_logs"]["math_accuracy"].tolist()
+                  for p, a, lab in zip(prompts, answers, labels)]
+    assert per_sample == [[1.0], [1.0], [0.0], [0.0]]
+    assert out["extra_logs"]["math_accuracy"].tolist() == [0.5] * 4
+    assert out["extra_logs"]["math_accuracy"].mean() == pytest.approx(sum(x[0] for x in per_sample) / 4)
+    assert "[Math Reward] Pred: \\frac{1}{2}, Gold: 0.5, Match: True" in capsys.readouterr().out
+
+
+def test_one_value_extra_logs_and_what_is_still_refused(tmp_path):
+    src = make_reward_source(_write(tmp_path, "import torch\ndef reward_func(q, p, l, **kw):\n"
+                                              "    return {'rewards': [1.0] * len(q), 'extra_logs': {'a': torch.tensor(2.0), "
+                                              "'b': [3.0], 'c': 4, 'd': [1.0, 2.0]}}\n"))
+    with pytest.raises(RewardError, match=r"extra_logs\[d\]' has 2 values for a batch of 3.*one value for the batch"):
+        src(["x", "y", "z"], [""] * 3, [None] * 3)
+    out = src(["x", "y"], [""] * 2, [None] * 2)
+    assert {k: v.tolist() for k, v in out["extra_logs"].items()} == {"a": [2.0, 2.0], "b": [3.0, 3.0],
+                                                                      "c": [4.0, 4.0], "d": [1.0, 2.0]}
+
+
+def test_openrlhf_utils_names_not_served_are_named(tmp_path):
+    with pytest.raises(RewardError, match=r"cannot import name 'get_strategy'.*rlhf serves openrlhf.utils.agent"):
+        load_reward_func(_write(tmp_path, "from openrlhf.utils import get_strategy\n"
+                                          "def reward_func(q, p, l):\n    return {}\n"))
+
+
+def test_relative_reward_path_resolves_against_the_working_directory(tmp_path, monkeypatch):
+    """Issue 40 item 14: ``--remote_rm_url rf.py`` is the job's working directory's rf.py, resolved once: the
+    loaded module's ``__file__`` is absolute (a file reading data beside itself keeps working after a chdir; Python's
+    importlib did that already), and a missing file names the absolute path and the directory it was looked for in
+    (before: only the name as given)."""
+    (tmp_path / "data.txt").write_text("7")
+    _write(tmp_path, "import os\nHERE = os.path.dirname(__file__)\n"
+                     "def reward_func(q, p, l, **kw):\n"
+                     "    want = open(os.path.join(HERE, 'data.txt')).read()\n"
+                     "    return {'rewards': [float(x.endswith(want)) for x in q]}\n", "rf.py")
+    monkeypatch.chdir(tmp_path)
+    src = make_reward_source("rf.py")
+    monkeypatch.chdir(tmp_path.parent)
+    assert src(["3+4=7", "3+4=8"], ["", ""], [None, None])["rewards"].tolist() == [1.0, 0.0]
+    with pytest.raises(RewardError, match=f"no such file {tmp_path.parent}/missing.py.*working directory "
+                                          f"{tmp_path.parent}"):
+        make_reward_source("missing.py")
+
+
+class _CutOffServer:
+    """A reward server whose first ``cut`` answers stop after 20 of their Content-Length bytes and close the
+    connection (a crashed worker, a proxy's limit): what the client sees as ``http.client.IncompleteRead``."""
+
+    def __init__(self, cut: int):
+        self.cut, self.served = cut, 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            with c:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += c.recv(65536)
+                head, _, body = data.partition(b"\r\n\r\n")
+                n = int([x for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")][0].split(b":")[1])
+                while len(body) < n:
+                    body += c.recv(65536)
+                q = json.loads(body)["query"]
+                out = json.dumps({"rewards": [float(len(x)) for x in q]}).encode().ljust(100)
+                self.served += 1
+                send = out[:20] if self.served <= self.cut else out
+                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                          b"Connection: close\r\n\r\n" % len(out) + send)
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}/get_reward"
+
+
+def test_cut_off_answer_is_retried_then_said_in_one_line():
+    """Issue 42 item 10: an answer cut off once (IncompleteRead) ended the run with a traceback: it was not in the
+    retry list.  Now it is tried again within --reward_timeout_s; cut off every time, one line says so."""
+    once = _CutOffServer(cut=1)
+    out = http_reward_func(once.url, timeout_s=10, retries=2)(["ab", "abc"], ["", ""], [None, None])
+    assert out["rewards"] == [2.0, 3.0] and once.served == 2
+    always = _CutOffServer(cut=10 ** 6)
+    t0 = time.monotonic()
+    with pytest.raises(RewardError) as e:
+        make_reward_source(always.url, timeout_s=5, retries=1)(["ab"], [""], [None])
+    msg = str(e.value)
+    assert "\n" not in msg and "2 tries (--remote_rm_retries 1)" in msg, msg
+    assert "cut off after 20 of 100 bytes (IncompleteRead" in msg and "see its log" in msg, msg
+    assert time.monotonic() - t0 < 5

@@ -345,7 +345,105 @@ def _reward_check(rank, world, kit):
     assert err < TOL, f"reward scores at N=2 differ from N=1 by {err}: {got} vs {want}"
 
 
+class _StandInFlash:
+    """A stand-in ``flash_attn`` package (causal attention by torch sdpa, per varlen sample) found by transformers'
+    real lookup: ``lazy_import_flash_attention("flash_attention_2")`` imports ``flash_attn`` when
+    ``is_flash_attn_2_available()`` (transformers/modeling_flash_attention_utils.py ``_lazy_imports``).  Records
+    the varlen calls' arguments; refuses the dense entry point (a packed row must take the varlen path)."""
+
+    def __init__(self):
+        import types
+
+        from transformers import modeling_flash_attention_utils as mfu
+
+        self.mfu, self.calls, self.saved = mfu, [], {}
+        pkg = types.ModuleType("flash_attn")
+        pkg.__version__ = "2.8.3"
+        pkg.flash_attn_varlen_func = self.varlen
+        pkg.flash_attn_func = self.dense
+        pkg.flash_attn_with_kvcache = self.dense
+        pad = types.ModuleType("flash_attn.bert_padding")
+        pad.pad_input, pad.unpad_input = mfu._pad_input, mfu._unpad_input
+        self.modules = {"flash_attn": pkg, "flash_attn.bert_padding": pad}
+
+    def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+               softmax_scale=None, causal=False):
+        self.calls.append(dict(q=tuple(q.shape), k=tuple(k.shape), cu_q=cu_seqlens_q.tolist(),
+                               cu_k=cu_seqlens_k.tolist(), max_q=int(max_seqlen_q), causal=causal))
+        out, cu = [], cu_seqlens_q.tolist()
+        for a, b in zip(cu, cu[1:]):
+            qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            out.append(torch.nn.functional.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=causal, scale=softmax_scale, enable_gqa=True)[0].transpose(0, 1))
+        return torch.cat(out)
+
+    def dense(self, *a, **k):
+        raise AssertionError("the stand-in flash kernel's dense entry point was called for a packed row")
+
+    def __enter__(self):
+        import sys
+
+        for name, mod in self.modules.items():
+            self.saved[name] = sys.modules.get(name)
+            sys.modules[name] = mod
+        self.saved["avail"], self.saved["loaded"] = self.mfu.is_flash_attn_2_available, self.mfu._loaded_implementation
+        self.mfu.is_flash_attn_2_available, self.mfu._loaded_implementation = (lambda: True), None
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+
+        for name in self.modules:
+            if self.saved[name] is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = self.saved[name]
+        self.mfu.is_flash_attn_2_available, self.mfu._loaded_implementation = self.saved["avail"], self.saved["loaded"]
+
+
+def _flash_check(rank, world, kit):
+    """--ring_attn_size with flash attention: the Ulysses path keeps ``flash_attention_2`` (transformers'
+    flash_attention_forward loads the kernel by ``config._attn_implementation``: transformers/integrations/
+    flash_attention.py, modeling_flash_attention_utils.py ``lazy_import_flash_attention``; a renamed implementation
+    is looked up as a hub kernel and fails) and reaches the kernel with the full row's varlen arguments: the
+    gathered sequence, this rank's head group, cu_seqlens at the packed samples' starts (veRL all-gathers the
+    position ids for the same reason: verl/models/transformers/monkey_patch.py ``_ulysses_flash_attention_forward``).
+    Log-probs equal the unsplit sdpa model's."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.distributed import comm
+    from rlhf.distributed.sequence_parallel import SP, attach, pad_packed, segments
+    from rlhf.models.forward import pack, packed_action_logprobs
+
+    base = AutoModelForCausalLM.from_pretrained(kit, attn_implementation="sdpa", dtype=torch.float32)
+    seq, att, act = _rollout(base.config.vocab_size, seed=9)
+    with torch.no_grad():
+        want = packed_action_logprobs(base, seq, att, act, 1.0, 64)
+    flash = copy.deepcopy(base)
+    flash.config._attn_implementation = "flash_attention_2"
+    with _StandInFlash() as kernel, torch.no_grad():
+        attach(flash, SP(world, rank, comm.world_group()))
+        got = packed_action_logprobs(flash, seq, att, act, 1.0, 64)
+    assert flash.config._attn_implementation == "flash_attention_2", \
+        f"attach renamed the attention implementation to {flash.config._attn_implementation!r}"
+    cfg = base.config
+    layers, heads, kv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
+    assert len(kernel.calls) == layers, f"stand-in flash kernel called {len(kernel.calls)} times, want {layers}"
+    ids, pos, _ = pack(seq, att)
+    _, pos = pad_packed(ids, pos, world)
+    T = pos.size(1)
+    cu = [a for a, _ in segments(pos)] + [T]
+    for c in kernel.calls:
+        assert c["q"][:2] == (T, heads // world) and c["k"][:2] == (T, kv // world), \
+            f"varlen call on q {c['q']} k {c['k']}: want the whole row ({T} tokens) and {heads // world} heads"
+        assert c["cu_q"] == cu and c["cu_k"] == cu, f"cu_seqlens {c['cu_q']}, want the packed samples' {cu}"
+        assert c["max_q"] == max(b - a for a, b in zip(cu, cu[1:])) and c["causal"], f"varlen call {c}"
+    err = float((got - want).abs().max())
+    assert err < TOL, f"log-probs through the stand-in flash kernel at N={world} differ from sdpa N=1 by {err}"
+
+
 def _sp_worker(rank, world, kit):
+    _flash_check(rank, world, kit)
     _core_checks(rank, world, kit)
     _reward_check(rank, world, kit)
     _engine_checks(rank, world, kit)

@@ -2,6 +2,7 @@
 truncation.  The server runs in a thread with a fake scorer whose micro-batch cost is known, so timings say
 what the server did, not how fast the model is; the truncation test uses the tiny reward model."""
 import json
+import math
 import os
 import socket
 import threading
@@ -354,3 +355,228 @@ def test_serve_rm_cli_end_to_end(tiny_kit, monkeypatch):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# ---- issue 40 item 10, issue 41 item 14, issue 42 items 8, 9, 15 -------------------------------------------------
+# OpenRLHF's examples/scripts/serve_remote_rm.sh, 0.11 (dotted) and 0.10.1 (flat), as written but for the model path
+# and the port (0: a free one).  Read at OpenRLHF main (version.txt 0.11.0) and tag v0.10.1.
+SERVE_REMOTE_RM_011 = ["--reward.model_name_or_path", "{rm}", "--port", "0", "--ds.param_dtype", "bf16",
+                       "--ds.attn_implementation", "flash_attention_2", "--reward.normalize_enable",
+                       "--data.max_len", "8192", "--batch_size", "16"]
+SERVE_REMOTE_RM_0101 = ["--reward_pretrain", "{rm}", "--port", "0", "--param_dtype", "bf16",
+                        "--attn_implementation", "flash_attention_2", "--normalize_reward", "--max_len", "8192",
+                        "--batch_size", "16"]
+
+
+def _start_cli(monkeypatch, args):
+    """rlhf.serve_rm's CLI in-process up to serving: returns (the server it would serve, stderr notices)."""
+    from rlhf import serve_rm
+
+    started, notes = {}, []
+    monkeypatch.setattr(serve_rm.RewardServer, "serve_forever", lambda self: started.setdefault("server", self))
+    monkeypatch.setattr(serve_rm.click, "echo", lambda msg="", err=False, **kw: notes.append(str(msg)))
+    was = torch.is_grad_enabled()
+    try:
+        serve_rm.main.main(args, standalone_mode=False)
+    finally:
+        torch.set_grad_enabled(was)  # main() turns autograd off for the whole (server) process
+    started["server"].sock.close()
+    return started["server"], notes
+
+
+@pytest.mark.parametrize("script", [SERVE_REMOTE_RM_011, SERVE_REMOTE_RM_0101], ids=["0.11-dotted", "0.10.1-flat"])
+def test_openrlhf_serve_remote_rm_script_runs_with_openrlhf_meaning(tiny_kit, tmp_path, monkeypatch, script):
+    """OpenRLHF's serve_remote_rm.sh (openrlhf/cli/serve_rm.py flags): before, only --port/--batch_size were known.
+    Meaning checked: --param_dtype bf16 -> bf16 weights; --max_len 8192; --batch_size 16; --normalize_reward ->
+    (score - mean) / std with the mean/std saved in config.json (openrlhf/models/model.py RewardModel.forward:
+    ``if not self.training and self.normalize_reward``); flash_attention_2 on a CPU -> sdpa with a notice."""
+    import shutil
+
+    rm = str(tmp_path / "rm")
+    shutil.copytree(os.path.join(tiny_kit, "reward"), rm)
+    if os.path.exists(os.path.join(rm, "reward_norm.json")):
+        os.remove(os.path.join(rm, "reward_norm.json"))
+    with open(os.path.join(rm, "config.json")) as fh:
+        cfg = json.load(fh)
+    cfg.update(mean=0.25, std=2.0)  # OpenRLHF saves them in config.json
+    with open(os.path.join(rm, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    server, notes = _start_cli(monkeypatch, [a.replace("{rm}", rm) for a in script] + ["--no_warmup"])
+    scorer = server.app.scorer
+    assert scorer.max_len == 8192 and scorer.batch_size == 16, (scorer.max_len, scorer.batch_size)
+    assert {p.dtype for p in scorer.model.parameters()} == {torch.bfloat16}
+    assert scorer.stats == (0.25, 2.0), f"--normalize_reward did not apply config.json's mean/std: {scorer.stats}"
+    assert any("flash_attention_2" in n and "sdpa" in n for n in notes), notes
+    assert scorer.model.config._attn_implementation == "sdpa"
+    raw = RewardScorerFor(rm)(["1+2=3", "1+2=4"])
+    got = scorer(["1+2=3", "1+2=4"])
+    assert got == pytest.approx([(r - 0.25) / 2.0 for r in raw], abs=0.03), (got, raw)  # bf16 vs fp32
+
+
+def RewardScorerFor(path, **kw):
+    from rlhf.serve_rm import RewardScorer
+
+    return RewardScorer(path, batch_size=2, **kw)
+
+
+def test_raw_score_without_normalize_reward_and_a_notice(tiny_kit, tmp_path):
+    """OpenRLHF serves the raw score unless --normalize_reward (issue 41 item 1's meaning); a saved mean/std left
+    unused is said once at start."""
+    import shutil
+
+    rm = str(tmp_path / "rm")
+    shutil.copytree(os.path.join(tiny_kit, "reward"), rm)
+    with open(os.path.join(rm, "reward_norm.json"), "w") as fh:
+        json.dump({"mean": 1.0, "std": 4.0}, fh)
+    logged = []
+    raw = RewardScorerFor(rm, log=logged.append)
+    assert raw.stats == (0.0, 1.0) and any("--normalize_reward" in m for m in logged), logged
+    norm = RewardScorerFor(rm, normalize=True)
+    a, b = raw(["1+2=3"]), norm(["1+2=3"])
+    assert b[0] == pytest.approx((a[0] - 1.0) / 4.0, abs=1e-5)
+
+
+def test_placement_puts_the_model_on_cuda_when_there_is_one(tiny_kit, monkeypatch):
+    """Issue 40 item 10: OpenRLHF's serve_rm loads with device_map="auto" in bf16 (openrlhf/cli/serve_rm.py
+    RewardModelProxy; openrlhf/models/model.py get_llm_for_sequence_regression, param_dtype default bf16): with
+    CUDA visible, from_pretrained must get device_map="auto" and bf16 (before: always the CPU, fp32)."""
+    from rlhf.models import load
+    from rlhf.serve_rm import RewardScorer, resolve_placement
+
+    gpu = resolve_placement("auto", "auto", "auto", cuda_available=True, flash_available=False)
+    assert gpu.device_map == "auto" and gpu.dtype == torch.bfloat16 and gpu.attn_implementation == "sdpa"
+    assert resolve_placement("auto", "auto", "auto", cuda_available=True, flash_available=True
+                             ).attn_implementation == "flash_attention_2"
+    assert resolve_placement("cuda:1", "fp16", "eager", cuda_available=True).device_map == {"": "cuda:1"}
+    cpu = resolve_placement("auto", "auto", "auto", cuda_available=False)
+    assert cpu.device_map is None and cpu.dtype == torch.float32 and cpu.attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="--device cuda: no CUDA device"):
+        resolve_placement("cuda", cuda_available=False)
+    seen = {}
+    real = load.from_pretrained_or_meta
+
+    def spy(auto_cls, path, on_meta=False, config_kwargs=None, **kw):
+        seen.update(kw)
+        kw.pop("device_map", None)  # no GPU here: load on the CPU, the arguments are what is checked
+        return real(auto_cls, path, on_meta, config_kwargs, **kw)
+
+    monkeypatch.setattr(load, "from_pretrained_or_meta", spy)
+    scorer = RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2, placement=gpu)
+    assert seen["device_map"] == "auto" and seen["dtype"] == torch.bfloat16, seen
+    assert {p.dtype for p in scorer.model.parameters()} == {torch.bfloat16}
+    out = scorer(["1+2=3"])
+    assert isinstance(out[0], float) and math.isfinite(out[0])
+
+
+def test_deeply_nested_json_is_400_not_500():
+    """Issue 42 item 8: 100,000 levels of nesting raised RecursionError inside json.loads -> a bare 500."""
+    with Served() as srv:
+        for body in (b"[" * 100_000 + b"]" * 100_000,
+                     b'{"query": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"):
+            code, out, _ = post(srv.url, body)
+            assert code == 400 and "nested deeper" in out["error"], (code, out)
+        assert post(srv.url, {"query": ["ab"]})[0] == 200  # and the server still serves
+
+
+def test_long_query_is_cut_in_characters_before_tokenizing(tiny_kit):
+    """Issue 42 item 9: a 10 MB single-string query was tokenized whole (24 s on the model thread) before the cut to
+    --max_len; now at most a few times max_len * 8 characters reach the tokenizer, and the kept tokens are those of
+    the whole text."""
+    from rlhf.serve_rm import RewardScorer, tokenize_tails
+
+    scorer = RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2, max_len=32)
+    longest = []
+    real = scorer.tok
+
+    class Spy:
+        def __call__(self, texts, **kw):
+            longest.append(max(len(t) for t in texts))
+            return real(texts, **kw)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    scorer.tok = Spy()
+    big = "1+2=3, " * 300_000 + "4+4=8"  # 2.1 MB
+    t0 = time.monotonic()
+    rewards, cut = scorer.score_batch([big, "1+2=3"])
+    assert cut == [True, False] and time.monotonic() - t0 < 5
+    assert max(longest) <= 32 * 8 * 4, f"{max(longest)} characters were tokenized for --max_len 32"
+    tail = big[-5000:]
+    assert tokenize_tails(real, [big], 32)[0][0] == real(tail, add_special_tokens=False)["input_ids"][-32:]
+
+    class Words:  # one token per 30-character word: the first character cap leaves too few tokens, so it doubles
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [[hash(w) % 1000 for w in t.split(" ")] for t in texts]}
+
+    text = " ".join(f"{i:030d}" for i in range(200))
+    ids, flags = tokenize_tails(Words(), [text, "short text"], 4)
+    assert ids[0] == Words()([text])["input_ids"][0][-4:] and flags == [True, False]
+    assert ids[1] == Words()(["short text"])["input_ids"][0]
+
+
+def test_request_too_big_for_the_deadline_is_413_up_front():
+    """Issue 42 item 9: a body of 4,000 queries ran into the 300 s deadline (504 after 300 s); refused at once with 413
+    naming the limit when the fastest measured rate cannot score it within --request_deadline_s.  A request that
+    fits is scored; a big body (over 256 KiB) is parsed off the event loop and still answered."""
+    with Served(FakeScorer(batch_size=4, cost_s=0.05), request_deadline_s=1.0) as srv:
+        q = ["x" * 1000] * 8  # 2 micro-batches of 4000 padded tokens, 0.05 s each: the rate
+        assert post(srv.url, {"query": q})[0] == 200 and srv.app.s_per_token is not None
+        t0 = time.monotonic()
+        code, out, _ = post(srv.url, {"query": ["x" * 1000] * 400})  # 100 micro-batches: about 5 s
+        took = time.monotonic() - t0
+        assert code == 413 and "--request_deadline_s 1" in out["error"] and "at most about" in out["error"], out
+        assert took < 0.9, f"refused after {took:.2f}s, not up front"
+        assert srv.app.batches_scored == 2, "work of the refused request was started"
+        assert post(srv.url, {"query": ["x" * 1000] * 12})[0] == 200  # 0.15 s: fits
+
+
+def test_port_in_use_is_one_line_naming_the_flag(tiny_kit):
+    """Issue 42 item 15: a port in use printed an OSError traceback after the model loaded; now one line naming
+    --port and the fix, exit status 2, before the model loads."""
+    from click.testing import CliRunner
+
+    from rlhf.serve_rm import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        res = CliRunner().invoke(main, ["--reward_pretrain", os.path.join(tiny_kit, "reward"), "--port", str(port)])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, (res.exit_code, res.output, res.exception)
+    assert f"--port {port} on 127.0.0.1 is in use" in lines[0] and "--port 0" in lines[0], lines
+
+
+@pytest.mark.gpu
+def test_serve_rm_scores_on_cuda_in_bf16(tiny_kit):
+    """On a GPU (issue 40 item 10): --device auto puts the model on CUDA (device_map="auto", OpenRLHF's serve_rm) in
+    bf16; its scores match the CPU fp32 ones to bf16 rounding, and the app answers through its ASGI contract (no
+    uvicorn needed: the GPU image has none)."""
+    import asyncio
+
+    from rlhf.serve_rm import RewardScorer, resolve_placement
+
+    texts = ["1+2=3", "1+2=4", "5+5=10" * 20]
+    gpu = RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2, placement=resolve_placement("auto"))
+    assert all(d.startswith("cuda") for d in gpu.devices()), gpu.devices()
+    assert {p.dtype for p in gpu.model.parameters()} == {torch.bfloat16}
+    cpu = RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2)
+    assert gpu(texts) == pytest.approx(cpu(texts), abs=0.05)
+    app = RewardApp(gpu, Limits())
+    sent, calls = [], []
+
+    async def receive():  # the body once, then a client that stays connected
+        calls.append(1)
+        if len(calls) > 1:
+            await asyncio.sleep(3600)
+        return {"type": "http.request", "body": json.dumps({"query": texts}).encode(), "more_body": False}
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"type": "http", "path": "/get_reward", "method": "POST",
+             "headers": [(b"content-length", b"%d" % len(json.dumps({"query": texts})))]}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 200, sent
+    assert json.loads(sent[1]["body"])["rewards"] == pytest.approx(gpu(texts), abs=1e-3)

@@ -177,6 +177,9 @@ def _cfg(kind="sft", **kw):
 def test_preflight_model_kinds(tiny_kit, tmp_path):
     rm_dir = os.path.join(tiny_kit, "reward")
     out = dict(save_path=str(tmp_path / "out"), ckpt_path=str(tmp_path / "ck"), log_dir=str(tmp_path / "logs"))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": tiny_kit, "r": 4}))
     preflight(_cfg("sft", pretrain=tiny_kit, **out), "sft")
     preflight(_cfg("rm", pretrain=tiny_kit, **out), "rm")             # an LM gets a new head in train_rm: fine
     preflight(_cfg("ppo", pretrain=tiny_kit, reward_pretrain=rm_dir, **out), "ppo")
@@ -186,6 +189,10 @@ def test_preflight_model_kinds(tiny_kit, tmp_path):
         ("dpo", dict(pretrain=str(tmp_path / "nope")), "--pretrain", "no such directory"),
         ("sft", dict(pretrain=str(tmp_path)), "--pretrain", "not a model directory: no config.json"),
         ("ppo", dict(pretrain=tiny_kit, ref_pretrain=rm_dir), "--ref_pretrain", "is a reward model"),
+        # a --lora_rank run's save_path (a peft adapter folder) given as a model: name its base and the merge
+        ("ppo", dict(pretrain=str(adapter)), "--pretrain",
+         f"is a LoRA adapter (trained on {tiny_kit}), not a model: merge it into its base first, python -m "
+         f"rlhf.tools.lora_combiner --model_path {tiny_kit} --lora_path {adapter}"),
     ]
     for kind, kw, flag, needle in bad:
         with pytest.raises(ConfigError) as e:
@@ -224,15 +231,18 @@ def test_preflight_unwritable_paths(tmp_path, flag):
 
 
 def test_preflight_resume_without_checkpoint(tmp_path, capsys):
+    """--load_checkpoint with no checkpoint yet starts from step 0 with one line (OpenRLHF); refused only with
+    --no_start_fresh_if_no_checkpoint."""
     kw = dict(save_path=str(tmp_path / "s"), log_dir=str(tmp_path / "l"), load_checkpoint=True)
     with pytest.raises(ConfigError) as e:
-        preflight(_cfg("sft", ckpt_path=str(tmp_path / "typo"), **kw), "sft")
-    assert "it does not exist" in str(e.value) and "--start_fresh_if_no_checkpoint" in str(e.value)
+        preflight(_cfg("sft", ckpt_path=str(tmp_path / "typo"), start_fresh_if_no_checkpoint=False, **kw), "sft")
+    assert "it does not exist" in str(e.value) and "--no_start_fresh_if_no_checkpoint" in str(e.value)
+    notes = preflight(_cfg("sft", ckpt_path=str(tmp_path / "typo"), **kw), "sft")
+    assert len(notes) == 1 and "it does not exist" in notes[0] and "starting from step 0" in notes[0], notes
     (tmp_path / "ck" / ".tmp-global_step_4").mkdir(parents=True)
-    with pytest.raises(ConfigError, match="saves cut short"):
-        preflight(_cfg("sft", ckpt_path=str(tmp_path / "ck"), **kw), "sft")
-    notes = preflight(_cfg("sft", ckpt_path=str(tmp_path / "ck"), start_fresh_if_no_checkpoint=True, **kw), "sft")
-    assert len(notes) == 1 and "starting fresh" in notes[0]
+    notes = preflight(_cfg("sft", ckpt_path=str(tmp_path / "ck"), **kw), "sft")
+    assert "saves cut short" in notes[0] and "starting from step 0" in notes[0], notes
+    assert "removed 1 save(s) cut short" in notes[1], notes  # the lock proves the earlier run dead (issue 42 item 3)
 
 
 def _fake_ckpt(root, step, world):

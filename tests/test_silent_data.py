@@ -131,13 +131,24 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
         load_rows(str(f), {"input_key": "input"})
 
 
-def test_missing_label_column_says_label_key_empty(tmp_path):
+def test_missing_label_column_says_leave_label_key_out(tmp_path):
+    """--label_key defaults to None, as OpenRLHF's (openrlhf/cli/train_ppo_ray.py ``--label_key`` default None): RL
+    data without labels loads; a named key the data lacks is refused with that fix. The built-in arithmetic reward
+    reads its own task's 'label' column when the flag is left out."""
+    from rlhf.config import parse
+
     f = tmp_path / "p.jsonl"
     f.write_text('{"input": "1+2="}\n')
     with pytest.raises(DataError) as e:
         load_rows(str(f), {"input_key": "input", "label_key": "label"})
-    assert '--label_key ""' in str(e.value)
-    assert load_rows(str(f), {"input_key": "input", "label_key": ""}) == [{"input": "1+2="}]
+    assert "leave --label_key out" in str(e.value)
+    assert load_rows(str(f), {"input_key": "input", "label_key": None}) == [{"input": "1+2="}]
+    assert parse("grpo", ["--remote_rm_url", "my_reward.py"]).data.label_key is None, "OpenRLHF's default is None"
+    assert parse("ppo", ["--reward_pretrain", "rm"]).data.label_key is None
+    assert parse("grpo", ["--remote_rm_url", "r.py", "--label_key", ""]).data.label_key is None
+    assert parse("grpo", ["--remote_rm_url", "builtin:arithmetic"]).data.label_key == "label"
+    assert parse("grpo", []).data.label_key == "label", "the built-in task (no reward given) reads its labels"
+    assert parse("grpo", ["--label_key", "answer"]).data.label_key == "answer"
 
 
 # ------------------------------------------------------------------------------------------------ checkpoint / log

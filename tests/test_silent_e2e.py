@@ -37,9 +37,9 @@ def test_dpo_long_and_identical_rows_then_resume(tiny_kit, tmp_path):
     keys = [(r["split"], r["step"]) for r in rows]
     assert len(keys) == len(set(keys)), keys
     assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2, 3, 4]
-    with pytest.raises(AssertionError, match="--start_fresh_if_no_checkpoint"):
-        torchrun("rlhf.train_dpo", 1, common + ["--ckpt_path", tmp_path / "ck_typo", "--load_checkpoint"],
-                 tmp_path, str(tmp_path / "logs3"))
+    with pytest.raises(AssertionError, match="--no_start_fresh_if_no_checkpoint refuses"):
+        torchrun("rlhf.train_dpo", 1, common + ["--ckpt_path", tmp_path / "ck_typo", "--load_checkpoint",
+                                                "--no_start_fresh_if_no_checkpoint"], tmp_path, str(tmp_path / "logs3"))
 
 
 def test_sft_resume_on_another_number_of_ranks(tiny_kit, tmp_path):

@@ -60,7 +60,7 @@ def fake_engine(tiny_kit, monkeypatch):
     from rlhf.rollout.vllm_engine import VLLMEngine
 
     eng = VLLMEngine(tiny_kit, 1, mode="colocated", max_model_len=64, enable_sleep=True, sleep_level=2,
-                     enforce_eager=True, log=lambda *_: None)
+                     enforce_eager=True, dummy_weights=False, log=lambda *_: None)
     return eng, dev, FakeLLM.instances[-1]
 
 
@@ -102,8 +102,8 @@ def test_level_two_only_when_a_sync_follows(fake_engine):
     eng.wake()
     with pytest.raises(RuntimeError, match="level-2 sleep discarded its weights"):  # our check, before vLLM's
         eng.generate(PROMPTS, SamplingParams(max_new_tokens=3))
-    eng.sleep()  # asleep again without a hint: level 1 (vLLM's own state is asleep-at-2 until a sync)
-    assert llm.calls[-1] == ("sleep", 1)
+    eng.sleep()  # asleep again without a hint, but the weights are garbage until a sync: level 2 again (level 1
+    assert llm.calls[-1] == ("sleep", 2)  # would copy them to pinned host memory and back, for nothing)
     eng.wake(["weights"])
     _sync(eng)
     eng.wake()
@@ -170,6 +170,7 @@ def _argv(kit, tmp, name, **over):
             "remote_rm_url": "builtin:arithmetic", "generate_max_len": 4, "rollout_batch_size": 4,
             "n_samples_per_prompt": 2, "train_batch_size": 8, "micro_train_batch_size": 4,
             "micro_rollout_batch_size": 8, "max_global_steps": 4, "eval_steps": 2, "save_steps": 2,
+            "eval_temperature": 0.0, "eval_n_samples_per_prompt": 1,
             "colocate_all_models": True, "vllm_enable_sleep": True, "rollout_engine": "vllm",
             "ckpt_path": tmp / "ck", "save_path": tmp / name / "model", "log_dir": tmp / name / "logs", "seed": 3}
     args.update(over)
@@ -221,25 +222,29 @@ def test_rl_stages_sleep_eval_resume_against_the_fake(tiny_kit, tmp_path, monkey
     assert [r["step"] for r in full] == [1, 2, 3, 4] and len(ev) == 2
     proto = _protocol(llm)
     assert all(c[1] is not None and len(c[1]) == 1 for c in proto if c[0] == "wake_up"), proto
-    # init: level 1 (a generate comes first); each step: wake weights + kv for the rollout, level 2 after it,
+    # init: level 2 (the engine starts on dummy weights, the first sync brings the actor's); each step: wake
+    # weights + kv for the rollout, level 2 after it,
     # weights for the sync; eval after steps 2 and 4: kv only, then level 1 (the next rollout needs the weights)
     step = [("wake_up", ("kv_cache",)), ("sleep", 2), ("wake_up", ("weights",))]
     evals = [("wake_up", ("kv_cache",)), ("sleep", 1), ("wake_up", ("weights",))]
-    want = ([("sleep", 1), ("wake_up", ("weights",))] + step + step + evals + step + step
+    want = ([("sleep", 2), ("wake_up", ("weights",))] + step + step + evals + step + step
             + [("wake_up", ("kv_cache",)), ("sleep", 1)])
     assert proto == want, proto
     assert "cached:80" in dev.events and set(llm.request_seeds) == {None}
     shutil.rmtree(tmp_path / "ck" / "global_step_4")  # as if the run had stopped after step 2's checkpoint
     resumed, _, llm2 = _run(_argv(tiny_kit, tmp_path, "b", load_checkpoint=True))
     assert [r["step"] for r in resumed] == [3, 4]
-    assert _protocol(llm2)[:3] == [("sleep", 1), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",))]
+    assert _protocol(llm2)[:3] == [("sleep", 2), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",))]
     for a, b in zip(full[2:], resumed):
         for k in ("reward", "policy_loss", "kl", "response_len"):
             assert a[k] == pytest.approx(b[k], abs=1e-6), (k, a[k], b[k])
 
 
 def test_rl_refill_rounds_keep_weights_against_the_fake(tiny_kit, tmp_path, monkeypatch):
-    """Dynamic filtering generates again after scoring, with no sync between: those sleeps must be level 1."""
+    """Dynamic filtering generates again after scoring, with no sync between.  A reward function holds no device
+    memory, so the engine stays awake from round to round (no sleep, no wake between them), and the last round's
+    sleep is level 2, as ``rollout_stage``'s: the step's weight sync follows it (issue 40 item 12; veRL sleeps vLLM
+    at level 2 where its weights are synced before the next generate)."""
     dev = fake_vllm(monkeypatch)
     _fake_backward_cache(monkeypatch, dev)
     train, _, llm = _run(_argv(tiny_kit, tmp_path, "f", max_global_steps=2, save_steps=-1, eval_steps=-1,
@@ -249,9 +254,14 @@ def test_rl_refill_rounds_keep_weights_against_the_fake(tiny_kit, tmp_path, monk
     rounds = [r["dynamic_filter_rounds"] for r in train]
     assert rounds == [2, 2], f"the tiny model's groups should fail the range and refill once per step: {rounds}"
     proto = _protocol(llm)
-    assert ("sleep", 2) not in proto, proto
     assert all(c[1] is not None and len(c[1]) == 1 for c in proto if c[0] == "wake_up"), proto
-    # 2 steps x 2 rounds + the final eval; each second round generated on weights a level-1 sleep kept
+    # after the start-up (a sleep, the weights woken for the first sync): each step wakes the KV cache, runs two
+    # rounds with nothing moved between them, sleeps at level 2 after the last and wakes the weights for the sync;
+    # the final eval (no sync follows it): level 1
+    step = [("wake_up", ("kv_cache",)), ("sleep", 2), ("wake_up", ("weights",))]
+    want = [("wake_up", ("weights",))] + step + step + [("wake_up", ("kv_cache",)), ("sleep", 1)]
+    assert proto[0][0] == "sleep" and proto[1:] == want, f"got {proto}"
+    # 2 steps x 2 rounds + the final eval
     assert sum(1 for c in llm.calls if c[0] == "generate") == 5
 
 

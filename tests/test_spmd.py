@@ -143,10 +143,10 @@ NOISE = ("LOAD REPORT", "Setting accelerator to CPU", "returned a view tensor", 
 
 def check_quiet(out: str) -> None:
     """The world-2 sweep loads, trains a critic, saves with FSDP2 and DeepSpeed: none of NOISE; the eval hold-out of
-    the one case without --eval_dataset (w2_issue_16_prompts: 16 prompts, --eval_split 0.1) said once, by rank 0."""
+    the one case with a hold-out (w2_issue_16_prompts: 16 prompts, --eval_holdout 0.1) said once, by rank 0."""
     for line in NOISE:
         assert line not in out, f"{line!r} is printed:\n" + "\n".join(x for x in out.splitlines() if line in x)[:2000]
-    note = "[data] no --eval_dataset: holding out 1 of 16 rows of --prompt_data for eval (--eval_split 0.1)"
+    note = "[data] --eval_holdout 0.1: holding out 1 of 16 rows of --prompt_data for eval"
     assert out.count(note) == 1, f"the eval hold-out is said {out.count(note)} times, not once"
 
 
@@ -173,6 +173,7 @@ def _fault_run(tiny_kit, tmp_path, fault, extra_flags=(), nproc=2, layout=("--co
             "--remote_rm_url", os.path.join(ROOT, "tests", "fault_reward.py"), "--rollout_batch_size", 4,
             "--n_samples_per_prompt", 2, "--train_batch_size", 8, "--micro_train_batch_size", 4,
             "--generate_max_len", 4, "--max_global_steps", 50, "--eval_steps", -1, "--log_dir", tmp_path / "logs",
+            "--eval_temperature", 0, "--eval_n_samples_per_prompt", 1,
             "--save_path", tmp_path / "m", "--no_progress_bar", *layout, *extra_flags]
     cmd = _torchrun(nproc, args, extra=["--standalone"])
     t0 = time.time()
@@ -271,6 +272,7 @@ def test_sigterm_to_torchrun_checkpoints_and_says_not_complete(tiny_kit, tmp_pat
             "--eval_dataset", f"{d}/prompts_eval.jsonl", "--remote_rm_url", "builtin:arithmetic",
             "--rollout_batch_size", 4, "--n_samples_per_prompt", 2, "--train_batch_size", 8,
             "--micro_train_batch_size", 4, "--generate_max_len", 4, "--max_global_steps", 400, "--ckpt_path", ck,
+            "--eval_temperature", 0, "--eval_n_samples_per_prompt", 1,
             "--log_dir", tmp_path / "logs", "--save_path", tmp_path / "m", "--no_progress_bar",
             "--colocate_all_models"]
     p = subprocess.Popen(_torchrun(2, args, extra=["--standalone"]), cwd=tmp_path, env=_env(),

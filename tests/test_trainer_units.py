@@ -24,7 +24,7 @@ def _one_step(kit, tmp_path, estimator, extra=()):
 def test_every_estimator_runs_one_step(tiny_kit, tmp_path, estimator):
     from rlhf.utils.logging import read_metrics
 
-    extra = ("--overlong_buffer_len", "2", "--normalize_reward", "--reward_clip_range", "-1", "1")
+    extra = ("--overlong_buffer_len", "2", "--running_reward_norm", "--reward_clip_range", "-1", "1")
     if estimator == "dr_grpo":
         extra += ("--loss_agg_mode", "seq-mean-token-sum-norm", "--policy_loss_type", "gspo")
     if estimator == "reinforce":  # LoRA actor, 2 steps, 2 epochs: the engine must hold the merged weights

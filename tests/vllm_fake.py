@@ -148,6 +148,12 @@ class FakeLLM(SleepModeLLM):
         hf.config.use_cache = True
         self.hf = HFEngine(hf, load_tokenizer(model))
         self.names = {n for n, _ in hf.named_parameters()}
+        if kw.get("load_format") == "dummy":  # vLLM's DummyModelLoader (vllm/model_executor/model_loader/
+            g = torch.Generator().manual_seed(1234)  # dummy_loader.py): random values, no checkpoint read; garbage
+            with torch.no_grad():                    # until every weight is loaded
+                for p in hf.parameters():
+                    p.copy_(torch.rand(p.shape, generator=g, dtype=p.dtype) * 2e-3 - 1e-3)
+            self.weights_valid = False
         self.request_seeds: List[Optional[int]] = []
         torch.manual_seed(seed)
         FakeLLM.instances.append(self)
@@ -217,4 +223,7 @@ def fake_vllm(monkeypatch, device: Optional[FakeDevice] = None) -> FakeDevice:
     monkeypatch.setattr(vllm_engine, "sleep_available", lambda: True)
     monkeypatch.setattr(vllm_engine, "on_cuda", lambda: False)
     monkeypatch.setattr(vllm_engine, "empty_device_cache", device.empty_cache)
+    # the fake makes no vLLM process groups: closing a colocated engine releases none (the real release imports
+    # vllm.distributed, which a machine without vLLM lacks)
+    monkeypatch.setattr(vllm_engine, "release_vllm_groups", lambda: device.events.append("release_groups"))
     return device

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import inspect
+import math
 import os
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 from rlhf.rollout.base import RolloutBatch, SamplingParams, batch_from_rows
 
@@ -33,6 +35,116 @@ class AgentInstanceBase:
         """states: {"observation_text", "action_text", "label", "step"}; return
         {"rewards": float, "scores": float, "environment_feedback": str, "done": bool, "extra_logs": dict}."""
         raise NotImplementedError
+
+
+# ---- the step / reset contract, checked (issue 42 item 11) ---------------------------------------------------------
+CONTRACT = ("OpenRLHF's contract (openrlhf/utils/agent.py MultiTurnAgentExecutor): step returns a dict "
+            "{'rewards': a number or one-value tensor, 'environment_feedback': str, 'done': bool, optional 'scores', "
+            "'extra_logs', 'sampling_params'}; reset returns {'observation': str}.")
+_SAID: set = set()
+
+
+class AgentContractError(ValueError):
+    """A value an agent returned that breaks the contract; the episode is counted as failed (its reward NaN:
+    excluded from the loss, counted in reward_invalid), the first of each kind (``field``) said once."""
+
+    def __init__(self, message: str, field_: str = "result", got=None):
+        super().__init__(message)
+        self.field = field_
+        self.kind = f"{field_}:{type(got).__name__}"
+
+
+def agent_file(cls) -> str:
+    """The file an agent class was defined in (its module is not in sys.modules: read it off a method's code)."""
+    for name in ("step", "reset", "execute", "__init__"):
+        code = getattr(getattr(cls, name, None), "__code__", None)
+        if code is not None and not code.co_filename.startswith(os.path.dirname(__file__)):
+            return code.co_filename
+    return getattr(sys.modules.get(getattr(cls, "__module__", "")), "__file__", None) or "<agent file>"
+
+
+def _shown(x) -> str:
+    text = repr(x)
+    return f"{type(x).__name__} {text[:120] + '...' if len(text) > 120 else text}"
+
+
+def _number(x) -> Optional[float]:
+    """x as a float if it is a number or a one-value tensor / array (not a bool, not a string); else None."""
+    if isinstance(x, (bool, str, bytes)) or x is None:
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if hasattr(x, "numel") and hasattr(x, "item"):
+        return float(x.item()) if x.numel() == 1 else None
+    if hasattr(x, "size") and hasattr(x, "item"):  # numpy
+        return float(x.item()) if x.size == 1 else None
+    return None
+
+
+def check_step_result(res, where: str, feedback_required: bool = False) -> Tuple[float, Optional[float], str, bool]:
+    """(reward, score or None, feedback text, done) from what ``step`` returned, or AgentContractError naming
+    ``where`` (file: Class.step), the field, what was returned and what is expected."""
+    def bad(field_: str, got, want: str):
+        return AgentContractError(f"{where} returned '{field_}' = {_shown(got)}; expected {want}. {CONTRACT}",
+                                  field_, got)
+
+    if not isinstance(res, dict):
+        raise AgentContractError(f"{where} returned {_shown(res)}, not a dict (a missing `return`?). {CONTRACT}",
+                                 "result", res)
+    if "rewards" not in res:
+        raise AgentContractError(f"{where} returned a dict without 'rewards' (keys: {sorted(map(str, res))}); "
+                                 f"expected a number or one-value tensor under 'rewards'. {CONTRACT}", "rewards", KeyError())
+    reward = _number(res["rewards"])
+    if reward is None:
+        raise bad("rewards", res["rewards"], "a number or a one-value tensor, e.g. torch.tensor(1.0)")
+    score = None
+    if res.get("scores") is not None:
+        score = _number(res["scores"])
+        if score is None:
+            raise bad("scores", res["scores"], "a number or a one-value tensor (or leave it out)")
+    if "done" not in res and feedback_required:
+        raise AgentContractError(f"{where} returned a dict without 'done' (keys: {sorted(map(str, res))}); expected "
+                                 f"'done': True or False. {CONTRACT}", "done", KeyError())
+    done = res.get("done", False)
+    if not isinstance(done, bool) and _number(done) is None:
+        raise bad("done", done, "True or False")
+    fb = res.get("environment_feedback")
+    if fb is None and not feedback_required:
+        fb = ""
+    if not isinstance(fb, str):
+        raise bad("environment_feedback", fb, "a string (the text appended after the model's turn; '' for none)")
+    return reward, score, fb, bool(done)
+
+
+def check_observation(st, where: str) -> str:
+    if not isinstance(st, dict) or not isinstance(st.get("observation"), str):
+        got = st.get("observation") if isinstance(st, dict) and "observation" in st else st
+        raise AgentContractError(f"{where} returned {_shown(got)} as the observation; expected a dict "
+                                 f"{{'observation': str}} (the prompt text, or your reset's). {CONTRACT}",
+                                 "observation", got)
+    return st["observation"]
+
+
+def say_once(key: str, message: str) -> None:
+    """One line per kind of agent problem per process (the episodes keep running, failed ones counted)."""
+    if key not in _SAID:
+        _SAID.add(key)
+        print(message, file=sys.stderr, flush=True)
+
+
+def episode_failed(e: AgentContractError, key: str) -> None:
+    say_once(f"{key}:{e.kind}", f"[agent] {e} This episode is counted as failed (reward NaN: out of the loss, counted in "
+                  f"reward_invalid); said once, later ones are counted only.")
+
+
+def images_dropped(where: str, res) -> None:
+    """OpenRLHF's VLM agents return ``environment_images`` (examples/python/vlm_multiturn_agent.py): said once."""
+    imgs = res.get("environment_images") if isinstance(res, dict) else None
+    if imgs:
+        n = len(imgs) if hasattr(imgs, "__len__") else 1
+        say_once(f"images:{where}", f"[agent] {where} returned environment_images ({n} image(s)): dropped. This "
+                                    f"build trains text agents only (VLM support has not landed); the feedback text, "
+                                    f"image placeholder tokens included, is kept as text. Said once.")
 
 
 @dataclass
@@ -66,11 +178,19 @@ class AgentExecutorBase:
 
     async def _run(self, prompt_ids, prompts, labels, params) -> RolloutBatch:
         eps = []
+        where = f"{agent_file(self.agent_cls)}: {self.agent_cls.__name__}"
         for ids, text, lab in zip(prompt_ids, prompts, labels):
             for _ in range(params.n):
                 inst = self.agent_cls()
                 st = await _maybe(inst.reset({"observation": text, "label": lab}))
-                eps.append(Episode(list(ids), lab, inst, observation=st.get("observation", text)))
+                ep = Episode(list(ids), lab, inst, observation=text)
+                if isinstance(st, dict) and "observation" not in st:
+                    st = {**st, "observation": text}  # this contract's reset may leave the prompt as it is
+                try:
+                    ep.observation = check_observation(st, f"{where}.reset")
+                except AgentContractError as e:
+                    self._fail(ep, e, f"{where}.reset")
+                eps.append(ep)
         one = SamplingParams(**{**params.__dict__, "n": 1})
         for turn in range(self.max_steps):
             active = [e for e in eps if not e.done]
@@ -96,9 +216,14 @@ class AgentExecutorBase:
                                                 "label": e.label, "step": turn}))
             results = await asyncio.gather(*[_maybe(r) for r in results])
             for e, res in zip(active, results):
-                e.reward, e.score = float(res["rewards"]), float(res.get("scores", res["rewards"]))
-                e.done = bool(res.get("done", False)) or turn == self.max_steps - 1
-                fb = res.get("environment_feedback") or ""
+                images_dropped(f"{where}.step", res)
+                try:
+                    reward, score, fb, done = check_step_result(res, f"{where}.step")
+                except AgentContractError as err:
+                    self._fail(e, err, f"{where}.step")
+                    continue
+                e.reward, e.score = reward, reward if score is None else score
+                e.done = done or turn == self.max_steps - 1
                 if not e.done and fb:
                     fb_ids = self.tokenizer(fb, add_special_tokens=False)["input_ids"]
                     e.response_ids += fb_ids
@@ -108,6 +233,12 @@ class AgentExecutorBase:
                 if len(e.response_ids) >= self.max_length:
                     e.done, e.truncated = True, True
         return self.to_batch(eps)
+
+    @staticmethod
+    def _fail(e: Episode, err: AgentContractError, key: str) -> None:
+        episode_failed(err, key)
+        e.reward = e.score = math.nan
+        e.done = True
 
     def to_batch(self, eps: List[Episode]) -> RolloutBatch:
         return batch_from_rows([e.prompt_ids for e in eps], [e.response_ids for e in eps], [e.logprobs for e in eps],
@@ -132,6 +263,8 @@ def load_agent(path: str):
     mod = importlib.util.module_from_spec(spec)
     with orl.openrlhf_names():
         spec.loader.exec_module(mod)
+    for name in ("AgentInstance", "AgentExecutor"):
+        check_sync_init(getattr(mod, name, None), name, path)
     exe = getattr(mod, "AgentExecutor", None)
     if orl.is_openrlhf_executor(exe):
         if inspect.isabstract(exe):
@@ -147,3 +280,15 @@ def load_agent(path: str):
     if not issubclass(exe, AgentExecutorBase):
         raise ValueError(f"{path}: AgentExecutor must subclass AgentExecutorBase")
     return inst, exe
+
+
+def check_sync_init(cls, name: str, path: str) -> None:
+    """``async def __init__`` cannot work: calling the class returns a coroutine from ``__init__``, which Python
+    refuses with a bare ``TypeError: __init__() should return None, not 'coroutine'`` (OpenRLHF fails there too:
+    openrlhf/utils/agent.py builds ``self.agent_instance_cls()``).  Said at load, with the fix."""
+    init = getattr(cls, "__init__", None) if isinstance(cls, type) else None
+    if init is not None and inspect.iscoroutinefunction(init):
+        raise ValueError(f"{path}: {name}.__init__ is `async def`; Python cannot await a constructor (calling "
+                         f"{name}() fails with \"TypeError: __init__() should return None, not 'coroutine'\", under "
+                         f"OpenRLHF too). Make __init__ a plain `def` and do the async set-up in "
+                         f"`async def reset(self, states, **kwargs)`, which is awaited at the start of each episode")

@@ -25,7 +25,9 @@ sampling setting.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import importlib.util
+import math
 import sys
 import types
 from abc import ABC, abstractmethod
@@ -36,8 +38,16 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from rlhf.rollout.base import RolloutBatch, SamplingParams, batch_from_rows
 
+from .base import (
+    AgentContractError,
+    AgentInstanceBase,
+    agent_file,
+    check_observation,
+    check_step_result,
+    episode_failed,
+    images_dropped,
+)
 from .base import AgentExecutorBase as NativeExecutorBase
-from .base import AgentInstanceBase
 
 __all__ = ["AgentInstanceBase", "AgentExecutorBase", "MultiTurnAgentExecutor", "ExecuteAdapter", "openrlhf_names"]
 
@@ -70,7 +80,12 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         if images:
             raise ValueError("--agent_func_path: image observations are not supported here (text agents only)")
         agent = self.agent_instance_cls()
-        observation = (await agent.reset({"observation": prompt, "label": label}))["observation"]
+        where = f"{agent_file(self.agent_instance_cls)}: {self.agent_instance_cls.__name__}"
+        try:
+            observation = check_observation(await agent.reset({"observation": prompt, "label": label}),
+                                            f"{where}.reset")
+        except AgentContractError as e:
+            return self._failed(prompt, label, hf_tokenizer, e, f"{where}.reset")
         tokens = hf_tokenizer(text=observation, add_special_tokens=False)["input_ids"]
         room = max_length - (getattr(sampling_params, "max_tokens", None) or 1)
         if len(tokens) > room:  # OpenRLHF keeps the tail of an over-long first observation
@@ -89,10 +104,16 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             ranges.append((len(tokens), len(tokens) + len(action)))
             res = await agent.step({"observation_text": observation, "action_text": out.text, "label": label,
                                     "sampling_params": sampling_params})
-            total += _scalar(res["rewards"])
-            scores = res.get("scores", total)
+            images_dropped(f"{where}.step", res)
+            try:
+                reward, score, feedback, done = check_step_result(res, f"{where}.step", feedback_required=True)
+            except AgentContractError as e:  # the episode so far, its reward NaN: counted as failed
+                episode_failed(e, f"{where}.step")
+                total = scores = math.nan
+                break
+            total += reward
+            scores = total if score is None else score
             logs = res.get("extra_logs", {})
-            feedback = res["environment_feedback"]
             fb = hf_tokenizer(text=feedback, add_special_tokens=False)["input_ids"]
             observation = observation + out.text + feedback
             tokens = tokens + action + fb
@@ -100,26 +121,62 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 logprobs += [lp[t].logprob for t, lp in zip(action, out.logprobs)] + [0.0] * len(fb)
             if res.get("sampling_params"):
                 sampling_params = res["sampling_params"]
-            if res["done"]:
+            if done:
                 break
         return {"prompt": prompt, "label": label, "images": images, "reward": total,
                 "scores": _scalar(scores if scores is not None else total), "observation_tokens": tokens,
                 "action_ranges": ranges, "rollout_log_probs": logprobs, "extra_logs": logs, "truncated": truncated}
 
+    @staticmethod
+    def _failed(prompt, label, hf_tokenizer, err: AgentContractError, key: str) -> Dict[str, Any]:
+        """A failed episode: the prompt, no action, reward NaN (excluded from the loss, counted invalid)."""
+        episode_failed(err, key)
+        tokens = hf_tokenizer(text=prompt, add_special_tokens=False)["input_ids"]
+        return {"prompt": prompt, "label": label, "images": None, "reward": math.nan, "scores": math.nan,
+                "observation_tokens": tokens, "action_ranges": [], "rollout_log_probs": None, "extra_logs": {},
+                "truncated": False}
+
+
+MATH_UTILS = "rlhf.compat.openrlhf_math_utils"  # OpenRLHF's openrlhf/utils/math_utils.py, vendored verbatim
+SERVED_UTILS = ("extract_boxed_answer", "grade_answer")  # what OpenRLHF's openrlhf/utils/__init__.py exports of it
+
+
+def _math_utils():
+    return importlib.import_module(MATH_UTILS)  # sympy and pylatexenc: imported only when a file asks for them
+
+
+def _utils_getattr(name: str):
+    """``openrlhf.utils``'s names this project serves, imported on first use (PEP 562 module ``__getattr__``)."""
+    if name in SERVED_UTILS:
+        return getattr(_math_utils(), name)
+    if name == "math_utils":
+        return _math_utils()
+    raise AttributeError(f"module 'openrlhf.utils' has no attribute {name!r}: rlhf serves only "
+                         f"openrlhf.utils.agent and openrlhf.utils.{{{', '.join(SERVED_UTILS)}, math_utils}} "
+                         f"(install openrlhf to use its other modules)")
+
+
+def _math_getattr(name: str):
+    return getattr(_math_utils(), name)
+
 
 @contextmanager
 def openrlhf_names():
-    """While the block runs, ``openrlhf.utils.agent`` is this module (parent packages are stubbed only where no
-    real ``openrlhf`` is importable); afterwards sys.modules is as before, so other code still gets a real
-    installed openrlhf."""
+    """While the block runs, ``openrlhf.utils.agent`` is this module, and ``openrlhf.utils``'s math helpers
+    (``extract_boxed_answer``, ``grade_answer``, ``openrlhf.utils.math_utils``: OpenRLHF's own code, vendored) are
+    importable, as OpenRLHF's examples/python/math_reward_func.py and agent files import them.  Parent packages are
+    stubbed only where no real ``openrlhf`` is importable (a real one serves its own math helpers); afterwards
+    sys.modules is as before, so other code still gets a real installed openrlhf."""
     me = sys.modules[__name__]
     real = "openrlhf" in sys.modules or importlib.util.find_spec("openrlhf") is not None
     entries: Dict[str, types.ModuleType] = {MODULE: me}
     if not real:
         pkg, utils = types.ModuleType("openrlhf"), types.ModuleType("openrlhf.utils")
+        math_utils = types.ModuleType("openrlhf.utils.math_utils")
         pkg.__path__, utils.__path__ = [], []
         pkg.utils, utils.agent = utils, me
-        entries.update({"openrlhf": pkg, "openrlhf.utils": utils})
+        utils.__getattr__, math_utils.__getattr__ = _utils_getattr, _math_getattr
+        entries.update({"openrlhf": pkg, "openrlhf.utils": utils, "openrlhf.utils.math_utils": math_utils})
     saved = {k: sys.modules.get(k) for k in entries}
     sys.modules.update(entries)
     try:
@@ -207,12 +264,15 @@ class AsyncEngine:
         return types.SimpleNamespace(outputs=[comp])
 
 
-def result_to_row(res: Dict[str, Any], max_length: int):
+def result_to_row(res: Dict[str, Any], max_length: int, where: str = "--agent_func_path: AgentExecutor.execute"):
     """(prompt ids, response ids, action mask, log-probs, truncated, reward, score) from one ``execute`` result:
     the prompt is observation_tokens before the first action range; the action mask is 1 inside the ranges."""
+    if not isinstance(res, dict):
+        raise ValueError(f"{where} returned {type(res).__name__} {str(res)[:120]!r}, not a dict (OpenRLHF's contract: "
+                         f"observation_tokens, action_ranges, rollout_log_probs, reward, scores)")
     for k in ("observation_tokens", "action_ranges", "reward"):
         if res.get(k) is None:
-            raise ValueError(f"--agent_func_path: AgentExecutor.execute must return {k!r} (OpenRLHF's contract: "
+            raise ValueError(f"{where} must return {k!r} (OpenRLHF's contract: "
                              f"observation_tokens, action_ranges, rollout_log_probs, reward, scores)")
     obs, ranges = list(res["observation_tokens"]), [tuple(r) for r in res["action_ranges"]]
     start = ranges[0][0] if ranges else len(obs)
@@ -251,7 +311,8 @@ class ExecuteAdapter(NativeExecutorBase):
                 jobs.append(self.executor.execute(prompt=text, label=lab, sampling_params=deepcopy(sp),
                                                   max_length=budgets[-1], hf_tokenizer=self.tokenizer,
                                                   llm_engine=eng, images=None))
-        rows = [result_to_row(r, b) for r, b in zip(await asyncio.gather(*jobs), budgets)]
+        where = f"{agent_file(self.openrlhf_cls)}: {self.openrlhf_cls.__name__}.execute"
+        rows = [result_to_row(r, b, where) for r, b in zip(await asyncio.gather(*jobs), budgets)]
         p, r, am, lp, tr, rw, sc = (list(c) for c in zip(*rows))
         return batch_from_rows(p, r, lp, tr, self.tokenizer.pad_token_id, action_masks=am, rewards=rw, scores=sc)
 

@@ -123,7 +123,7 @@ def _token_returns(seq_scores, mask, v_rows, kl, kl_coef, gamma, clip_range):
 
 
 @ADVANTAGE_ESTIMATORS.register("gae", needs_critic=True, needs_group=False, forces_gamma1=False)
-def gae(scores, mask, *, values, kl=None, kl_coef=0.0, gamma=1.0, lambd=0.95, whiten=True, std_norm=True,
+def gae(scores, mask, *, values, kl=None, kl_coef=0.0, gamma=1.0, lambd=1.0, whiten=True, std_norm=True,
         valid=None, clip_range=None, **_):
     """PPO: r_t = clip(s) [t = last] - kl_coef kl_t; GAE(gamma, lambda); A whitened over the batch's valid tokens."""
     v = _valid(scores, valid).float()
@@ -188,6 +188,24 @@ def rloo(scores, mask, *, group_size, kl=None, kl_coef=0.0, gamma=1.0, valid=Non
     k = v.sum(1, keepdim=True)
     baseline = ((g * v).sum(1, keepdim=True) - g) / (k - 1).clamp(min=1.0)
     ret, _ = _token_returns(_with_baseline(g - baseline, v), mask, v.view(-1), kl, kl_coef, gamma, clip_range)
+    return ret, ret
+
+
+@ADVANTAGE_ESTIMATORS.register("flash_reinforce", needs_critic=False, needs_group=False, forces_gamma1=True)
+def flash_reinforce(scores, mask, *, kl=None, kl_coef=0.0, gamma=1.0, valid=None, clip_range=None, **_):
+    """FlashREINFORCE (OpenRLHF 0.11.2, openrlhf/trainer/ppo_utils/experience_maker.py
+    ``compute_advantages_and_returns``: ``rewards = rewards - rewards.mean()``): one baseline for the whole rollout
+    batch, no prompt group, no std, no whitening:
+
+        s'_i = s_i - (1/k) sum_{j valid} s_j          (k = valid samples of the batch; any n_samples_per_prompt)
+        r_t  = clip(s'_i) [t = last action token] - kl_coef kl_t
+        A_t  = G_t = sum_{u >= t} r_u                 (gamma = 1, as OpenRLHF forces for it)
+
+    Invalid rows enter no mean and get 0."""
+    v = _valid(scores, valid).double()
+    s = torch.nan_to_num(scores.double(), nan=0.0, posinf=0.0, neginf=0.0) * v
+    mean = s.sum() / v.sum().clamp(min=1.0)
+    ret, _ = _token_returns((s - mean) * v, mask, v, kl, kl_coef, gamma, clip_range)
     return ret, ret
 
 

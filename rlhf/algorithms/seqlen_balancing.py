@@ -7,7 +7,10 @@ experience_maker.py ``split_rollout_samples``), and what is mirrored here:
 * ``karmarkar_karp``: the largest differencing method (Karmarkar-Karp) splits items into k sets of near-equal
   length sums; OpenRLHF's ``get_seqlen_balanced_partitions(lengths, k, equal_size)``.
 * ``min_micro_batches``: the fewest micro-batches whose token sums stay within the budget, by first fit;
-  OpenRLHF's ``get_minimum_num_micro_batch_size`` (a sequence longer than the budget is an error).
+  OpenRLHF's ``get_minimum_num_micro_batch_size``.  A sequence longer than the budget gets a micro-batch of its
+  own there (first fit opens a bin for it that nothing else fits into), and here too: it is never refused, and
+  ``plan_step`` counts such micro-batches (``OVER_BUDGET``, logged as ``over_budget_micro_batches``) and says so
+  once per process.
 * per optimizer step, OpenRLHF takes the largest such count over the DP ranks (``all_reduce(max)``) and splits
   each rank's rows into exactly that many balanced micro-batches (``get_seqlen_balanced_partitions(...,
   equal_size=False)``), so every rank runs the same number of forwards.
@@ -35,6 +38,7 @@ loss.  (OpenRLHF's dynamic path computes the same global counts: ``dynamic_batch
 from __future__ import annotations
 
 import heapq
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -79,11 +83,10 @@ def karmarkar_karp(lengths: Sequence[int], k: int, equal_size: bool = False) -> 
 
 def min_micro_batches(lengths: Sequence[int], budget: int) -> int:
     """The number of bins of capacity ``budget`` first fit needs for ``lengths`` taken longest first
-    (OpenRLHF ``get_minimum_num_micro_batch_size``, there in the given order).  0 for no lengths."""
+    (OpenRLHF ``get_minimum_num_micro_batch_size``, there in the given order).  0 for no lengths.  A length over
+    the budget takes a bin of its own (nothing fits beside it), as there."""
     bins: List[int] = []
     for n in sorted(lengths, reverse=True):
-        if n > budget:
-            raise ValueError(f"a sequence of {n} tokens exceeds the micro-batch token budget {budget}")
         for j, used in enumerate(bins):
             if used + n <= budget:
                 bins[j] = used + n
@@ -95,12 +98,13 @@ def min_micro_batches(lengths: Sequence[int], budget: int) -> int:
 
 def token_micro_batches(lengths: Sequence[int], budget: int, count: int) -> List[List[int]]:
     """At least ``count`` micro-batches (index lists) of near-equal token sums, each within ``budget`` tokens
-    (packed rows: a micro-batch costs the sum of its lengths).  Karmarkar-Karp into ``count`` sets; one more set
-    while some set is over budget.  Sets are empty only when there are fewer items than ``count``."""
+    (packed rows: a micro-batch costs the sum of its lengths), or a single over-budget item alone.  Karmarkar-Karp
+    into ``count`` sets; one more set while some set of two or more items is over budget.  Sets are empty only when
+    there are fewer items than ``count``."""
     k = max(count, 1)
     while True:
         parts = karmarkar_karp(lengths, k)
-        if all(sum(lengths[i] for i in p) <= budget for p in parts) or k >= len(lengths):
+        if all(len(p) <= 1 or sum(lengths[i] for i in p) <= budget for p in parts) or k >= len(lengths):
             return parts
         k += 1
 
@@ -131,14 +135,12 @@ def padded_cost(items: Sequence[Item]) -> int:
 def padded_micro_batches(items: Sequence[Item], budget: int, count: int) -> List[List[int]]:
     """At least ``count`` padded micro-batches (index lists), each within ``budget`` token slots
     (``padded_cost``): items sorted longest first are cut into runs, a run closed when the next item would take
-    its padded cost past the budget; then, while there are fewer than ``count`` runs, the costliest run of two
-    or more items is halved.  Empty lists pad the result to ``count`` when there are fewer items than that."""
+    its padded cost past the budget (an item over the budget alone is a run of its own: nothing joins it); then,
+    while there are fewer than ``count`` runs, the costliest run of two or more items is halved.  Empty lists pad
+    the result to ``count`` when there are fewer items than that."""
     order = sorted(range(len(items)), key=lambda i: (-(items[i].left + items[i].right), -items[i].rows, i))
     runs: List[List[int]] = []
     for i in order:
-        if padded_cost([items[i]]) > budget:
-            raise ValueError(f"a sequence of {padded_cost([items[i]])} padded tokens exceeds the micro-batch token "
-                             f"budget {budget}")
         if runs and padded_cost([items[j] for j in runs[-1]] + [items[i]]) <= budget:
             runs[-1].append(i)
         else:
@@ -189,7 +191,43 @@ def plan_step(items: Sequence[Item], world: int, budget: int, packed: bool
         mbs: List[Optional[List[int]]] = [[rows[j] for j in part] or None for part in split]
         # the real micro-batches first, dummies last
         micro.append([m for m in mbs if m is not None] + [m for m in mbs if m is None])
+    _count_over_budget(items, micro, budget, packed)
     return ranks, micro
+
+
+class OverBudget:
+    """Micro-batches planned over the token budget (each one over-budget sequence alone: OpenRLHF's first fit
+    gives it a bin of its own), summed over every rank's plan since the last ``take``."""
+    count = 0
+    warned = False
+
+    @classmethod
+    def take(cls) -> int:
+        n, cls.count = cls.count, 0
+        return n
+
+
+OVER_BUDGET = OverBudget
+
+
+def micro_cost(items: Sequence[Item], packed: bool) -> int:
+    """Tokens a micro-batch of ``items`` costs: their sum packed, rows x padded width padded."""
+    return sum(it.tokens for it in items) if packed else padded_cost(items)
+
+
+def _count_over_budget(items, micro, budget: int, packed: bool) -> None:
+    over = [micro_cost([items[i] for i in m], packed) for parts in micro for m in parts if m is not None]
+    over = [c for c in over if c > budget]
+    if not over:
+        return
+    OverBudget.count += len(over)
+    if not OverBudget.warned:
+        OverBudget.warned = True
+        warnings.warn(f"{len(over)} micro-batch(es) of one sequence over the token budget ({max(over)} > {budget} "
+                      f"tokens per micro-batch; --train_max_tokens_per_gpu / --rollout_max_tokens_per_gpu x "
+                      f"--ring_attn_size): each runs alone, as OpenRLHF does; counted in the metric "
+                      f"over_budget_micro_batches (raise the budget if such a forward runs out of memory)",
+                      UserWarning, stacklevel=3)
 
 
 def padding_stats(batches: Sequence[Sequence[Item]]) -> Tuple[int, int]:

@@ -24,7 +24,6 @@ class EngineSpec:
     betas: tuple = (0.9, 0.95)
     warmup_ratio: float = 0.03
     scheduler: str = "cosine_with_min_lr"
-    offload: bool = False          # sleep/wake offloads training state
     adam_offload: bool = False     # optimizer state (fsdp2: also sharded params and grads) in host memory all along
     dynamic_batch: bool = False    # token-budget micro-batches: their count varies from step to step
     accum_no_sync: bool = False    # fsdp2: reduce-scatter gradients on the last micro-batch only (full grads kept)
@@ -38,7 +37,7 @@ def spec_from_config(cfg, lr: float, total_steps: int, trainable: bool = True, g
                       micro_batch_size=o.micro_train_batch_size, total_steps=max(1, total_steps), trainable=trainable,
                       bf16=m.bf16, zero_stage=t.zero_stage, max_norm=o.max_norm, weight_decay=o.weight_decay,
                       betas=o.adam_betas, warmup_ratio=o.lr_warmup_ratio, scheduler=o.lr_scheduler,
-                      offload=t.deepspeed_enable_sleep, accum_no_sync=t.grad_accum_no_sync,
+                      accum_no_sync=t.grad_accum_no_sync,
                       adam_offload=t.adam_offload and trainable, dynamic_batch=o.use_dynamic_batch and trainable)
     if not trainable:
         spec.train_batch_size = spec.micro_batch_size * group_size
@@ -99,6 +98,21 @@ class TrainEngine(abc.ABC):
     model: torch.nn.Module
     accum_steps: int
 
+    @property
+    def compute_device(self) -> torch.device:
+        """Where a forward's inputs, labels, masks and loss terms go: the device the engine computes and runs its
+        collectives on (``cuda:<local>`` on GPU jobs), never read from the parameters.  Under --adam_offload FSDP2's
+        ``CPUOffloadPolicy`` keeps the sharded parameters in host memory and copies each unit to this device for its
+        all-gather (torch/distributed/fsdp/_fully_shard/_fsdp_api.py ``CPUOffloadPolicy``), so
+        ``next(model.parameters()).device`` is the CPU there while the forward runs on the GPU.  An engine's
+        ``device`` attribute when it has one, else the collective device (``comm.device()``)."""
+        dev = getattr(self, "device", None)
+        if dev is not None:
+            return torch.device(dev)
+        from rlhf.distributed import comm
+
+        return comm.device()
+
     @abc.abstractmethod
     def backward(self, loss: torch.Tensor, micro_step: int, last: Optional[bool] = None) -> None:
         """Accumulate the gradient of one micro-batch's loss (already scaled by the caller's normalisation).
@@ -129,7 +143,8 @@ class TrainEngine(abc.ABC):
 
     @abc.abstractmethod
     def wake(self, tags=None) -> None:
-        """Bring back what sleep released."""
+        """Bring back what sleep released, as far as a forward needs it: an engine may leave its optimizer state on
+        the host until ``step`` (FSDP2 does)."""
 
 
 def make_engine(backend: str, model: torch.nn.Module, spec: EngineSpec, group=None, device=None) -> TrainEngine:

@@ -144,6 +144,47 @@ def freeze_plain(model: torch.nn.Module, bf16: bool, device) -> torch.nn.Module:
     return model.to(device) if device is not None else model
 
 
+def module_bytes(model: torch.nn.Module, bf16: bool) -> int:
+    """The bytes of the module's parameters as DeepSpeed keeps them on the device (bf16 under --bf16)."""
+    return sum(p.numel() * (2 if bf16 and p.is_floating_point() else p.element_size()) for p in model.parameters())
+
+
+def check_whole_module_fits(nbytes: int, free_bytes: int, zero_stage: int, device: str = "the GPU") -> None:
+    """ZeRO stages below 3 keep the whole module on every rank's device (DeepSpeed's ``module.to(device)`` in
+    deepspeed/runtime/engine.py ``_configure_distributed_model``; a frozen plain module the same): refuse, with
+    the numbers, a model whose parameters alone exceed the device's free memory, before it is moved there."""
+    if zero_stage >= 3 or nbytes <= free_bytes:
+        return
+    gib = 2 ** 30
+    raise ValueError(f"--backend deepspeed --zero_stage {zero_stage} keeps the whole model on every GPU: its "
+                     f"parameters are {nbytes / gib:.1f} GiB, {device} has {free_bytes / gib:.1f} GiB free. Use "
+                     f"--zero_stage 3 (parameters partitioned over the ranks as they are placed) or --backend fsdp2")
+
+
+def partition_on_placement(deepspeed, model: torch.nn.Module, cfg: dict, bf16: bool, device) -> None:
+    """ZeRO-3 without the whole model on any device: each parameter in turn is moved to the device, broadcast
+    from rank 0 and partitioned (``deepspeed.zero.Init(module=model)``: "partition the model as if it was
+    constructed in the context", deepspeed/runtime/zero/partition_parameters.py ``_convert_to_zero_parameters``),
+    so a rank holds its partitions plus one full parameter.  ``deepspeed.initialize`` then finds a ZeRO-Init model
+    and leaves its placement alone (engine.py ``_configure_distributed_model``: ``is_zero_init_model`` skips
+    ``module.to(device)``, which would put the whole model on every GPU first; OpenRLHF and transformers reach the
+    same state by building under ``zero.Init`` via ``HfDeepSpeedConfig``).  ZeRO-Init parameters must already be
+    in the compute dtype (engine.py ``_cast_module_mixed_precision`` skips them): under --bf16 each is cast on the
+    host first, as DeepSpeed's own cast would (the fp32 masters come from the bf16 values either way); buffers
+    (rotary ``inv_freq``) are not partitioned and go to the device as ``module.to`` would have taken them."""
+    if bf16:
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != torch.bfloat16:
+                p.data = p.data.to(torch.bfloat16)
+    deepspeed.init_distributed()  # DeepSpeed's comm over torch's existing world (zero.Init sizes the partitions by it)
+    deepspeed.zero.Init(module=model, config_dict_or_path=cfg, mem_efficient_linear=False)
+    if device is not None:
+        for mod in model.modules():
+            for name, b in mod.named_buffers(recurse=False):
+                if b is not None and b.device != torch.device(device):
+                    mod._buffers[name] = b.to(device)
+
+
 # where each DeepSpeed optimizer wrapper keeps the tensors the client optimizer steps (DeepSpeed 0.19.8): ZeRO-3
 # (stage3.py; it hands them to the client optimizer only during step), ZeRO-1/2 (stage_1_and_2.py),
 # BF16_Optimizer (bf16_optimizer.py), FP16_UnfusedOptimizer (fp16/unfused_optimizer.py, stage 0)
@@ -176,6 +217,10 @@ class DeepSpeedEngine(TrainEngine):
         self.optimizer = self.scheduler = None
         self._offloaded = False
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        self._check_fits(model)
+        if self.zero3:  # before the optimizer is built: it holds the (then partitioned) parameters
+            partition_on_placement(deepspeed, model, deepspeed_config(spec, dp, hidden_size=hidden), spec.bf16,
+                                   comm.device())
         cpu_adam = False
         if spec.trainable and spec.adam_offload:
             opt, sched, cpu_adam = offload_optimizer_for(model, spec, comm.device())
@@ -200,6 +245,13 @@ class DeepSpeedEngine(TrainEngine):
         else:
             self.ds = None
             self.model = freeze_plain(model, spec.bf16, device)
+
+    def _check_fits(self, model: torch.nn.Module) -> None:
+        dev = comm.device()
+        if self.zero3 or dev.type != "cuda":
+            return
+        free, _ = torch.cuda.mem_get_info(dev)
+        check_whole_module_fits(module_bytes(model, self.spec.bf16), free, self.spec.zero_stage, str(dev))
 
     # ---- training ----------------------------------------------------------------------------------------------
     def backward(self, loss, micro_step: int, last: Optional[bool] = None) -> None:

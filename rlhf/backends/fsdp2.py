@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -32,30 +32,80 @@ def model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
+def host_copies(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """``model_tensors`` as detached tensors: new tensor objects over the same host storage (no copy).
+
+    ``fully_shard`` moves every parameter and buffer of a unit to the mesh's device by swapping its ``.data``
+    (torch/distributed/fsdp/_fully_shard/_fsdp_init.py ``_move_states_to_device``: ``tensor.data =
+    tensor.to(device)``), and a live Parameter kept aside would then hold that device copy after FSDP has replaced
+    the Parameter by its shard: block by block the whole model would pile up on the source rank's GPU.  A detached
+    tensor is not touched by that swap and keeps the host storage, as veRL keeps ``model.state_dict()`` (detached)
+    before ``apply_fsdp2`` (verl/workers/fsdp_workers.py, ``fsdp2_load_full_state_dict``)."""
+    return {name: t.detach() for name, t in model_tensors(model).items()}
+
+
+def to_meta(model: torch.nn.Module) -> None:
+    """Every parameter and buffer onto the meta device, in place: a Parameter keeps its identity (``swap_tensors``),
+    so tied weights stay tied and the module has the same tensors under the same names as a model built on meta.
+    The source rank calls it after ``host_copies``: ``fully_shard`` then skips the meta tensors
+    (``_move_states_to_device``: "Keep meta-device tensors on meta device for deferred init"), so no full block
+    ever reaches the source's device; its shards are allocated by ``to_empty`` and filled like every member's."""
+    for p in model.parameters():
+        if p.device.type != "meta":
+            torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty_like(p, device="meta"),
+                                                           requires_grad=p.requires_grad))
+    for mod in model.modules():
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.device.type != "meta":
+                mod._buffers[name] = torch.empty_like(b, device="meta")
+
+
+def fill_units(model: torch.nn.Module, names) -> List[List[str]]:
+    """The tensor names in fill order, one list per FSDP unit: each decoder block, then the rest (embedding, final
+    norm, head: the root unit).  A function of the module tree: the same on every rank."""
+    prefix = {id(m): n for n, m in model.named_modules()}
+    units, taken = [], set()
+    for block in decoder_layers(model):
+        head = prefix[id(block)] + "."
+        unit = [n for n in names if n.startswith(head) and n not in taken]
+        taken.update(unit)
+        units.append(unit)
+    units.append([n for n in names if n not in taken])
+    return [u for u in units if u]
+
+
 def fill_from_first(model: torch.nn.Module, full: Optional[Dict[str, torch.Tensor]], group, src: int,
-                    device: torch.device) -> None:
+                    device: torch.device, after_unit: Optional[Callable[[List[str]], None]] = None) -> None:
     """Fill a sharded (or plain) model whose storage is uninitialised from ``full``, which only global rank
-    ``src`` holds (host tensors); collective over ``group``, one tensor at a time.
+    ``src`` holds (host tensors, see ``host_copies``); collective over ``group``, one tensor at a time, unit by
+    unit (``fill_units``).
 
     For each tensor the source moves the full tensor to the device, one broadcast over the group carries it,
     and every member keeps its own shard (``distribute_tensor(..., src_data_rank=None)``: a local slice, no
     more communication).  So a member's device holds its shards plus one full tensor at a time: never the
     whole model (veRL ``fsdp2_load_full_state_dict`` and torch's ``set_model_state_dict(broadcast_from_rank0)``
-    do the same, but the latter only from global rank 0, so not for a role on a sub-group)."""
+    do the same, but the latter only from global rank 0, so not for a role on a sub-group).  The source drops
+    each host tensor from ``full`` once its shards are filled, so its host copy shrinks unit by unit (the
+    caller must hold no other reference).  ``after_unit(names)`` runs after each unit (tests measure there)."""
     me = comm.rank()
-    for name, t in model_tensors(model).items():
-        local = t.to_local() if isinstance(t, DTensor) else t
-        if me == src:
-            x = full[name].to(device=device, dtype=local.dtype)
-        else:
-            x = torch.empty(t.shape, dtype=local.dtype, device=device)
-        comm.broadcast(x, src, group)
-        with torch.no_grad():
-            if isinstance(t, DTensor):
-                local.copy_(distribute_tensor(x, t.device_mesh, t.placements, src_data_rank=None).to_local())
+    tensors = model_tensors(model)
+    for unit in fill_units(model, list(tensors)):
+        for name in unit:
+            t = tensors[name]
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if me == src:
+                x = full.pop(name).to(device=device, dtype=local.dtype)
             else:
-                local.copy_(x)
-        del x
+                x = torch.empty(t.shape, dtype=local.dtype, device=device)
+            comm.broadcast(x, src, group)
+            with torch.no_grad():
+                if isinstance(t, DTensor):
+                    local.copy_(distribute_tensor(x, t.device_mesh, t.placements, src_data_rank=None).to_local())
+                else:
+                    local.copy_(x)
+            del x
+        if after_unit is not None:
+            after_unit(unit)
 
 
 def mixed_precision(bf16: bool) -> MixedPrecisionPolicy:
@@ -104,7 +154,10 @@ class FSDP2Engine(TrainEngine):
         self.accum_steps = spec.train_batch_size // per_step
         src = comm.global_rank(self.group, 0)
         first = comm.rank() == src
-        full = model_tensors(model) if load_on_first and first else None
+        full = None
+        if load_on_first and first:  # the source keeps host copies and shards on meta like every member
+            full = host_copies(model)
+            to_meta(model)
         # one rank and fp32: sharding would only add all-gather and DTensor overhead to every op (measured: 2x
         # slower forward on the tiny model), so the module stays plain; same optimizer, schedule and checkpoints.
         # --adam_offload: sharded too (at one rank a single shard), since only FSDP's units offload
@@ -156,6 +209,7 @@ class FSDP2Engine(TrainEngine):
         (loss / self.accum_steps).backward()
 
     def step(self) -> Dict[str, float]:
+        self._onload_optimizer()  # after a sleep the optimizer state comes back here, for the update only
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, self.spec.max_norm)
         if hasattr(norm, "full_tensor"):
@@ -220,26 +274,40 @@ class FSDP2Engine(TrainEngine):
             buffers_to(self.model, torch.device("cpu"))
         else:
             self.model.to("cpu", non_blocking=True)
-        if self.optimizer and not self.adam_offload:
-            for st in self.optimizer.state.values():
-                for k, v in st.items():
-                    if torch.is_tensor(v):
-                        st[k] = v.to("cpu", non_blocking=True)
+        if not self.adam_offload:
+            optimizer_state_to(self.optimizer, torch.device("cpu"))
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         self._offloaded = True
 
     def wake(self, tags=None) -> None:
+        """Bring back the weights (and buffers) only: what every phase needs.  The optimizer state stays on the
+        host until ``step`` needs it (``_onload_optimizer``), so the forward-only phases that wake this engine
+        (old log-probs, the weight sync, a save) do not move it twice for nothing (veRL moves them apart too:
+        ``load_fsdp_model_to_gpu`` for every phase, ``load_fsdp_optimizer`` in ``update_actor`` only,
+        verl/workers/fsdp_workers.py)."""
         if not self._offloaded:
             return
         if self.device.type != "cpu" and self.adam_offload:
             buffers_to(self.model, self.device)
         elif self.device.type != "cpu":
             self.model.to(self.device, non_blocking=True)
-            if self.optimizer:
-                for st in self.optimizer.state.values():
-                    for k, v in st.items():
-                        if torch.is_tensor(v):
-                            st[k] = v.to(self.device, non_blocking=True)
             torch.cuda.synchronize()
         self._offloaded = False
+
+    def _onload_optimizer(self) -> None:
+        """The optimizer state onto the device where a sleep left it on the host (--adam_offload: it lives there)."""
+        if self.optimizer is not None and not self.adam_offload and self.device.type != "cpu":
+            if optimizer_state_to(self.optimizer, self.device):
+                torch.cuda.synchronize()
+
+
+def optimizer_state_to(optimizer, device: torch.device) -> int:
+    """Move every tensor of the optimizer's state that is not on ``device`` there; returns how many moved."""
+    moved = 0
+    for st in (optimizer.state.values() if optimizer is not None else ()):
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.device != device:
+                st[k] = v.to(device, non_blocking=True)
+                moved += 1
+    return moved

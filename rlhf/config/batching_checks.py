@@ -1,22 +1,10 @@
-"""Parse-time checks of token-budget micro-batching (--use_dynamic_batch) and optimizer offload (--adam_offload),
-before any process group.  Called from validate.validate; each failure names the flag and a value that works."""
+"""Parse-time checks of token budgets (--use_dynamic_batch) and optimizer offload (--adam_offload), before any
+process group.  Called from validate.validate; each failure names the flag and a value that works."""
 from __future__ import annotations
 
 from .validate import ConfigError
 
 RL_KINDS = ("ppo", "grpo")
-
-
-def longest_sequence(cfg, kind: str) -> tuple:
-    """(tokens one training sample can take, how that number is made): RL prompt + response, SFT one sample,
-    RM / DPO a chosen/rejected pair (two sequences in one micro-batch)."""
-    d = cfg.data
-    if kind in RL_KINDS:
-        return (d.prompt_max_len + d.generate_max_len,
-                f"--prompt_max_len {d.prompt_max_len} + --generate_max_len {d.generate_max_len}")
-    if kind in ("rm", "dpo"):
-        return 2 * d.max_len, f"a chosen/rejected pair, 2 x --max_len {d.max_len}"
-    return d.max_len, f"--max_len {d.max_len}"
 
 
 def row_budgets(cfg) -> tuple:
@@ -30,20 +18,16 @@ def row_budgets(cfg) -> tuple:
 
 
 def validate_batching(cfg, kind: str) -> None:
+    """A token budget smaller than the longest sequence is not refused: such a sequence gets a micro-batch of its
+    own, as in OpenRLHF (openrlhf/utils/seqlen_balancing.py ``get_minimum_num_micro_batch_size``: first fit opens
+    a bin for it), counted in the metric over_budget_micro_batches (rlhf.algorithms.seqlen_balancing)."""
     o, r, t = cfg.optim, cfg.rollout, cfg.topology
     if o.use_dynamic_batch:
-        need, why = longest_sequence(cfg, kind)
-        sp = max(int(getattr(t, "ring_attn_size", 1) or 1), 1)
-        budgets = [("train_max_tokens_per_gpu", o.train_max_tokens_per_gpu)]
-        if kind in RL_KINDS and r.rollout_max_tokens_per_gpu is not None:
-            budgets.append(("rollout_max_tokens_per_gpu", r.rollout_max_tokens_per_gpu))
-        for flag, val in budgets:
-            if val * sp < need:
-                fit = -(-need // sp)
-                split = f" x --ring_attn_size {sp} = {val * sp}" if sp > 1 else ""
-                raise ConfigError(flag, f"--{flag} {val}{split} is smaller than one sequence ({why} = {need} tokens): "
-                                        f"a micro-batch must hold at least one; use --{flag} {fit} or more, or lower "
-                                        f"the length limits")
+        for flag, val in (("train_max_tokens_per_gpu", o.train_max_tokens_per_gpu),
+                          ("rollout_max_tokens_per_gpu", r.rollout_max_tokens_per_gpu)):
+            if val is not None and val < 1:
+                raise ConfigError(flag, f"--{flag} must be >= 1 token, got {val}; e.g. --{flag} 16192 "
+                                        f"(OpenRLHF's default)")
     if t.adam_offload and t.backend == "deepspeed" and t.zero_stage < 1:
         # DeepSpeed: zero_optimization.offload_optimizer is "valid only with stage 1, 2 and 3" (its config docs);
         # stage 0 builds no ZeRO optimizer, so the offload would never run

@@ -78,12 +78,36 @@ class GroupedCommand(click.Command):
         return super().parse_args(ctx, args)
 
 
+class ConfigUsageError(click.UsageError):
+    """A ConfigError found while parsing: shown as one line (its message names the flag and the fix), no usage
+    banner; exit code 2 like any usage error."""
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", file=file or sys.stderr)
+
+
+def yaml_error(path: str, e: yaml.YAMLError) -> ConfigError:
+    """One line for a YAML syntax error: the file, line and column (1-based, as editors count) and what the
+    parser expected (PyYAML's MarkedYAMLError: ``problem``/``problem_mark``, ``context``/``context_mark``)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+    what = "; ".join(x for x in (getattr(e, "problem", None), getattr(e, "context", None)) if x)
+    what = what or (str(e).splitlines() or ["unreadable"])[0]
+    ctx = getattr(e, "context_mark", None)
+    if ctx is not None and mark is not None and (ctx.line, ctx.column) != (mark.line, mark.column):
+        what += f" (opened at line {ctx.line + 1}, column {ctx.column + 1})"
+    return ConfigError("config", f"--config {path}: YAML syntax error at {where}: {what}; fix the file there")
+
+
 def load_yaml(path: str) -> dict:
     """Read a YAML recipe into a flat {flag: value} dict; groups may nest."""
     if not os.path.isfile(path):
         raise ConfigError("config", f"config file {path} does not exist")
     with open(path) as fh:
-        raw = yaml.safe_load(fh) or {}
+        try:
+            raw = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as e:
+            raise yaml_error(path, e) from None
     if not isinstance(raw, dict):
         raise ConfigError("config", f"{path} must hold a mapping of flag: value")
     index = flag_index()
@@ -214,6 +238,9 @@ def build_config(values: dict, kind: str, trainer_defaults: Optional[dict] = Non
             raise ConfigError(name, f"unknown flag --{name}")
         g, f = index[name]
         setattr(getattr(cfg, g), name, _coerce(f, val))
+    from .openrlhf_meaning import resolve_given  # OpenRLHF's meaning of flags given (or not): --max_len in RL, ...
+
+    resolve_given(cfg, kind, values)
     validate(cfg, kind)
     return cfg
 
@@ -259,7 +286,7 @@ def make_command(kind: str, run: Callable[[TrainConfig], None], trainer_defaults
             values.update(explicit)
             cfg = build_config(values, kind, trainer_defaults)
         except ConfigError as e:
-            raise click.UsageError(str(e)) from None
+            raise ConfigUsageError(str(e)) from None
         return run(cfg)
 
     return GroupedCommand(name=kind, params=params, callback=callback, help=help,
@@ -294,3 +321,18 @@ def main_entry(kind: str, run: Callable[[TrainConfig], None], trainer_defaults: 
         sys.exit(e.exit_code)
     except click.Abort:
         sys.exit(1)
+    except Exception as e:  # a 1-rank job: failfast.guarded let it through (more ranks: guarded ended the job)
+        refuse_one_line(e)
+        raise
+
+
+def refuse_one_line(e: BaseException) -> None:
+    """A refusal (a bad-input error: failfast.INPUT_ERRORS) as the one line ``error: <message>`` and exit 2 before
+    any process group (1 after), as ``failfast.guarded`` does on more ranks; anything else returns (and its
+    traceback follows)."""
+    from rlhf.distributed import failfast
+
+    if not failfast.is_input_error(e):
+        return
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(failfast.refusal_code())

@@ -57,7 +57,6 @@ Entry = Union[str, Split, Fanout, Switch, Notice, Choice]
 _MUON = "the Muon optimizer is not available here (AdamW only)"
 _ADAM_EPS = "AdamW eps is fixed at 1e-8 here (OpenRLHF's default)"
 _MIN_LR = "the cosine schedule's floor is fixed at 0.1 x lr here (OpenRLHF's default)"
-_SPLIT = "only the train split of --eval_dataset is read (a hub set takes name@split)"
 
 HIERARCHICAL: Dict[str, Entry] = {
     # --- models ---
@@ -157,7 +156,7 @@ HIERARCHICAL: Dict[str, Entry] = {
     # --- data ---
     "data.prompt_dataset": "prompt_data", "data.prompt_probs": "prompt_data_probs",
     "data.prompt_split": "prompt_split", "data.dataset_split": "dataset_split",
-    "eval.split": Choice("", ("train",), _SPLIT),
+    "eval.split": "eval_split",
     "data.dataset": "dataset", "data.dataset_probs": "dataset_probs", "eval.dataset": "eval_dataset",
     "data.input_key": "input_key", "data.output_key": "output_key", "data.label_key": "label_key",
     "data.prompt_key": "prompt_key", "data.chosen_key": "chosen_key", "data.rejected_key": "rejected_key",

@@ -61,9 +61,7 @@ COMPAT: Dict[str, Compat] = {
     "enable_vllm_is_correction": _alias(lambda v: {"enable_is_correction": v}, bool, False, "--enable_is_correction"),
     "ipo": _alias(lambda v: {"loss_type": "ipo"} if v else {}, bool, False, "--loss_type ipo"),
     "loss": _alias(lambda v: {"rm_loss": v}, str, "sigmoid", "--rm_loss"),
-    "dataset_split": _alias(lambda v: {} if v == "train" else _split_error("dataset_split", v), str, "train", ""),
-    "train_split": _alias(lambda v: {} if v == "train" else _split_error("train_split", v), str, "train", ""),
-    "prompt_split": _alias(lambda v: {} if v == "train" else _split_error("prompt_split", v), str, "train", ""),
+    "train_split": _alias(lambda v: {"dataset_split": v}, str, "train", "--dataset_split"),
     "prompt_key": _alias(lambda v: {"input_key": v} if v else {}, str, None, "--input_key"),
     # --- accepted, no effect here (the notice says why)
     "vllm_sync_backend": _noop("weights reach the rollout engine in-process (colocated) or by a torch.distributed "
@@ -127,13 +125,11 @@ COMPAT: Dict[str, Compat] = {
                          "--is_correction_type icepop"),
     "stop_properly_penalty_coef": _unsupported("the stop-properly (truncation) penalty is not implemented", float),
     "min_lr_ratio": _unsupported("cosine_with_min_lr decays to 0.1 x the learning rate", float, 0.1),
-    "max_new_tokens": _unsupported("use --generate_max_len", int),
+    # OpenRLHF 0.11 train_sft / train_rm / train_dpo: --optim {adam,muon} (flat, next to --adam.* / --muon.*)
+    "optim": _unsupported("the Muon optimizer is not available here (AdamW only)", str, "adam"),
+    "max_new_tokens": _alias(lambda v: {"generate_max_len": v}, int, None,
+                             "--generate_max_len (OpenRLHF 0.10.1's flat name of --rollout.max_new_tokens)"),
 }
-
-
-def _split_error(flag, v):
-    raise ConfigError(flag, f"--{flag} {v}: only the train split is read from files; give a hub set as "
-                            f"--dataset name@{v} (or --prompt_data name@{v})")
 
 
 def active(schema_flags) -> Dict[str, Compat]:

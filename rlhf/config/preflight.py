@@ -136,6 +136,22 @@ def check_writable(cfg, kind: str) -> None:
         if why:
             raise ConfigError(flag, f"--{flag} {path} is not writable: {why}; give a directory you can write "
                                     f"(it is checked now so the run does not fail after training)")
+    check_export_targets(cfg)
+
+
+def check_export_targets(cfg) -> None:
+    """--save_path (and <save_path>_critic with --save_value_network) may hold anything (OpenRLHF's scripts put
+    --ckpt_path and logs under it); the export replaces only an earlier export's files, so files it would overwrite
+    that no export wrote are refused now, not after training (``checkpoint.check_export_target``)."""
+    from rlhf.utils import checkpoint as ckpt
+
+    c = cfg.checkpoint
+    targets = [c.save_path] + ([c.save_path.rstrip("/") + "_critic"] if c.save_value_network else [])
+    for path in targets:
+        try:
+            ckpt.check_export_target(path, "save_path")
+        except ckpt.CheckpointError as e:
+            raise ConfigError("save_path", str(e)) from None
 
 
 def check_resume(cfg, world: int) -> List[str]:
@@ -161,11 +177,13 @@ def check_resume(cfg, world: int) -> List[str]:
                 seen += " (.tmp-* are saves cut short)"
         else:
             seen = "it does not exist"
-        msg = f"--load_checkpoint: no complete checkpoint (global_step_N/) in --ckpt_path {c.ckpt_path}: {seen}"
+        msg = f"--load_checkpoint: no checkpoint (global_step_N/) in --ckpt_path {c.ckpt_path} ({seen})"
         if not c.start_fresh_if_no_checkpoint:
-            raise ConfigError("ckpt_path", f"{msg}. Check --ckpt_path, or add --start_fresh_if_no_checkpoint to start "
-                                           f"from step 0 (OpenRLHF's behaviour)")
-        return notices + [f"[resume] {msg}; starting fresh (--start_fresh_if_no_checkpoint)"]
+            raise ConfigError("ckpt_path", f"{msg}, and --no_start_fresh_if_no_checkpoint refuses to start from step "
+                                           f"0. Check --ckpt_path, or drop --no_start_fresh_if_no_checkpoint")
+        # OpenRLHF starts from step 0 then (openrlhf/trainer/ppo_trainer.py ``init_checkpoint_states``, the cli's
+        # ``if args.load_checkpoint and os.path.exists(ckpt_path)``); a damaged checkpoint is refused above
+        return notices + [f"[resume] {msg}: starting from step 0"]
     saved = ckpt.saved_world_size(latest)
     if saved and saved != world:
         if cfg.topology.backend == "deepspeed":

@@ -31,7 +31,8 @@ class ModelConfig:
     value_head_prefix: Optional[str] = opt(None, "name of the reward head's weights in --reward_pretrain (OpenRLHF: "
                                                  "score or value_head; default: config.json's value_head_prefix, "
                                                  "else score)")
-    critic_pretrain: Optional[str] = opt(None, "HF dir the critic is initialised from (default: --pretrain)")
+    critic_pretrain: Optional[str] = opt(None, "HF dir the critic is initialised from (default: with gae, the reward "
+                                               "model of --reward_pretrain, as OpenRLHF; without one, --pretrain)")
     ref_pretrain: Optional[str] = opt(None, "HF dir of the reference model (default: --pretrain)")
     bf16: bool = opt(False, "train in bfloat16 mixed precision")
     flash_attn: bool = opt(False, "use flash_attention_2 (needs the [flash] extra and CUDA)")
@@ -46,6 +47,10 @@ class ModelConfig:
     logprob_chunk_size: int = opt(1024, "tokens per chunk when computing log-probs (bounds the vocab-sized buffer)")
     lm_head_keep_mb: int = opt(1024, "MiB of softmax probabilities the fused LM head may keep from forward for "
                                      "backward instead of recomputing the logits (0 = always recompute)")
+    lm_head_fp32: bool = opt(False, "compute the LM head's logits in float32 from the bf16 hidden states (actor, "
+                                    "reference, SFT, DPO; TRL's cast_lm_head_to_fp32): log-probs without bf16 logit "
+                                    "rounding (5e-3..2e-2 per token where top logits reach 10..20), for a float32 "
+                                    "copy of the head weight per micro-batch and fp32 head matmuls")
 
     @property
     def lm_head_keep_bytes(self) -> int:
@@ -54,26 +59,41 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    dataset: Optional[str] = opt(None, "SFT/RM/DPO data: jsonl/json/parquet files or dirs or hub names, comma separated")
+    dataset: Optional[str] = opt(None, "SFT/RM/DPO data, comma separated: .jsonl/.json/.parquet/.csv/.arrow files, "
+                                       "folders (save_to_disk or data files), hub names; name@data_dir reads a folder "
+                                       "inside it (OpenRLHF: openai/gsm8k@main), name:config a config")
+    dataset_split: str = opt("train", "split of --dataset (OpenRLHF --dataset_split; a single file is 'train')")
     dataset_probs: Optional[str] = opt(None, "mixture weights for --dataset, comma separated")
-    eval_dataset: Optional[str] = opt(None, "held-out data (default: a split of the training data)")
-    prompt_data: Optional[str] = opt(None, "RL prompts: files, dirs or hub names, comma separated (default: built-in arithmetic task)")
+    eval_dataset: Optional[str] = opt(None, "eval data, spelled as --dataset (default: none, eval off, as OpenRLHF; "
+                                            "see --eval_holdout)")
+    eval_split: str = opt("train", "split of --eval_dataset (OpenRLHF --eval_split / --eval.split)")
+    prompt_data: Optional[str] = opt(None, "RL prompts, spelled as --dataset (name@data_dir, name:config; default: "
+                                           "the built-in arithmetic task)")
+    prompt_split: str = opt("train", "split of --prompt_data (OpenRLHF --prompt_split)")
     prompt_data_probs: Optional[str] = opt(None, "mixture weights for --prompt_data")
     input_key: str = opt("input", "key of the prompt / input text")
     output_key: str = opt("output", "key of the SFT response text")
-    label_key: Optional[str] = opt("label", "key of the label passed to the reward function")
+    label_key: Optional[str] = opt(None, "key of the label passed to the reward function (default none, as OpenRLHF: "
+                                         "labels are None; the built-in arithmetic reward reads 'label')")
     chosen_key: str = opt("chosen", "key of the preferred response")
     rejected_key: str = opt("rejected", "key of the rejected response")
     margin_key: str = opt("margin", "key of the per-pair reward-model margin (read with --margin_loss)")
-    input_template: Optional[str] = opt(None, "template with {} applied to the prompt when no chat template is used")
+    input_template: Optional[str] = opt(None, "template with {} applied to the prompt when no chat template is used "
+                                              "(SFT defaults to OpenRLHF's; --input_template \"\" for the bare input)")
     apply_chat_template: bool = opt(False, "format prompts with the tokenizer's chat template")
     multiturn: bool = opt(False, "SFT: --input_key holds a whole conversation (chat messages); loss on every "
                                  "assistant turn (needs --apply_chat_template; OpenRLHF --multiturn)")
     max_samples: int = opt(10**9, "use at most this many samples from each data set")
-    eval_split: float = opt(0.1, "fraction held out for eval when no --eval_dataset is given")
+    eval_holdout: float = opt(0.0, "fraction of the training rows held out for eval when no --eval_dataset is given "
+                                   "(default 0: every row trains and eval is off, as OpenRLHF)")
     prompt_max_len: int = opt(1024, "max prompt tokens (longer prompts are left-truncated)")
-    generate_max_len: int = opt(1024, "max new tokens per response")
-    max_len: int = opt(2048, "max total tokens for SFT/RM/DPO samples")
+    generate_max_len: int = opt(1024, "max new tokens per response (OpenRLHF --max_new_tokens / "
+                                      "--rollout.max_new_tokens)")
+    max_len: int = opt(2048, "SFT/RM/DPO: max tokens of a sample; RL (OpenRLHF --data.max_len): the prompt + "
+                             "response budget of each sample, when given: with --generate_max_len prompts keep "
+                             "their last max_len - generate_max_len tokens, without it each response may take "
+                             "max_len minus its prompt's tokens (prompts keep max_len - 1); not given in RL: "
+                             "--prompt_max_len + --generate_max_len")
 
 
 @dataclass
@@ -88,7 +108,10 @@ class TopologyConfig:
     reward_num_gpus_per_node: int = opt(0, "ranks per node for the reward model (0 = same as actor / colocated)")
     vllm_num_engines: int = opt(0, "rollout engines (0 = one per actor rank, colocated)")
     vllm_tensor_parallel_size: int = opt(1, "tensor-parallel ranks per rollout engine")
-    colocate_all_models: bool = opt(False, "all roles share the same ranks and take turns (hybrid engine)")
+    colocate_all_models: bool = opt(False, "all roles share the same ranks and take turns (hybrid engine); with "
+                                           "--async_train only the training models share the actor's ranks and the "
+                                           "rollout runs on --vllm_num_engines ranks of its own (OpenRLHF; a notice "
+                                           "says so)")
     colocate_actor_ref: bool = opt(False, "reference model on the actor's ranks")
     colocate_critic_reward: bool = opt(False, "reward model on the critic's ranks")
     vllm_enable_sleep: bool = opt(False, "put the rollout engine to sleep while other roles run")
@@ -114,7 +137,7 @@ class TopologyConfig:
                                  "ranks inside a node; generation is not split)")
     gpu_memory_gb: Optional[float] = opt(None, "device memory per rank, GiB, for the memory plan (rlhf.plan --memory: "
                                                "default 80, an H100; the trainers' start-up check: the GPU's own; on "
-                                               "CPU the check runs only when this is given)")
+                                               "CPU the check runs only when this is given; a finite number > 0)")
     skip_memory_check: bool = opt(False, "start even when the memory plan says a stage cannot fit the device "
                                          "(python -m rlhf.plan --memory prints the plan)")
 
@@ -134,8 +157,8 @@ class RolloutConfig:
     temperature: float = opt(1.0, "sampling temperature")
     top_p: float = opt(1.0, "nucleus sampling")
     top_k: int = opt(-1, "top-k sampling (-1 = off)")
-    eval_temperature: float = opt(0.0, "temperature for eval generation (0 = greedy)")
-    eval_n_samples_per_prompt: int = opt(1, "samples per eval prompt")
+    eval_temperature: float = opt(0.6, "temperature for eval generation (0 = greedy; OpenRLHF's default 0.6)")
+    eval_n_samples_per_prompt: int = opt(4, "samples per eval prompt (OpenRLHF's default 4)")
     vllm_gpu_memory_utilization: float = opt(0.5, "fraction of GPU memory vLLM may take")
     vllm_sleep_level: int = opt(2, "vLLM sleep level where a weight sync follows before the next generate (after "
                                    "the step's rollout): 2 discards the weights (no host copy), 1 copies them to host "
@@ -167,9 +190,11 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage_estimator: str = opt("gae", "advantage estimator (see rlhf.algorithms.advantages)")
+    advantage_estimator: str = opt("gae", "advantage estimator: gae, reinforce, reinforce_baseline, group_norm, "
+                                          "dr_grpo, rloo, flash_reinforce (reward minus the rollout batch's mean, "
+                                          "no group, no whitening; OpenRLHF 0.11.2); see rlhf.algorithms.advantages")
     gamma: float = opt(1.0, "discount (rloo / group_norm / dr_grpo / reinforce_baseline use 1, as OpenRLHF: a warning says so)")
-    lambd: float = opt(0.95, "GAE lambda")
+    lambd: float = opt(1.0, "GAE lambda (OpenRLHF --lambd / --algo.advantage.lambd: default 1)")
     init_kl_coef: float = opt(0.01, "initial KL coefficient (a negative value counts as 0, as OpenRLHF)")
     kl_target: Optional[float] = opt(None, "target KL for the adaptive controller (unset = fixed coefficient)")
     kl_horizon: int = opt(10000, "horizon of the adaptive KL controller")
@@ -178,7 +203,13 @@ class AlgorithmConfig:
     kl_unbiased_gradient: bool = opt(False, "KL loss: keep the estimator's value but back-propagate the "
                                             "importance-weighted reverse-KL gradient (OpenRLHF "
                                             "algo.kl.unbiased_gradient)")
-    normalize_reward: bool = opt(False, "normalise rewards with running mean/std")
+    normalize_reward: bool = opt(False, "rescale the reward model's score by the mean / std saved with it "
+                                        "((r - mean) / std; train_rm's reward_norm.json or OpenRLHF's config.json "
+                                        "mean / std), as OpenRLHF; reward functions and agents are untouched "
+                                        "(a running normalisation of every reward: --running_reward_norm)")
+    running_reward_norm: bool = opt(False, "normalise every reward (reward model, reward function, agent) by a "
+                                           "running mean / std over the valid rewards seen so far (not in "
+                                           "OpenRLHF; what --normalize_reward did here before)")
     no_advantage_std_norm: bool = opt(False, "subtract the mean only: no std in group_norm, and no std in the global "
                                              "whitening of gae / reinforce / reinforce_baseline")
     scale_rewards: str = opt("group", "group_norm's std: the group's, the whole batch's (TRL scale_rewards=batch), or "
@@ -255,7 +286,10 @@ class OptimConfig:
                                          "--micro_rollout_batch_size as the micro-batch size (OpenRLHF "
                                          "--train.dynamic_batch_enable)")
     train_max_tokens_per_gpu: int = opt(16192, "--use_dynamic_batch: tokens per training micro-batch per rank (padded: "
-                                               "rows x padded width; --packing_samples: the packed row's length)")
+                                               "rows x padded width; --packing_samples: the packed row's length); "
+                                               "a longer sequence runs alone in a micro-batch, as OpenRLHF (metric "
+                                               "over_budget_micro_batches); without --use_dynamic_batch a notice "
+                                               "says it has no effect")
     max_epochs: int = opt(1, "SFT/RM/DPO: passes over the data; PPO: epochs over each rollout batch")
     freezing_actor_steps: int = opt(-1, "RL: train only the critic for the first N steps (the actor stays frozen "
                                         "and the rollout keeps its weights); -1 = off")
@@ -269,9 +303,11 @@ class CheckpointConfig:
     save_path: str = opt("./output/model", "final HF-format model")
     ckpt_path: str = opt("./output/ckpt", "training checkpoints (global_step_N/)")
     save_steps: int = opt(-1, "save a checkpoint every N steps (-1 = off)")
-    load_checkpoint: bool = opt(False, "resume from the newest complete checkpoint in --ckpt_path (none there: an error)")
-    start_fresh_if_no_checkpoint: bool = opt(False, "with --load_checkpoint: start from step 0 when --ckpt_path holds "
-                                                    "no checkpoint yet (OpenRLHF's behaviour) instead of failing")
+    load_checkpoint: bool = opt(False, "resume from the newest intact checkpoint in --ckpt_path (none there yet: start "
+                                       "from step 0, said in the log, as OpenRLHF; a damaged one: an error)")
+    start_fresh_if_no_checkpoint: bool = opt(True, "with --load_checkpoint: start from step 0 when --ckpt_path holds "
+                                                   "no checkpoint yet (OpenRLHF's behaviour); "
+                                                   "--no_start_fresh_if_no_checkpoint refuses instead")
     save_hf_ckpt: bool = opt(False, "also write an HF model into each checkpoint")
     save_value_network: bool = opt(False, "PPO: also write the trained critic (backbone + value head) to "
                                           "<--save_path>_critic at the end")

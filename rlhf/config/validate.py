@@ -43,13 +43,16 @@ def validate(cfg, kind: str) -> None:
     _check(o.train_batch_size % o.micro_train_batch_size == 0, "train_batch_size",
            f"--train_batch_size {o.train_batch_size} must be a multiple of --micro_train_batch_size {o.micro_train_batch_size}")
     _check(o.max_epochs >= 1, "max_epochs", "--max_epochs must be >= 1")
-    _check(0.0 <= d.eval_split < 1.0, "eval_split", "--eval_split must lie in [0, 1)")
+    from rlhf.data.options import settle_data_flags  # --eval_split / --eval_holdout, --input_template, --label_key
+
+    settle_data_flags(cfg, kind, ConfigError)
     _check(o.lr_warmup_ratio >= 0 and o.lr_warmup_ratio < 1, "lr_warmup_ratio", "--lr_warmup_ratio must lie in [0, 1)")
     if m.lora_rank < 0:
         raise ConfigError("lora_rank", "--lora_rank must be >= 0")
     _check(m.logprob_chunk_size > 0, "logprob_chunk_size",
            f"--logprob_chunk_size must be > 0 (rows of logits computed at once), got {m.logprob_chunk_size}; "
            f"e.g. --logprob_chunk_size 1024")
+    _validate_gpu_memory(cfg.topology.gpu_memory_gb)
     _validate_sp(cfg, kind)
     if kind in RL_KINDS:
         _validate_rl(cfg)
@@ -64,6 +67,18 @@ def validate(cfg, kind: str) -> None:
            "pick one: --multiturn trains on the assistant turns of conversations, --pretrain_mode on plain text")
     _check(not d.multiturn or d.apply_chat_template, "multiturn", "--multiturn renders each conversation with the "
            "tokenizer's chat template: add --apply_chat_template")
+
+
+def _validate_gpu_memory(gb) -> None:
+    """--gpu_memory_gb: a finite size > 0 (nan compares false with everything, so it turned the memory check off
+    without a word; inf would fit anything)."""
+    if gb is None:
+        return
+    import math
+
+    _check(math.isfinite(gb) and gb > 0, "gpu_memory_gb",
+           f"--gpu_memory_gb must be a finite number of GiB > 0, got {gb}; e.g. --gpu_memory_gb 80 (an H100), or "
+           f"leave it out (on CUDA the GPU's own memory is used); --skip_memory_check skips the check")
 
 
 def _validate_sp(cfg, kind: str) -> None:
@@ -124,10 +139,9 @@ def _validate_rl(cfg) -> None:
                "--dynamic_filtering drops groups of equal scores: it needs --n_samples_per_prompt > 1")
     if a.kl_target is not None:
         _check(a.kl_target > 0 and a.kl_horizon > 0, "kl_target", "--kl_target and --kl_horizon must be > 0")
-    if r.async_train:
-        _check(not t.colocate_all_models, "async_train",
-               "--async_train overlaps generation with training, which colocated roles cannot do (they take turns): "
-               "drop --colocate_all_models and give the rollout its own ranks with --vllm_num_engines")
+    from .openrlhf_meaning import resolve_async_colocate  # OpenRLHF: colocates the training models only
+
+    resolve_async_colocate(cfg)
     _validate_async(cfg)
     _check(r.temperature >= 0, "temperature", "--temperature must be >= 0")
     if d.prompt_data is not None and r.remote_rm_url is None and m.reward_pretrain is None and r.agent_func_path is None:
@@ -198,10 +212,6 @@ def _validate_async(cfg) -> None:
                f"--partial_rollout_chunk {max(1, d.generate_max_len // 4)}")
         _check(r.partial_rollout, "partial_rollout_chunk", "--partial_rollout_chunk sets the rounds of "
                "--partial_rollout: add --partial_rollout, or drop it")
-    _check(not (r.agent_func_path and r.partial_rollout), "partial_rollout",
-           "--partial_rollout with --agent_func_path: an agent's episode runs whole (its turns and environment "
-           "steps) in the weights of one step, it is never cut at a weight sync; drop --partial_rollout (async "
-           "agents keep --async_queue_size and --vllm_generate_batch_size)")
     if a.is_correction_level is None and not a.enable_is_correction:
         a.enable_is_correction = True  # tis, [--is_truncated_threshold_low, --is_truncated_threshold]
 

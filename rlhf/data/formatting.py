@@ -49,6 +49,72 @@ def format_response(raw, prompt_raw, tokenizer, apply_chat_template: bool, key: 
     return text[:-len(eos)] if eos and text.endswith(eos) else text
 
 
+def _strip_end(text: str, tokenizer) -> str:
+    """A response's end as ``tokenize_pair`` wants it: trailing newlines and the eos text removed (the eos id is
+    appended there), OpenRLHF's ``(prompt + response).rstrip("\\n")`` + eos."""
+    text = text.rstrip("\n")
+    eos = getattr(tokenizer, "eos_token", None)
+    return text[:-len(eos)] if eos and text.endswith(eos) else text
+
+
+def has_prompt(row, input_key: str) -> bool:
+    """A preference row with a prompt column; without one, chosen / rejected are whole conversations (OpenRLHF's
+    format without ``--prompt_key``, e.g. OpenRLHF/preference_dataset_mixture2_and_safe_pku)."""
+    return row.get(input_key) is not None
+
+
+def conversation_pair(row, tokenizer, cfg_data, is_dpo: bool):
+    """(prompt, chosen, rejected) text of a preference row that has no prompt column, as OpenRLHF's
+    openrlhf/datasets/reward_dataset.py ``preprocess_data`` with ``prompt_key=None``:
+
+    * chat template, reward model: ``prompt = ""``, each side the whole conversation rendered;
+    * chat template, DPO: ``prompt = template(chosen[:-1], add_generation_prompt=True)`` and each side its rendering
+      after that prompt (``[len(prompt):]``), so the loss lies on the last message;
+    * no chat template: ``prompt = ""`` and each side's text as it is.
+
+    Each side's end as ``_strip_end`` (``tokenize_pair`` appends the eos id). ValueError (naming the flag) for a side
+    that is not a conversation under the template, or not text without it, and for DPO sides whose conversations
+    differ before their last message (OpenRLHF cuts both at the chosen prompt's length, which would cut the rejected
+    side mid-text)."""
+    d = cfg_data
+    sides = [row.get(d.chosen_key), row.get(d.rejected_key)]
+    for key, side in zip(("chosen_key", "rejected_key"), sides):
+        if d.apply_chat_template and not is_messages(side):
+            raise ValueError(f"--{key} holds {str(side)[:80]!r}: without a --input_key column ({d.input_key!r}) each "
+                             f"side is a whole conversation, a chat message list (OpenRLHF's format without "
+                             f"--prompt_key); give message lists, or a prompt column named by --input_key")
+        if not d.apply_chat_template and not isinstance(side, str):
+            raise ValueError(f"--{key} holds {str(side)[:80]!r}: a conversation needs --apply_chat_template to be "
+                             f"rendered (as OpenRLHF does); or give plain text")
+    if not d.apply_chat_template:
+        return "", _strip_end(sides[0], tokenizer), _strip_end(sides[1], tokenizer)
+    full = [tokenizer.apply_chat_template(side, tokenize=False) for side in sides]
+    if not is_dpo:
+        return "", _strip_end(full[0], tokenizer), _strip_end(full[1], tokenizer)
+    if sides[0][:-1] != sides[1][:-1]:
+        raise ValueError(f"--chosen_key and --rejected_key conversations differ before their last message; DPO "
+                         f"without a --input_key column ({d.input_key!r}) takes the prompt from the chosen side "
+                         f"(OpenRLHF), so both must share it: give the same conversation with different last "
+                         f"messages, or a prompt column named by --input_key")
+    prompt = tokenizer.apply_chat_template(sides[0][:-1], tokenize=False, add_generation_prompt=True)
+    if not all(f.startswith(prompt) for f in full):
+        raise ValueError("--chosen_key: the chat template renders the conversation without its prompt's own text as "
+                         "a prefix, so the last message cannot be cut out; give a prompt column named by --input_key")
+    return prompt, _strip_end(full[0][len(prompt):], tokenizer), _strip_end(full[1][len(prompt):], tokenizer)
+
+
+def pair_texts(row, tokenizer, cfg_data, is_dpo: bool):
+    """(prompt, chosen, rejected) text of a preference row (reward model and DPO): with a --input_key column the
+    prompt through ``format_prompt`` and each side through ``format_response``; without one, OpenRLHF's whole
+    conversations (``conversation_pair``)."""
+    d = cfg_data
+    if not has_prompt(row, d.input_key):
+        return conversation_pair(row, tokenizer, d, is_dpo)
+    prompt = format_prompt(row[d.input_key], tokenizer, d.apply_chat_template, d.input_template)
+    return (prompt,) + tuple(format_response(row[getattr(d, k)], row[d.input_key], tokenizer, d.apply_chat_template, k)
+                             for k in ("chosen_key", "rejected_key"))
+
+
 @dataclass
 class PromptItem:
     prompt: str

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from .formatting import format_prompt, format_response, tokenize_pair
+from .formatting import format_prompt, format_response, has_prompt, pair_texts, tokenize_pair
 
 RESPONSE_KEYS = {"sft": ("output_key",), "rm": ("chosen_key", "rejected_key"), "dpo": ("chosen_key", "rejected_key")}
 
@@ -65,15 +65,18 @@ def screen_rows(rows: List[Dict], tokenizer, cfg, kind: str, split: str = "train
     if kind == "sft" and (d.multiturn or cfg.model.pretrain_mode):  # whole conversations / texts
         from .sft_modes import screen_mode_rows
         return screen_mode_rows(rows, tokenizer, cfg, split, rep), rep
-    kept = []
+    kept, whole = [], 0
     for i, row in enumerate(rows):
+        if any(row.get(k) is None for k in keys):
+            rep.dropped_empty += 1
+            rep.examples.setdefault("empty", i)
+            continue
+        whole += kind != "sft" and not has_prompt(row, d.input_key)
         try:  # message lists rendered as training will see them (a list without --apply_chat_template: an error)
-            responses = [None if row.get(k) is None else
-                         format_response(row[k], row.get(d.input_key, ""), tokenizer, d.apply_chat_template, flag)
-                         for k, flag in zip(keys, RESPONSE_KEYS[kind])]
+            prompt, responses = _texts(row, tokenizer, d, kind)
         except ValueError as e:
             raise ValueError(f"{split} data, row {i}: {e}") from None
-        if any(x is None or not x.strip() for x in responses):
+        if any(not x.strip() for x in responses):
             rep.dropped_empty += 1
             rep.examples.setdefault("empty", i)
             continue
@@ -81,7 +84,6 @@ def screen_rows(rows: List[Dict], tokenizer, cfg, kind: str, split: str = "train
             rep.dropped_identical += 1
             rep.examples.setdefault("identical", i)
             continue
-        prompt = format_prompt(row[d.input_key], tokenizer, d.apply_chat_template, d.input_template)
         hows = {tokenize_pair(tokenizer, prompt, x, d.max_len, return_how=True)[2] for x in responses}
         for how in ("response", "prompt"):
             if how in hows:
@@ -90,7 +92,27 @@ def screen_rows(rows: List[Dict], tokenizer, cfg, kind: str, split: str = "train
                 break
         kept.append(row)
     rep.kept = len(kept)
+    if whole and os.environ.get("RANK", "0") == "0":
+        print(f"[data] {split}: {whole} of {len(rows)} rows have no --input_key {d.input_key!r} column: chosen and "
+              f"rejected are read as whole conversations (OpenRLHF's preference format without --prompt_key)",
+              flush=True)
     rep.announce()
     if rows and not kept:
         raise ValueError(f"{split} data: all {len(rows)} rows were dropped: {rep.message()}")
     return kept, rep
+
+
+def _texts(row: Dict, tokenizer, d, kind: str):
+    """(prompt, [responses]) as training renders them: SFT's prompt -> output, or a preference pair
+    (``pair_texts``: with a prompt column, or OpenRLHF's whole conversations without one). Message lists are checked
+    first (``check_messages``), so a malformed one is named here, not inside the chat template."""
+    from .sft_modes import check_messages
+
+    for flag in ("input_key",) + RESPONSE_KEYS[kind]:
+        check_messages(row.get(getattr(d, flag)), flag, getattr(d, flag))
+    if kind == "sft":
+        prompt = format_prompt(row[d.input_key], tokenizer, d.apply_chat_template, d.input_template)
+        return prompt, [format_response(row[d.output_key], row[d.input_key], tokenizer, d.apply_chat_template,
+                                        "output_key")]
+    prompt, chosen, rejected = pair_texts(row, tokenizer, d, is_dpo=kind == "dpo")
+    return prompt, [chosen, rejected]

@@ -28,9 +28,34 @@ from .formatting import format_response, is_messages
 Sample = Tuple[List[int], List[int]]
 
 
+def check_messages(msgs, flag: str, key: str) -> None:
+    """Every message a dict with a string ``role`` and a string ``content`` (``None`` only beside ``tool_calls``),
+    checked before the chat template sees them (jinja2 would fail inside the template, naming neither the row nor
+    the field). ValueError names the flag, the message's index and field, and the fix."""
+    if not isinstance(msgs, list) or not msgs:
+        return
+    fix = ('each message is {"role": "user" | "assistant" | "system" | ..., "content": "text"}')
+    for j, m in enumerate(msgs):
+        where = f"--{flag} {key!r}, message {j}"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where} is a {type(m).__name__} ({str(m)[:60]!r}), not a message; {fix}")
+        if not isinstance(m.get("role"), str) or not m.get("role"):
+            got = "has no 'role'" if "role" not in m else f"has the role {m['role']!r}, not a name"
+            raise ValueError(f"{where} {got} (keys: {', '.join(map(str, m))}); {fix}")
+        content = m.get("content")
+        if "content" not in m:
+            raise ValueError(f"{where} ({m['role']}) has no 'content' (keys: {', '.join(map(str, m))}); {fix}")
+        if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
+            raise ValueError(f"{where} ({m['role']}): 'content' is a {type(content).__name__} "
+                             f"({str(content)[:60]!r}), not text; give the text as a string (only an assistant "
+                             f"message with 'tool_calls' may have null content)")
+
+
 def conversation(row: Dict, input_key: str, output_key: str = None) -> List[Dict]:
-    """The row's messages: ``--input_key``'s list plus ``--output_key``'s message(s) when the row has them."""
+    """The row's messages: ``--input_key``'s list plus ``--output_key``'s message(s) when the row has them; every
+    message checked (``check_messages``)."""
     msgs = row.get(input_key)
+    check_messages(msgs, "input_key", input_key)
     if not is_messages(msgs):
         raise ValueError(f"--multiturn: --input_key {input_key!r} must hold the whole conversation as a chat message "
                          f'list ([{{"role": "user", "content": ...}}, {{"role": "assistant", ...}}, ...]), got '
@@ -38,6 +63,7 @@ def conversation(row: Dict, input_key: str, output_key: str = None) -> List[Dict
     extra = row.get(output_key) if output_key else None
     if extra is not None:
         extra = [extra] if isinstance(extra, dict) else extra
+        check_messages(extra, "output_key", output_key)
         if not is_messages(extra):
             raise ValueError(f"--multiturn: --output_key {output_key!r} holds {str(extra)[:80]!r}, not a chat "
                              f"message (or list of them) to append to the conversation; put the whole conversation "

@@ -33,6 +33,9 @@ class _State:
     timeout: datetime.timedelta = datetime.timedelta(seconds=1800)
     backend: str = "gloo"
 
+    def __init__(self):
+        self.groups_made: List[tuple] = []  # the ranks of every new_group this process created, in order
+
 
 _S = _State()
 
@@ -55,7 +58,12 @@ def init(timeout_s: int = 1800) -> tuple:
     """Init the default group from torchrun's env, or a 1-rank group (in-memory store) when run as plain python.
 
     Returns (rank, world_size, local_rank, device); ``device`` is the model device and the collective device.
-    Writes no environment variables."""
+    Before any communicator exists it sets what every process of the job must agree on and the user has not set
+    (launch/env.py ``apply_process_env``: NCCL_CUMEM_ENABLE, GLOO_SOCKET_IFNAME on several nodes); the processes
+    this rank starts later (vLLM's workers) inherit it."""
+    from launch.env import apply_process_env
+
+    apply_process_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     backend = backend_string()
     if uses_cuda(backend):
@@ -67,11 +75,40 @@ def init(timeout_s: int = 1800) -> tuple:
     _S.timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
+            from .failfast import check_agent
+
+            check_agent()  # torchrun's agent already gone: stop now, not after the store's timeout
             kw = {"device_id": device} if device.type == "cuda" and "nccl" in backend else {}
+            store = agent_store(_S.timeout)
+            if store is not None:
+                kw.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
             dist.init_process_group(backend, timeout=_S.timeout, **kw)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=_S.timeout)
     return dist.get_rank(), dist.get_world_size(), local_rank, device
+
+
+STORE_CONNECT_S = 60.0  # torchrun's agent store is up before its workers start: connecting takes milliseconds
+
+
+def agent_store(timeout: datetime.timedelta):
+    """Under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``): a client of the agent's store, as torch's own env://
+    rendezvous makes it (torch/distributed/rendezvous.py ``_create_c10d_store``), but connected within
+    ``STORE_CONNECT_S`` rather than the job's ``--dist_timeout_s`` (a dead agent's store would otherwise be
+    retried for that long); the job's timeout applies to every wait after it.  None elsewhere (rank 0 hosts the
+    store and may start late: the env:// rendezvous keeps the job's timeout)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    connect = min(STORE_CONNECT_S, timeout.total_seconds())
+    try:
+        store = dist.TCPStore(addr, port, int(os.environ["WORLD_SIZE"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=connect))
+    except (RuntimeError, OSError) as e:  # DistNetworkError / DistStoreError are RuntimeErrors
+        raise RuntimeError(f"no connection to torchrun's store at {addr}:{port} within {connect:.0f}s: the torchrun "
+                           f"agent is gone or its node unreachable ({str(e).splitlines()[0][:200]})") from None
+    store.set_timeout(timeout)
+    return store
 
 
 def device() -> torch.device:
@@ -112,8 +149,43 @@ def is_world(group) -> bool:
 
 
 def new_group(ranks: Sequence[int]):
-    """A sub-group with the job's timeout; called by every rank in the same order (SPMD)."""
-    return dist.new_group(list(ranks), timeout=_S.timeout)
+    """A sub-group with the job's timeout, created by every rank of the world in the same order, members or not.
+
+    With ``device_id`` (eager NCCL init, comm.init on CUDA) torch makes every ``new_group`` a split of the world
+    communicator (``ncclCommSplit``, a collective over every rank: pytorch/pytorch#129284), so a group created by
+    some ranks only hangs the others; and a gloo group of partial membership after a split hangs as well
+    (pytorch/pytorch#145376).  Hence: the default backend only (no ``backend=``: no gloo-only group), never
+    ``use_local_synchronization`` or ``split_group``; every creation is logged here and ``check_groups_agree``
+    compares the logs of every rank (tests/test_comm.py keeps both rules)."""
+    ranks = [int(r) for r in ranks]
+    world = world_size() if initialized() else None
+    if len(set(ranks)) != len(ranks) or any(r < 0 or (world is not None and r >= world) for r in ranks):
+        raise ValueError(f"new_group({ranks}): ranks must be distinct ranks of the world"
+                         + (f" 0..{world - 1}" if world else ""))
+    _S.groups_made.append(tuple(ranks))
+    return dist.new_group(ranks, timeout=_S.timeout)
+
+
+def groups_made() -> List[tuple]:
+    """The ranks of every group this process created with ``new_group``, in creation order."""
+    return list(_S.groups_made)
+
+
+def check_groups_agree() -> None:
+    """Collective over the world: every rank created the same groups in the same order (``new_group``).  Raises
+    naming the first rank and group that differ from rank 0's; on CPU (gloo, lazy) such a job often runs on,
+    while on GPU with eager NCCL init it hangs in the first group some rank skipped."""
+    if not distributed():
+        return
+    logs = all_gather_object(groups_made())
+    for r, log in enumerate(logs):
+        if log != logs[0]:
+            i = next((k for k, (a, b) in enumerate(zip(log, logs[0])) if a != b), min(len(log), len(logs[0])))
+            mine = list(log[i]) if i < len(log) else "nothing"
+            theirs = list(logs[0][i]) if i < len(logs[0]) else "nothing"
+            raise RuntimeError(f"rank {r} created process group #{i} over ranks {mine} where rank 0 created {theirs}"
+                               f": every rank must create every group, in the same order, members or not (with "
+                               f"eager NCCL init each new_group is a collective split of the world)")
 
 
 def _on_device(t: torch.Tensor) -> torch.Tensor:

@@ -222,15 +222,72 @@ def _kill_children() -> None:
         pass
 
 
+# The parent when this module was first imported, early in a rank's life: a slow start-up (imports, data, model
+# checks) can outlive a killed agent, and a parent read only later would already be the re-parenting init.
+_PARENT_AT_IMPORT = os.getppid()
+LAUNCHER_MARKERS = ("torch", "accelerate")  # a launcher that is itself PID 1 (a container's entry point)
+
+
 def launcher_pid() -> Optional[int]:
-    """The torchrun agent that started this rank (its parent), or None outside torchrun."""
-    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+    """The torchrun agent that started this rank (its parent, read at import), or None outside torchrun."""
+    return _PARENT_AT_IMPORT if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def agent_gone(agent: Optional[int]) -> bool:
+    """True when ``agent`` (``launcher_pid()``) no longer is this rank's parent: the rank was re-parented (to init
+    or a subreaper).  A parent that is PID 1 already at import counts as gone unless PID 1 is a launcher itself
+    (torchrun as a container's entry point)."""
+    if agent is None:
+        return False
+    ppid = os.getppid()
+    if ppid != agent:
+        return True
+    return ppid == 1 and not any(m in _cmdline(1) for m in LAUNCHER_MARKERS)
+
+
+def check_agent() -> None:
+    """Stop now, with the one ``orphaned`` line, if torchrun's agent is already gone (called before
+    ``init_process_group``, which would otherwise wait for the dead agent's store)."""
+    agent = launcher_pid()
+    if agent_gone(agent):
+        orphaned(agent)
+
+
+class OrphanWatch:
+    """A daemon thread that stops this rank once its torchrun agent is gone; started by ``guarded`` before the
+    rank's program, so it also covers start-up: data loading, model checks and ``init_process_group`` (the
+    store connection releases the GIL while it retries)."""
+
+    def __init__(self, poll_s: float = 0.5):
+        self.agent = launcher_pid()
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rlhf-orphan-watch", daemon=True)
+        if self.agent is not None:
+            self._thread.start()
+
+    def _loop(self):
+        while not self._stop.wait(self.poll_s):
+            if agent_gone(self.agent):
+                orphaned(self.agent)
+
+    def stop(self):
+        self._stop.set()
 
 
 def orphaned(agent_pid: int) -> None:
     """The agent is gone: stop this rank now, with one line (no store: it lived in the agent)."""
-    _say(f"[rank {_rank()}] stopping: the torchrun agent (pid {agent_pid}) that started this rank is gone (killed, "
-         f"or its node lost); no rank goes on unsupervised. Resume from the last checkpoint with --load_checkpoint")
+    which = f" (pid {agent_pid})" if agent_pid not in (None, 1) else ""  # 1: it was gone before we looked
+    _say(f"[rank {_rank()}] stopping: the torchrun agent{which} that started this rank is gone (killed, or its node "
+         f"lost); no rank goes on unsupervised. Resume from the last checkpoint with --load_checkpoint")
     try:
         sys.stdout.flush()
         _kill_children()
@@ -243,7 +300,20 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 # Errors whose message already says what to change (bad input, checked before any process group exists) or
 # already carries the user code's traceback (a reward function that raised): our traceback would only bury it.
 # Classes are matched by name so this module imports nothing of the rest of the library.
-INPUT_ERRORS = ("ConfigError", "TopologyError", "InputError", "DataError", "RewardError", "UsageError")
+INPUT_ERRORS = ("ConfigError", "TopologyError", "InputError", "DataError", "RewardError", "UsageError",
+                "ModelKindError", "MemoryPlanError")
+EXIT_INPUT = 2  # bad input refused before any process group (click's usage-error code)
+
+
+def is_input_error(e: BaseException) -> bool:
+    return bool({c.__name__ for c in type(e).__mro__} & set(INPUT_ERRORS))
+
+
+def refusal_code() -> int:
+    """Exit code of a refusal: 2 before any process group exists (bad input, nothing started), else 1."""
+    import torch.distributed as dist
+
+    return EXIT_FAILED if dist.is_available() and dist.is_initialized() else EXIT_INPUT
 
 
 # Causes that a wrapper's first line tends to hide (torch.save's "file write failed", DCP's CheckpointException):
@@ -285,7 +355,19 @@ def describe(e: BaseException) -> str:
 
 def guarded(main: Callable[[], object]):
     """Run a rank's program; any exception ends the whole job (see module docstring).  A job of one process has
-    no peer to release: the exception propagates as usual (tests and notebooks see it)."""
+    no peer to release: the exception propagates as usual (tests and notebooks see it; the CLI,
+    ``rlhf.config.cli.main_entry``, prints a refusal as one line and exits 2 as here).
+
+    Under torchrun the orphan check starts first, before the program's start-up (see ``OrphanWatch``)."""
+    check_agent()
+    watch = OrphanWatch()
+    try:
+        return _guarded(main)
+    finally:
+        watch.stop()
+
+
+def _guarded(main: Callable[[], object]):
     if _world() == 1:
         return main()
     try:
@@ -295,13 +377,9 @@ def guarded(main: Callable[[], object]):
             raise
         die(f"exited with {e.code}", traceback.format_exc())
     except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: never run cleanup collectives
-        names = {c.__name__ for c in type(e).__mro__}
-        if names & set(INPUT_ERRORS):
-            import torch.distributed as dist
-
-            started = dist.is_available() and dist.is_initialized()
+        if is_input_error(e):
             die(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500], f"error: {e}",
-                code=EXIT_FAILED if started else 2)
+                code=refusal_code())
         if any(p in str(e) for p in PEER_LOST):  # not this rank's fault: its traceback would mislead
             die(describe(e), f"{describe(e)} (in {type(e).__name__})")
         die(describe(e), traceback.format_exc())
@@ -309,6 +387,33 @@ def guarded(main: Callable[[], object]):
 
 class PhaseTimeout(RuntimeError):
     pass
+
+
+GRACE_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun's --shutdown_timeout (torch/distributed/launcher/api.py)
+
+
+def torchrun_grace_s() -> int:
+    """Seconds torchrun waits after forwarding a stop signal before it SIGKILLs the ranks: its --shutdown_timeout,
+    read from TORCH_ELASTIC_SHUTDOWN_TIMEOUT when that is how it was set (the sbatch scripts), else torch's 30."""
+    try:
+        return int(os.environ.get(GRACE_ENV, "30"))
+    except ValueError:
+        return 30
+
+
+def stop_notice(signal_name: str, phase: Optional[str], running_s: float, cut_phases=()) -> str:
+    """What a stop signal will do, said when it arrives (not after the step, which may be too late)."""
+    where = f"during '{phase}' ({running_s:.0f}s in)" if phase else "between phases"
+    if phase in cut_phases:
+        plan = (f"the step is cut when this phase ends ({', '.join(cut_phases)} are cut) and the last completed "
+                f"step is saved")
+    else:
+        plan = "the checkpoint is written when this step ends"
+    grace = torchrun_grace_s()
+    return (f"[preempt] {signal_name} received {where}: {plan}; torchrun kills the ranks {grace}s after it forwards "
+            f"the signal (torchrun --shutdown_timeout / {GRACE_ENV}; under SLURM also KillWait): if the rest of "
+            f"this phase or step plus the save takes longer, nothing is saved. Raise that timeout, or stop with "
+            f"the stop file ($RLHF_STOP_FILE) or SIGUSR1, which have no deadline")
 
 
 FR_DUMP_ENV = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # new name first (torch >= 2.9)
@@ -381,6 +486,10 @@ class Watchdog:
         self._current: Optional[tuple] = None   # (label, start, deadline)
         self._stop = threading.Event()
         self._agent = launcher_pid()            # torchrun's agent: a rank whose agent died stops (orphaned)
+        self._stop_source = None                # an object whose ``signal_name`` a stop signal sets (StopSignal)
+        self._top: Optional[tuple] = None       # (name, start) of the top-level phase (a stage)
+        self._cut_phases: tuple = ()
+        self._announced = False
         self._thread = threading.Thread(target=self._loop, name="rlhf-watchdog", daemon=True)
         if start:
             self._thread.start()
@@ -403,6 +512,8 @@ class Watchdog:
             own = deadline_s if deadline_s is not None else self.deadline_of(name)
             top = outer is None
             self._current = (label, time.monotonic(), own + (self._owed if top else 0.0))
+            if top:
+                self._top = (name, self._current[1])
         self.board.set_phase(self.rank, label)
         try:
             yield
@@ -410,6 +521,8 @@ class Watchdog:
             with self._lock:
                 self._seen.add(name)
                 self._current = outer
+                if top:
+                    self._top = None
                 if top:
                     self._owed = self._owed + own if waits_for else 0.0
             self.board.set_phase(self.rank, outer[0] if outer else "between phases")
@@ -435,9 +548,29 @@ class Watchdog:
         with self._lock:
             return None if self._current is None else (self._current[0], self._current[2])
 
+    def announce_stops(self, source, cut_phases=()) -> None:
+        """Say at once (within a poll), on rank 0, when a stop signal arrives: where the rank is, when the checkpoint
+        comes, and how long torchrun waits (``stop_notice``).  ``source.signal_name`` is set by the signal handler
+        (rlhf.utils.preempt.StopSignal); ``cut_phases``: the phases the trainer cuts short on a stop."""
+        self._stop_source, self._cut_phases = source, tuple(cut_phases)
+
+    def announce(self) -> Optional[str]:
+        """The stop notice, once, when a signal is pending (printed on rank 0; returned on every rank)."""
+        name = getattr(self._stop_source, "signal_name", None) if self._stop_source is not None else None
+        if not name or self._announced:
+            return None
+        self._announced = True
+        with self._lock:
+            top = self._top
+        text = stop_notice(name, top[0] if top else None, time.monotonic() - top[1] if top else 0.0, self._cut_phases)
+        if self.rank == 0:
+            _say(text)
+        return text
+
     def _loop(self):
         while not self._stop.wait(self.poll_s):
-            if self._agent is not None and os.getppid() != self._agent:  # re-parented: the agent is gone
+            self.announce()
+            if agent_gone(self._agent):  # re-parented: the agent is gone
                 orphaned(self._agent)
             first = self.board.aborted()
             if first is not None:

@@ -83,6 +83,7 @@ def build_groups(plan: Placement, rank: int) -> Groups:
             grp = make(ranks)
             if rank in ranks:
                 g.sp[role] = SP(len(ranks), ranks.index(rank), grp)
+    comm.check_groups_agree()
     return g
 
 
@@ -98,4 +99,5 @@ def build_sp(ranks: List[int], sp_size: int, gpus_per_node: int, rank: int, what
         grp = comm.new_group(grp_ranks)
         if rank in grp_ranks:
             out = SP(sp_size, grp_ranks.index(rank), grp)
+    comm.check_groups_agree()
     return out

@@ -9,7 +9,8 @@ scattered); after it, the reverse (heads gathered, sequence scattered):
     q, k, v: (B, H, S/N, D) --all-to-all--> (B, H/N, S, D) --attention--> (B, S, H/N, D) --all-to-all--> (B, S/N, H, D)
 
 Attention itself is transformers' own sdpa / flash-attention function on the full sequence, with the full position
-ids (gathered from the slices): flash-attention's varlen kernel reads the packed samples from them; sdpa (and eager)
+ids (gathered from the slices): flash-attention's varlen kernel reads the packed samples from them (a flash
+implementation keeps its name, ``register_flash``: transformers loads the kernel by it); sdpa (and eager)
 runs causal attention sample by sample (no (T, T) mask, nothing computed between samples), the same attention as
 the block-diagonal causal mask transformers builds for a packed row at N=1.
 Mirrors veRL's Ulysses (verl/utils/ulysses.py ``gather_seq_scatter_heads`` / ``gather_heads_scatter_seq``,
@@ -128,13 +129,34 @@ def _segments(full_pos: torch.Tensor, sp: SP) -> List[Tuple[int, int]]:
     return segs
 
 
-def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
-    """The ``rlhf_ulysses`` attention: all-to-all, the wrapped attention on the full sequence, all-to-all back.
-    Same contract as transformers' attention functions: (B, H, s, D) in, ((B, s, H, D), None) out."""
+def _inner_fn(name: str):
+    """transformers' own attention function registered under ``name`` (the original one where ``register_flash``
+    wrapped it in place)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    f = ALL_ATTENTION_FUNCTIONS[name]
+    return getattr(f, "_rlhf_inner", f)
+
+
+def is_flash(name: Optional[str]) -> bool:
+    """Whether ``name`` is a flash-attention implementation: transformers' ``flash_attention_forward`` (registered
+    under flash_attention_2/3/4 and hub kernel names) looks its kernel up by ``config._attn_implementation``."""
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if not name or name == ATTN_NAME:
+        return False
+    return "flash" in name or (name in ALL_ATTENTION_FUNCTIONS and _inner_fn(name) is flash_attention_forward)
+
+
+_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # the local slice's, if any
+
+
+def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
+    """The Ulysses attention: all-to-all, the wrapped attention on the full sequence, all-to-all back.
+    Same contract as transformers' attention functions: (B, H, s, D) in, ((B, s, H, D), None) out."""
     sp: Optional[SP] = getattr(module, "_rlhf_sp", None)
-    inner = ALL_ATTENTION_FUNCTIONS[sp.inner if sp is not None else "sdpa"]
+    inner = _inner_fn(sp.inner if sp is not None else "sdpa")
     if sp is None or not sp.on:
         return inner(module, query, key, value, attention_mask, **kwargs)
     pos = kwargs.pop("position_ids", None)
@@ -142,12 +164,27 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
         raise ValueError("sequence parallelism needs position_ids (packed rows): pass --packing_samples")
     full = _full_positions(pos, sp)
     q, k, v = (seq_to_heads(t, sp) for t in (query, key, value))
-    if sp.inner.startswith("flash"):  # varlen kernels read the packed samples from the position ids
+    if is_flash(sp.inner):  # varlen kernels read the packed samples from the full row's position ids
+        for name in _VARLEN_KWARGS:
+            kwargs.pop(name, None)
         out, _ = inner(module, q, k, v, None, position_ids=full, **kwargs)
     else:  # causal attention sample by sample: no (T, T) mask, no work on pairs of different samples
         out = torch.cat([inner(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, position_ids=full[:, a:b],
                                **kwargs)[0] for a, b in _segments(full, sp)], 1)
     return heads_to_seq(out, sp), None
+
+
+def _keeping_name(original):
+    """``original`` (a flash attention function) wrapped for registration under its own name: modules attached to
+    an SP group take the Ulysses path, every other module calls ``original`` unchanged."""
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        sp: Optional[SP] = getattr(module, "_rlhf_sp", None)
+        if sp is None or not sp.on:
+            return original(module, query, key, value, attention_mask, **kwargs)
+        return ulysses_attention(module, query, key, value, attention_mask, **kwargs)
+
+    attention._rlhf_inner = original
+    return attention
 
 
 def register() -> None:
@@ -159,6 +196,21 @@ def register() -> None:
     AttentionInterface.register(ATTN_NAME, ulysses_attention)
 
 
+def register_flash(name: str) -> None:
+    """Wrap the flash attention registered under ``name`` in place (idempotent), keeping the name: transformers'
+    ``flash_attention_forward`` (transformers/integrations/flash_attention.py) passes
+    ``config._attn_implementation`` to ``lazy_import_flash_attention`` (modeling_flash_attention_utils.py), which
+    loads the kernel by that name (flash_attention_2 -> the flash_attn package; an unknown name -> a hub kernel), so
+    renaming the implementation fails at the first attention call ("Could not find the currently requested flash
+    attention implementation").  veRL keeps ``flash_attention_2`` too and patches ``_flash_attention_forward``
+    instead (verl/models/transformers/monkey_patch.py ``_ulysses_flash_attention_forward``)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    f = ALL_ATTENTION_FUNCTIONS[name]
+    if not hasattr(f, "_rlhf_inner"):
+        AttentionInterface.register(name, _keeping_name(f))
+
+
 def _attention_modules(model) -> List[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "config") and hasattr(m, "head_dim")
             and any(hasattr(m, p) for p in ("q_proj", "qkv_proj", "c_attn"))]
@@ -166,7 +218,8 @@ def _attention_modules(model) -> List[torch.nn.Module]:
 
 def attach(model, sp: Optional[SP]):
     """Make ``model``'s forwards sequence-parallel over ``sp`` (no-op for None or size 1): its attention layers
-    switch to ``rlhf_ulysses`` wrapping their own implementation, and the forwards of rlhf.models.forward split
+    switch to ``rlhf_ulysses`` wrapping their own implementation (flash attention keeps its name and is wrapped in
+    place, ``register_flash``), and the forwards of rlhf.models.forward split
     packed rows (``sp_of``).  Returns ``model``."""
     if sp is None or not sp.on:
         return model
@@ -178,7 +231,10 @@ def attach(model, sp: Optional[SP]):
     for m in mods:
         cfg = m.config
         cur = cfg._attn_implementation
-        if cur != ATTN_NAME:
+        if is_flash(cur):  # keep the name: the flash forward loads its kernel by it (register_flash)
+            sp.inner = cur
+            register_flash(cur)
+        elif cur != ATTN_NAME:
             sp.inner = "sdpa" if cur in (None, "eager") else cur
             cfg._attn_implementation = ATTN_NAME
         m._rlhf_sp = sp

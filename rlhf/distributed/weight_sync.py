@@ -39,9 +39,13 @@ def full_shape(p: torch.Tensor) -> Tuple[int, ...]:
     return tuple(p.ds_shape) if zero3_param(p) else tuple(p.shape)
 
 
-def full_tensor(p: torch.Tensor) -> torch.Tensor:
+def full_tensor(p: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The full tensor of a parameter; a collective for sharded ones, so every rank of the shard group calls it for
-    the same parameters in the same order.
+    the same parameters in the same order.  ``dtype``: the tensor comes back in it, and a sharded one is gathered
+    in it (each rank casts its shard first): a bf16 engine's sync all-gathers half the bytes of the fp32 masters
+    and holds a bf16 buffer, not an fp32 one (veRL gathers the FSDP actor's weights for vLLM in the rollout's
+    dtype, verl/workers/sharding_manager/fsdp_vllm.py: ``param.to(device, non_blocking=True).full_tensor()`` of
+    the bf16 state dict; OpenRLHF gathers ZeRO-3's bf16 module parameters).
 
     * FSDP2 DTensor: ``full_tensor()`` (all-gather over its mesh).
     * DeepSpeed ZeRO-3: gathered one parameter at a time inside ``deepspeed.zero.GatheredParameters([p])``
@@ -54,8 +58,10 @@ def full_tensor(p: torch.Tensor) -> torch.Tensor:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters([p]):
-            return p.data.detach().clone()
+            return p.data.detach().to(dtype or p.dtype, copy=True)
     t = p.data if isinstance(p, torch.nn.Parameter) else p
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)  # a DTensor casts its local shard: no communication
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
@@ -88,11 +94,14 @@ def tied_aliases(model) -> dict:
     return out
 
 
-def _export(model, materialize: bool, aliases: bool = False):
+def _export(model, materialize: bool, aliases: bool = False, dtype: Optional[torch.dtype] = None):
     """(engine name, full shape, dtype, tensor or None) for every weight the engine receives, in one fixed order
-    (``named_parameters``, the same on every rank).
+    (``named_parameters``, the same on every rank).  ``dtype``: the tensors are gathered in it (``full_tensor``);
+    the metadata keeps the parameters' own dtypes.
 
-    LoRA layers are merged: W = W_base + scaling * B @ A, emitted where lora_B appears,
+    LoRA layers are merged: W = W_base + scaling * B @ A in fp32, rounded once to the output dtype, emitted
+    where lora_B appears (a LoRA layer's parts are gathered in their own dtypes; under --bf16 its frozen base is
+    bf16 already, ``rlhf.models.load.weight_dtype``),
     so the metadata pass (materialize=False, no collectives: shapes from ``full_shape``) and the tensor pass
     agree.  The tensor pass gathers every parameter (``full_tensor``), a collective under FSDP2 and ZeRO-3.
 
@@ -121,7 +130,7 @@ def _export(model, materialize: bool, aliases: bool = False):
         for key in (".base_layer.weight", ".lora_A.default.weight", ".lora_B.default.weight"):
             if name.endswith(key) and name[: -len(key)] in scal:
                 mod, part = name[: -len(key)], key
-        t = full_tensor(p) if materialize else None
+        t = full_tensor(p, dtype if mod is None else None) if materialize else None
         if mod is None:
             for n in [name] + tied.get(name, []):
                 yield _engine_name(n), full_shape(p), p.dtype, t
@@ -132,8 +141,8 @@ def _export(model, materialize: bool, aliases: bool = False):
             base = slot[".base_layer.weight"]
             merged = None
             if materialize:
-                merged = base + scal[mod] * (slot[".lora_B.default.weight"].float() @
-                                             slot[".lora_A.default.weight"].float()).to(base.dtype)
+                merged = (base.float() + scal[mod] * (slot[".lora_B.default.weight"].float() @
+                                                      slot[".lora_A.default.weight"].float())).to(dtype or base.dtype)
             yield _engine_name(mod + ".weight"), full_shape(base), base.dtype, merged
             del pending[mod]
 
@@ -197,7 +206,7 @@ class WeightSync:
     # ---- colocated -------------------------------------------------------------------------------------------
     def _named_full(self, model, aliases: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
         """Full (unsharded, LoRA-merged) weights under the engine's names; collective over the actor group."""
-        for name, _, _, t in _export(model, materialize=True, aliases=aliases):
+        for name, _, _, t in _export(model, materialize=True, aliases=aliases, dtype=self.dtype):
             yield name, (t.to(self.dtype) if self.dtype is not None else t)
 
     def sync_colocated(self, model) -> int:

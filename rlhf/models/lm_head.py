@@ -28,7 +28,9 @@ Tensor = torch.Tensor
 
 
 def _chunk_logits(h: Tensor, w: Tensor, b: Optional[Tensor], temperature: float) -> Tensor:
-    z = torch.nn.functional.linear(h, w, b).float()
+    """The logits of hidden rows in the weight's dtype (an fp32 head, ``head_params``: fp32 from bf16 hidden
+    states), then float32."""
+    z = torch.nn.functional.linear(h if h.dtype == w.dtype else h.to(w.dtype), w, b).float()
     return z / temperature if temperature != 1.0 else z
 
 
@@ -232,12 +234,52 @@ def _unsharded_by_root_forward(model, head) -> bool:
 
 
 def head_params(head: torch.nn.Linear) -> Tuple[Tensor, Optional[Tensor]]:
-    """(weight, bias) of a fusable head, read after the model's forward (FSDP2: the unsharded tensors)."""
+    """(weight, bias) of a fusable head, read after the model's forward (FSDP2: the unsharded tensors); float32
+    copies for a head marked by ``use_fp32_head`` (--lm_head_fp32), so its logits are computed in fp32."""
     w, b = head.weight, head.bias
     if type(w.data) is not torch.Tensor:
         raise RuntimeError("the LM head's weight is still sharded after the forward (an FSDP unit of its own?); "
                            "fusable_head should have returned None for this model")
+    if is_fp32_head(head):  # differentiable casts: the gradient flows back to the compute-dtype weight
+        return w.float(), (None if b is None else b.float())
     return w, b
+
+
+FP32_MARK = "rlhf_fp32_logits"  # attribute on the LM head module: compute its logits in float32
+
+
+def is_fp32_head(head: torch.nn.Module) -> bool:
+    return bool(getattr(head, FP32_MARK, False))
+
+
+def use_fp32_head(model) -> torch.nn.Linear:
+    """--lm_head_fp32: the LM head computes its logits in float32 from the (bf16) hidden states, on the fused path
+    (``head_params`` hands the kernel fp32 copies of the weight and bias) and on the model's own forward (the
+    head's forward casts its input, weight and bias to fp32).  Without it a bf16 head rounds each logit to bf16
+    (8 significant bits: +-0.03 at a logit of 10) before the float32 softmax, so log-probs carry 5e-3..2e-2 of
+    rounding that the ratio, the KL and ``rollout_logprob_gap`` see.
+
+    TRL's ``cast_lm_head_to_fp32`` (trl/trainer/grpo_trainer.py: ``lm_head.float()`` and a forward of
+    ``F.linear(hidden_states.to(float32), weight.to(float32), bias)``; trl/trainer/grpo_config.py, after ScaleRL)
+    does the same; here the stored weight keeps its dtype (FSDP2's fp32 masters, or a frozen model's bf16) and the
+    cast happens per call, so a tied embedding is untouched.  Cost: a float32 copy of the head weight
+    (4 x vocab x hidden bytes, 2.2 GB at 152k x 3584) while a micro-batch's graph lives, and fp32 head matmuls.
+    A LoRA adapter on the head is refused, as TRL does (the fp32 forward would bypass it)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if head is None:
+        raise ValueError("--lm_head_fp32: the model has no LM head (get_output_embeddings() is None); drop the flag")
+    if type(head) is not torch.nn.Linear:
+        raise ValueError(f"--lm_head_fp32 needs a plain Linear LM head, got {type(head).__name__} (a LoRA adapter "
+                         f"on lm_head?): remove lm_head from --target_modules, or drop --lm_head_fp32")
+    setattr(head, FP32_MARK, True)
+    head.forward = _fp32_forward.__get__(head)
+    return head
+
+
+def _fp32_forward(self: torch.nn.Linear, hidden_states: Tensor) -> Tensor:
+    return torch.nn.functional.linear(hidden_states.float(), self.weight.float(),
+                                      None if self.bias is None else self.bias.float())
 
 
 @contextmanager

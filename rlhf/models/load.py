@@ -42,6 +42,8 @@ def model_architectures(path: str, flag: str) -> list:
     if not os.path.isdir(path):
         raise ModelKindError(flag, f"--{flag} {path} is a file; give the model directory that holds config.json")
     cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg) and os.path.isfile(os.path.join(path, "adapter_config.json")):
+        raise ModelKindError(flag, _adapter_message(path, flag))
     if not os.path.isfile(cfg):
         listing = ", ".join(sorted(os.listdir(path))[:8]) or "nothing"
         raise ModelKindError(flag, f"--{flag} {path} is not a model directory: no config.json (it holds {listing}); "
@@ -53,18 +55,53 @@ def model_architectures(path: str, flag: str) -> list:
         raise ModelKindError(flag, f"--{flag} {path}: config.json is not valid JSON ({e})") from None
 
 
+def _adapter_message(path: str, flag: str) -> str:
+    """A peft adapter folder (adapter_config.json, no config.json: what a --lora_rank run saves) given where a model
+    is needed: name the base it records and the merge that makes a model of it."""
+    try:
+        with open(os.path.join(path, "adapter_config.json")) as fh:
+            base = json.load(fh).get("base_model_name_or_path") or "BASE"
+    except ValueError:
+        base = "BASE"
+    return (f"--{flag} {path} is a LoRA adapter (trained on {base}), not a model: merge it into its base first, "
+            f"python -m rlhf.tools.lora_combiner --model_path {base} --lora_path {path} --output_path "
+            f"{path.rstrip('/')}_merged, and give --{flag} {path.rstrip('/')}_merged")
+
+
+def hub_offline() -> Optional[str]:
+    """The variable that turns the hub off ("HF_HUB_OFFLINE=true"), read as huggingface_hub reads it (1, ON, YES,
+    TRUE in any case: huggingface_hub/constants.py ``_is_true``), or None when the hub may be reached."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+            return f"{var}={os.environ[var]}"
+    return None
+
+
+def hub_cached(name: str) -> bool:
+    """A hub model whose config.json is in the local hub cache (from_pretrained loads it offline)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # not a valid repo id, no huggingface_hub: not cached
+        return False
+
+
 def check_model_dir(path: str, want: str, flag: str, need_tokenizer: bool = False,
                     value_head_prefix: Optional[str] = None) -> None:
     """Fail before any process group when ``path`` is not the kind of model ``flag`` needs.
 
     want: "causal" (a language model), "reward" (a *ForSequenceClassification reward model) or "any".
-    A hub name (org/model) that is not a local path is left to from_pretrained unless HF_HUB_OFFLINE=1.
+    A hub name (org/model) that is not a local path is left to from_pretrained unless offline mode is on and it is
+    not in the hub cache.
     """
     path = os.path.expanduser(path)
     if not _looks_local(path):
-        if os.environ.get("HF_HUB_OFFLINE") == "1":
-            raise ModelKindError(flag, f"--{flag} {path}: not a local directory, and HF_HUB_OFFLINE=1 forbids "
-                                       f"downloading it; give a local model directory")
+        offline = hub_offline()
+        if offline and not hub_cached(path):
+            raise ModelKindError(flag, f"--{flag} {path}: not a local directory nor in the hub cache, and {offline} "
+                                       f"forbids downloading it; give the local folder save_pretrained wrote, or "
+                                       f"download it first where the hub is reachable (hf download {path})")
         return
     archs = model_architectures(path, flag)
     is_reward = any(a.endswith(REWARD_SUFFIXES) for a in archs)
@@ -197,7 +234,7 @@ def _from_pretrained_or_meta(auto_cls, path, on_meta, config_kwargs, **kwargs):
     return auto_cls.from_pretrained(path, **(config_kwargs or {}), **kwargs)
 
 
-def weight_dtype(bf16: bool, trainable: bool) -> torch.dtype:
+def weight_dtype(bf16: bool, trainable: bool, lora: bool = False) -> torch.dtype:
     """The dtype a model's weights are loaded (and stored) in.
 
     Trainable models: fp32 always, whatever --bf16 and --flash_attn say: the weights are the optimizer's master
@@ -205,8 +242,13 @@ def weight_dtype(bf16: bool, trainable: bool) -> torch.dtype:
     them); --bf16 is the compute dtype (FSDP2's MixedPrecisionPolicy, DeepSpeed's bf16 mode with fp32 master
     partitions).  Frozen models (reference, reward model, the HF rollout engine) have no optimizer: bf16 under
     --bf16 halves their memory.  veRL does the same (verl/workers/fsdp_workers.py: model dtype fp32 for the actor,
-    bf16 otherwise).  Always explicit: transformers 5 would otherwise load the checkpoint's own dtype."""
-    return torch.bfloat16 if bf16 and not trainable else torch.float32
+    bf16 otherwise).  Always explicit: transformers 5 would otherwise load the checkpoint's own dtype.
+
+    ``lora``: under --lora_rank the base weights are frozen (no optimizer steps them), so under --bf16 they are
+    loaded in bf16 like any frozen model; the adapters, the only master weights, are fp32 (``apply_lora``).  veRL
+    loads the LoRA actor's base in bf16 the same way (verl/workers/fsdp_workers.py: ``torch_dtype`` fp32 only for a
+    fully trained actor)."""
+    return torch.bfloat16 if bf16 and (not trainable or lora) else torch.float32
 
 
 def load_causal_lm(path: str, bf16: bool = False, flash_attn: bool = False, gradient_checkpointing: bool = False,
@@ -215,7 +257,7 @@ def load_causal_lm(path: str, bf16: bool = False, flash_attn: bool = False, grad
     """on_meta: see from_pretrained_or_meta; trainable: see weight_dtype."""
     from transformers import AutoModelForCausalLM
 
-    model = from_pretrained_or_meta(AutoModelForCausalLM, path, on_meta, dtype=weight_dtype(bf16, trainable),
+    model = from_pretrained_or_meta(AutoModelForCausalLM, path, on_meta, dtype=weight_dtype(bf16, trainable, lora_rank > 0),
                                     attn_implementation=_attn(flash_attn))
     model.config.use_cache = False
     if gradient_checkpointing:
@@ -234,8 +276,19 @@ def apply_lora(model, rank: int, alpha: int, target_modules: str, task_type: str
     except ImportError as e:  # pragma: no cover
         raise RuntimeError("--lora_rank needs peft: pip install 'rlhf[lora]'") from e
     targets = target_modules if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
-                                            task_type=task_type))
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
+                                             task_type=task_type))
+    trainable_in_fp32(model)
+    return model
+
+
+def trainable_in_fp32(model: torch.nn.Module) -> None:
+    """The trainable parameters (LoRA adapters, a score head peft saves with them) in fp32, whatever the frozen
+    base's dtype: they are the optimizer's master weights (``weight_dtype``).  peft upcasts bf16 adapters itself by
+    default (``get_peft_model(autocast_adapter_dtype=True)``); said here, whatever peft's default becomes."""
+    for p in model.parameters():
+        if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.float()
 
 
 RM_NORM_FILE = "reward_norm.json"
@@ -279,15 +332,21 @@ def _head_key(path: str, value_head_prefix: Optional[str]) -> str:
 
 
 def load_reward_model(path: str, bf16: bool = False, flash_attn: bool = False, on_meta: bool = False,
-                      value_head_prefix: Optional[str] = None):
+                      value_head_prefix: Optional[str] = None, **from_pretrained):
     """Sequence-classification RM; returns (model, (mean, std)) with normalisation stats saved by train_rm
-    (reward_norm.json) or by OpenRLHF (config.json's mean / std with normalize_reward).  A head saved under another
-    name (OpenRLHF's --value_head_prefix, e.g. value_head) is loaded into HF's ``score``."""
+    (reward_norm.json) or by OpenRLHF (config.json's mean / std, written by its train_rm whatever the flags); the
+    caller applies them only with --normalize_reward (OpenRLHF openrlhf/models/model.py: ``if
+    self.normalize_reward: reward = (reward - self.mean) / self.std``, the flag overriding config.json's).  A head saved under another
+    name (OpenRLHF's --value_head_prefix, e.g. value_head) is loaded into HF's ``score``.  ``from_pretrained``
+    overrides or adds ``from_pretrained`` arguments (rlhf.serve_rm: ``dtype``, ``attn_implementation``,
+    ``device_map``)."""
     from transformers import AutoModelForSequenceClassification
 
     head = _head_key(path, value_head_prefix) if os.path.isdir(path) else "score.weight"
-    model = from_pretrained_or_meta(AutoModelForSequenceClassification, path, on_meta, {"num_labels": 1},
-                                    dtype=weight_dtype(bf16, trainable=False), attn_implementation=_attn(flash_attn))
+    kwargs = {"dtype": weight_dtype(bf16, trainable=False), **from_pretrained}
+    if "attn_implementation" not in kwargs:
+        kwargs["attn_implementation"] = _attn(flash_attn)
+    model = from_pretrained_or_meta(AutoModelForSequenceClassification, path, on_meta, {"num_labels": 1}, **kwargs)
     if head != "score.weight" and not on_meta:
         from safetensors import safe_open
 
@@ -295,6 +354,15 @@ def load_reward_model(path: str, bf16: bool = False, flash_attn: bool = False, o
             w = f.get_tensor(head)
         with torch.no_grad():
             model.score.weight.copy_(w.reshape(model.score.weight.shape).to(model.score.weight.dtype))
+    model.requires_grad_(False)
+    model.eval()
+    return model, saved_reward_stats(path)
+
+
+def saved_reward_stats(path: str) -> tuple:
+    """(mean, std) saved with a reward model: train_rm's reward_norm.json, else OpenRLHF's config.json mean / std,
+    else (0, 1).  ``load_reward_model`` returns them, and the critic started from a reward model folds them into
+    its value head (rlhf.models.critic)."""
     stats = (0.0, 1.0)
     f = os.path.join(path, RM_NORM_FILE)
     cfg = _config_json(path) if os.path.isdir(path) else {}
@@ -302,8 +370,6 @@ def load_reward_model(path: str, bf16: bool = False, flash_attn: bool = False, o
         with open(f) as fh:
             d = json.load(fh)
         stats = (float(d["mean"]), float(d["std"]))
-    elif cfg.get("normalize_reward") and "mean" in cfg and "std" in cfg:
+    elif "mean" in cfg and "std" in cfg:  # OpenRLHF's train_rm writes them (config.normalize_reward is the flag's)
         stats = (float(cfg["mean"]), float(cfg["std"]))
-    model.requires_grad_(False)
-    model.eval()
-    return model, stats
+    return stats

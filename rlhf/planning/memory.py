@@ -8,8 +8,9 @@ buffers).  Which roles are resident follows the phase scheduler (rlhf/distribute
 --vllm_enable_sleep or --deepspeed_enable_sleep, only the stage's role (and the one it shares with) is awake and the
 others sleep on the host; otherwise every role of the rank stays on the device and vLLM keeps its whole share.
 
-Stages (RL): load (every role's parameters, then vLLM takes its share: vLLM refuses to start otherwise),
-rollout, reward, ref, values, old_logprobs, critic_update, actor_update, weight_sync.  Supervised: load, ref (DPO), train.
+Stages (RL): shard (FSDP2: the roles' parameters as they load, plus the one full tensor a load moves at a time),
+load (every role's parameters, then vLLM takes its share: vLLM refuses to start otherwise), rollout, reward, ref,
+values, old_logprobs, critic_update, actor_update, weight_sync.  Supervised: shard, load, ref (DPO), train.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Job:
     logprob_chunk_size: int = 1024
     lm_head_keep_mb: int = 1024
     prompt_max_len: int = 1024
+    rl_max_len: int = 0                   # RL: prompt + response budget (--max_len given in RL); 0 = P + R
     generate_max_len: int = 1024
     max_len: int = 2048
     backend: str = "fsdp2"
@@ -56,6 +58,8 @@ class Job:
     train_max_tokens_per_gpu: int = 16192
     rollout_max_tokens_per_gpu: Optional[int] = None    # None: --train_max_tokens_per_gpu
     adam_offload: bool = False
+    lora_rank: int = 0
+    target_modules: str = "all-linear"
 
     @property
     def c(self) -> int:
@@ -68,7 +72,10 @@ class Job:
 
     @property
     def seq(self) -> int:
-        return self.prompt_max_len + self.generate_max_len if self.kind == "rl" else self.max_len
+        if self.kind == "rl":  # RL's --max_len bounds prompt + response (rlhf.config.openrlhf_meaning)
+            total = self.prompt_max_len + self.generate_max_len
+            return min(total, self.rl_max_len) if self.rl_max_len else total
+        return self.max_len
 
     @property
     def response_len(self) -> int:
@@ -94,6 +101,8 @@ def job_from_config(cfg, kind: str, on_cuda: bool = True, vllm_installed: bool =
         if f.name != "kind":
             setattr(j, f.name, flag(cfg, f.name, getattr(j, f.name)))
     j.kind = "rl" if kind in ("ppo", "grpo", "rl") else kind
+    if j.kind == "rl":
+        j.rl_max_len = int(flag(cfg, "max_len", 0) or 0)
     if j.rollout_engine == "auto":  # what auto picks on CUDA when vLLM is installed (planning a GPU job: assumed)
         j.rollout_engine = "vllm" if on_cuda and vllm_installed else "hf"
     return j
@@ -106,6 +115,7 @@ class RoleModel:
     ranks: int                  # the role's group size (FSDP / ZeRO shard over it)
     trainable: bool
     lm: bool                    # has an LM head (actor, ref) vs a scalar head (critic, reward)
+    adapters: int = 0           # --lora_rank: trainable adapter weights over a frozen base (terms.lora_adapter_params)
 
     @property
     def n(self) -> int:
@@ -128,6 +138,7 @@ class GroupPlan:
     roles: List[str]
     stages: List[Stage]
     host: float                 # host bytes per rank (sleep / offload)
+    load_host: float = 0.0      # host bytes of the rank in this group that reads a checkpoint whole (FSDP2 load)
 
 
 @dataclass
@@ -156,7 +167,8 @@ class MemoryPlan:
         for g in self.groups:
             out.append(f"ranks {_ranges(g.ranks)} ({', '.join(g.roles)}); host (sleep/offload) "
                        f"{g.host / GiB:.1f} GiB per rank, {g.host * min(len(g.ranks), self.ranks_per_node) / GiB:.0f} "
-                       f"GiB per node")
+                       f"GiB per node" + (f"; at load {g.load_host / GiB:.1f} GiB on the host of the rank that "
+                                          f"reads the checkpoint" if g.load_host else ""))
             out.append(f"  {'stage':<14}" + "".join(f"{c:>12}" for c in cols) + f"{'peak':>10}  fits")
             for s in g.stages:
                 row = _columns(s.parts)
@@ -188,10 +200,10 @@ def role_states(job: Job, rm: RoleModel) -> States:
     d = rm.dims
     if job.backend == "deepspeed":
         return terms.deepspeed_states(rm.n, rm.ranks, job.bf16, job.zero_stage, rm.trainable, d.layer_params,
-                                      job.adam_offload and rm.trainable)
+                                      job.adam_offload and rm.trainable, rm.adapters)
     return terms.fsdp2_states(rm.n, rm.ranks, job.c, job.zero_stage, rm.trainable, d.layer_params,
                               d.root_params if rm.lm else d.embed_params + 2 * d.hidden,
-                              job.adam_offload and rm.trainable, job.grad_accum_no_sync and rm.trainable)
+                              job.adam_offload and rm.trainable, job.grad_accum_no_sync and rm.trainable, rm.adapters)
 
 
 def _tokens(job: Job, micro: int, max_tokens: Optional[int]) -> Tuple[int, int]:
@@ -201,6 +213,12 @@ def _tokens(job: Job, micro: int, max_tokens: Optional[int]) -> Tuple[int, int]:
         budget = (max_tokens if max_tokens is not None else job.train_max_tokens_per_gpu) * max(1, job.ring_attn_size)
         return max(1, budget // job.seq), job.seq
     return micro, job.seq
+
+
+def head_fused(job: Job) -> bool:
+    """Whether the LM head runs fused (rlhf/models/lm_head.py ``fusable_head``): not over ZeRO-3 partitioned weights
+    (DeepSpeed --zero_stage 3), where the model's own forward computes every token's logits."""
+    return not (job.backend == "deepspeed" and job.zero_stage >= 3)
 
 
 def _forward(job: Job, d: ModelDims, b: int, s: int, grad: bool, lm: bool, dp: int = 1) -> Dict[str, float]:
@@ -213,8 +231,11 @@ def _forward(job: Job, d: ModelDims, b: int, s: int, grad: bool, lm: bool, dp: i
     out = {"activations": act}
     head = 0.0
     if lm:
-        rows = -(-b * s // sp) * job.response_len // max(1, job.seq)
-        head = terms.lm_head_bytes(rows, d.vocab, c, job.logprob_chunk_size, max(0, job.lm_head_keep_mb) << 20, grad)
+        fused = head_fused(job)
+        tokens = -(-b * s // sp)
+        rows = tokens * job.response_len // max(1, job.seq) if fused else tokens  # unfused: every token's logits
+        head = terms.lm_head_bytes(rows, d.vocab, c, job.logprob_chunk_size, max(0, job.lm_head_keep_mb) << 20, grad,
+                                   fused)
         if grad:  # the head runs while the activations are kept for backward
             out["logits"] = head
         elif head > act:  # no graph: the blocks' buffers are gone when the head runs; the larger one is the peak
@@ -251,21 +272,36 @@ def _resident(job: Job, name: str, st: States, asleep: bool, trainable: bool) ->
     return {f"{name}:params": st.params, f"{name}:grads": st.grads, f"{name}:optimizer": st.optimizer}
 
 
+def weights_only_wake(job: Job, sleeping: bool) -> bool:
+    """Whether a role woken from sleep for a forward-only stage (reward, ref, values, old log-probs) leaves its
+    optimizer state on the host: FSDP2's ``wake`` brings the weights only and ``step`` brings the optimizer state
+    (rlhf/backends/fsdp2.py ``wake`` / ``_onload_optimizer``; veRL's ``load_fsdp_optimizer`` in ``update_actor``
+    only).  DeepSpeed's wake reloads every state (``reload_states``).  Without sleep everything stays resident.
+    The weight sync follows the actor's update with the actor still awake, so its optimizer state is there."""
+    return sleeping and job.backend == "fsdp2"
+
+
 def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_bytes: float,
-                 on_cuda: bool = True) -> Tuple[List[Stage], float]:
+                 on_cuda: bool = True, scheduled: bool = True) -> Tuple[List[Stage], float]:
     """The stages of one rank holding ``roles`` (role -> RoleModel; "rollout" -> the actor's model) and its host
-    bytes per rank.  Colocated with sleep, a stage keeps only its own role (and the one it shares) awake."""
+    bytes per rank.  Colocated with sleep, a stage keeps only its own role (and the one it shares) awake.
+    ``scheduled``: the phase scheduler puts roles to sleep at all, which the RL trainer does only when every role
+    shares every rank (rlhf/trainers/rl_trainer.py: ``enabled=self.plan.colocated and (...)``); the supervised
+    trainers never do."""
     states = {r: role_states(job, m) for r, m in roles.items() if r != "rollout"}
     reserve = {"runtime": CUDA_RESERVE} if on_cuda else {}
-    sleeping = job.sleeps and len(roles) > 1
+    sleeping = scheduled and job.sleeps and len(roles) > 1
     stages: List[Stage] = []
 
-    def resident(awake: Tuple[str, ...], first_step: bool = False, updating: str = "") -> Dict[str, float]:
+    def resident(awake: Tuple[str, ...], first_step: bool = False, updating: str = "",
+                 forward_only: bool = False) -> Dict[str, float]:
         out: Dict[str, float] = {}
         for r, st in states.items():
             part = _resident(job, r, st, sleeping and r not in awake, roles[r].trainable)
             if first_step:  # at load nothing has stepped: no gradients, no optimizer state yet
                 part = {k: v for k, v in part.items() if k.endswith(":params")}
+            if forward_only and r in awake and weights_only_wake(job, sleeping):
+                part.pop(f"{r}:optimizer", None)
             if r != updating:  # gradients live from the first backward to the step's zero_grad(set_to_none=True)
                 part.pop(f"{r}:grads", None)
             out.update(part)
@@ -273,13 +309,23 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
             out.update(_rollout_parts(job, roles["rollout"].dims, rollout_tp, device_bytes, on_cuda))
         return out
 
-    def add(name: str, awake: Tuple[str, ...], extra: Dict[str, float], updating: str = ""):
+    def add(name: str, awake: Tuple[str, ...], extra: Dict[str, float], updating: str = "", first_step: bool = False,
+            forward_only: bool = False):
         parts = dict(reserve)
-        parts.update(resident(awake, first_step=name == "load", updating=updating))
+        parts.update(resident(awake, first_step=first_step or name == "load", updating=updating,
+                              forward_only=forward_only))
         for k, v in extra.items():
             parts[k] = parts.get(k, 0.0) + v
         stages.append(Stage(name, parts))
 
+    if job.backend == "fsdp2" and states:  # the roles load one after another, before the rollout engine starts
+        # (so "rollout" counts as awake: no vLLM share yet): the last role's one-tensor transient at most.  A role
+        # on one rank reads its checkpoint itself and moves it tensor by tensor (``module.to`` / ``fully_shard``):
+        # no broadcast buffer (rlhf/backends/base.py ``loads_on_first``: FSDP2 over more than one rank)
+        transient = max(terms.load_transient_bytes(m.dims, terms.stored_bytes(job.c, m.trainable, m.adapters > 0))
+                        if m.ranks > 1 else 0.0 for r, m in roles.items() if r != "rollout")
+        add("shard", tuple(states) + ("rollout",), {"load:transient": transient} if transient else {},
+            first_step=True)
     load_extra = {}
     if "rollout" in roles:
         load_extra = _rollout_parts(job, roles["rollout"].dims, rollout_tp, device_bytes, on_cuda)
@@ -294,7 +340,7 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
         if r in roles and job.kind == "rl":
             m = roles[r]
             fwd = _forward(job, m.dims, b_inf, s_inf, False, m.lm)
-            add(stage, (r,), {f"{r}:gathered": states[r].gathered, **fwd})
+            add(stage, (r,), {f"{r}:gathered": states[r].gathered, **fwd}, forward_only=True)
     if job.kind == "dpo" and "ref" in roles:
         m = roles["ref"]
         add("ref", ("ref",), {"ref:gathered": states["ref"].gathered,
@@ -305,15 +351,8 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
             b = 2 * b_tr if job.kind in ("dpo", "rm") else b_tr
             fwd = _forward(job, m.dims, b, s_tr, True, m.lm, m.ranks)
             add(stage, (r,), {f"{r}:gathered": states[r].gathered, **fwd}, updating=r)
-    if "rollout" in roles and job.kind == "rl":
-        d = roles["rollout"].dims
-        largest = max(d.vocab * d.hidden, d.hidden * d.intermediate) * job.c  # a tensor larger than a bucket
-        sync = {"sync:buffer": 2.0 * max(SYNC_BUCKET, largest)}              # is a bucket of its own
-        # rollout ranks of their own hold vLLM's whole share while they receive buckets: ``resident`` counts it
-        # already (the rollout role is not asleep there), so only a sleeping engine's woken weights are added
-        if job.rollout_engine == "vllm" and sleeping:
-            sync["rollout:vllm"] = terms.vllm_weight_bytes(d.params, rollout_tp)
-        add("weight_sync", ("actor",), sync)
+    if job.kind == "rl" and ("rollout" in roles or "actor" in roles):
+        add("weight_sync", ("actor",), _sync_parts(job, roles, rollout_tp, sleeping))
     # host memory per rank: every sleeping role's resident states (all asleep during the rollout), the
     # optimizer offload, and vLLM's level-1 sleep copy of its weights (start-up, eval)
     host = sum(st.host for st in states.values())
@@ -324,17 +363,72 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
     return stages, host
 
 
+def _sync_copies(job: Job, actor: RoleModel) -> bool:
+    """Whether the sync's gather makes new tensors (``weight_sync.full_tensor``): a sharded FSDP2 model (over
+    several ranks, or under --bf16 / --adam_offload, rlhf/backends/fsdp2.py ``sharded``) all-gathers, ZeRO-3
+    copies each gathered parameter out, a LoRA layer is merged into a new tensor; a plain model already in the
+    sync dtype (one rank in fp32, DeepSpeed ZeRO < 3) hands its parameters over as they are."""
+    if actor.adapters:
+        return True
+    if job.backend == "deepspeed":
+        return job.zero_stage >= 3
+    return actor.ranks > 1 or job.c < 4 or job.adam_offload
+
+
+def _sync_parts(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, sleeping: bool) -> Dict[str, float]:
+    """The weight sync on one rank (rlhf/distributed/weight_sync.py): every weight is gathered in the engine's
+    dtype (c: bf16 under --bf16, ``full_tensor(p, dtype)``) straight into buckets of SYNC_BUCKET
+    (``terms.sync_bucket_bytes``); what each side holds is ``terms.sync_buffer_bytes``:
+
+        actor + rollout (colocated)   "colocated"
+        actor, rollout apart          "sender" (the actor group's first rank packs and sends)
+        rollout apart                 "receiver"
+
+    plus, on actor ranks, the gather's own transient (``terms.sync_gathering_bytes``) and, under --lora_rank, the
+    fp32 merge of the largest adapted weight (``terms.lora_merge_bytes``)."""
+    actor = roles.get("actor") or roles.get("rollout")
+    d, c = actor.dims, job.c
+    bucket = terms.sync_bucket_bytes(d, c, SYNC_BUCKET)
+    vllm = job.rollout_engine == "vllm"
+    side = "colocated" if ("actor" in roles and "rollout" in roles) else "sender" if "actor" in roles else "receiver"
+    copies = "actor" in roles and _sync_copies(job, roles["actor"])
+    out: Dict[str, float] = {"sync:buffer": terms.sync_buffer_bytes(side, bucket, c * d.layer_params, copies, vllm)}
+    if "actor" in roles:
+        a = roles["actor"]
+        zero3 = job.backend == "deepspeed" and job.zero_stage >= 3
+        cast_shard = job.backend == "fsdp2" and terms.stored_bytes(c, True, a.adapters > 0) != c
+        out["sync:gathering"] = terms.sync_gathering_bytes(d, c, a.ranks, cast_shard, zero3)
+        if a.adapters:
+            out["sync:lora_merge"] = terms.lora_merge_bytes(d, c, job.target_modules, copies)
+    # rollout ranks of their own hold vLLM's whole share while they receive buckets: ``resident`` counts it
+    # already (the rollout role is not asleep there), so only a sleeping engine's woken weights are added
+    if "rollout" in roles and vllm and sleeping:
+        out["rollout:vllm"] = terms.vllm_weight_bytes(d.params, rollout_tp)
+    return {k: v for k, v in out.items() if v}
+
+
+def _load_host(job: Job, roles: Dict[str, RoleModel]) -> float:
+    """Host bytes at load on the rank that reads the checkpoints of ``roles`` (FSDP2: each role's first rank;
+    the roles load one after another and each host copy is emptied as it is sent: the largest one)."""
+    if job.backend != "fsdp2":
+        return 0.0
+    return max((terms.load_host_bytes(m.n, terms.stored_bytes(job.c, m.trainable, m.adapters > 0), m.adapters)
+                for r, m in roles.items() if r != "rollout"), default=0.0)
+
+
 def plan_memory(job: Job, dims: Dict[str, ModelDims], placement=None, world: int = 1,
                 device_bytes: float = DEFAULT_GPU_GB * GiB, on_cuda: bool = True) -> MemoryPlan:
     """The plan for every distinct rank group.  ``dims``: role -> ModelDims (actor, and where they differ, ref,
     critic, reward; missing ones are the actor's).  RL needs ``placement``; supervised jobs use ``world``."""
     actor = dims["actor"]
+    adapters = terms.lora_adapter_params(actor, job.lora_rank, job.target_modules) if job.lora_rank > 0 else 0
     if job.kind != "rl":
-        roles = {"actor": RoleModel(actor, world, True, job.kind != "rm")}
+        roles = {"actor": RoleModel(actor, world, True, job.kind != "rm", adapters)}
         if job.kind == "dpo":
             roles["ref"] = RoleModel(dims.get("ref", actor), world, False, True)
-        stages, host = group_stages(job, roles, 1, device_bytes, on_cuda)
-        return MemoryPlan(job, device_bytes, [GroupPlan(list(range(world)), list(roles), stages, host)],
+        stages, host = group_stages(job, roles, 1, device_bytes, on_cuda, scheduled=False)
+        return MemoryPlan(job, device_bytes, [GroupPlan(list(range(world)), list(roles), stages, host,
+                                                        _load_host(job, roles))],
                           ranks_per_node=min(world, 8), dims=actor)
     groups: Dict[Tuple[str, ...], List[int]] = {}
     for rank in range(placement.world_size):
@@ -347,9 +441,12 @@ def plan_memory(job: Job, dims: Dict[str, ModelDims], placement=None, world: int
             if r == "rollout":
                 roles[r] = RoleModel(actor, n, False, True)
             else:
-                roles[r] = RoleModel(dims.get(r, actor), n, r in ("actor", "critic"), r in ("actor", "ref"))
-        stages, host = group_stages(job, roles, job.vllm_tensor_parallel_size, device_bytes, on_cuda)
-        out.append(GroupPlan(ranks, list(held), stages, host))
+                roles[r] = RoleModel(dims.get(r, actor), n, r in ("actor", "critic"), r in ("actor", "ref"),
+                                     adapters if r == "actor" else 0)
+        stages, host = group_stages(job, roles, job.vllm_tensor_parallel_size, device_bytes, on_cuda,
+                                    scheduled=placement.colocated)
+        sources = {r: m for r, m in roles.items() if r != "rollout" and placement.ranks[r][0] in ranks}
+        out.append(GroupPlan(ranks, list(held), stages, host, _load_host(job, sources)))
     return MemoryPlan(job, device_bytes, out, ranks_per_node=placement.gpus_per_node, dims=actor)
 
 
@@ -501,6 +598,13 @@ def report(plan: MemoryPlan, suggestions: List[Dict]) -> str:
         lines.append(f"fits: the largest peak is {s.name} on ranks {_ranges(g.ranks)}: {s.total / GiB:.1f} of "
                      f"{plan.device_bytes / GiB:.1f} GiB")
         return "\n".join(lines)
+    if plan.device_bytes <= CUDA_RESERVE and any("runtime" in s.parts for g in plan.groups for s in g.stages):
+        g, s = plan.worst()
+        lines.append(f"the device ({plan.device_bytes / GiB:.2f} GiB per rank) is no larger than the "
+                     f"{CUDA_RESERVE / GiB:.1f} GiB runtime reserve every CUDA rank holds before any model; this job's "
+                     f"largest stage, {s.name}, needs {s.total / GiB:.2f} GiB at this size (python -m rlhf.train_* "
+                     f"names the smallest --gpu_memory_gb that fits)")
+        return "\n".join(lines)
     for g, s, by in over:
         lines.append(f"OVERFLOW: {s.name} on ranks {_ranges(g.ranks)} needs {s.total / GiB:.1f} GiB of "
                      f"{plan.device_bytes / GiB:.1f} GiB ({by / GiB:.1f} GiB over)")
@@ -525,29 +629,70 @@ class MemoryPlanError(ValueError):
     pass
 
 
+def free_device_bytes() -> Tuple[float, float, int]:
+    """(free bytes, total bytes, index) of this rank's GPU (LOCAL_RANK, as comm picks it) at start-up:
+    ``torch.cuda.mem_get_info``, which creates this process's CUDA context on that device first, so the context
+    is already out of the free figure."""
+    import os
+
+    import torch
+
+    local = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
+    free, total = torch.cuda.mem_get_info(local)
+    return float(free), float(total), local
+
+
+def smallest_device(plan_at, start: float) -> float:
+    """The smallest device size (bytes, a multiple of 0.1 GiB) whose plan fits, ``plan_at(bytes) -> MemoryPlan``:
+    vLLM's share grows with the device (--vllm_gpu_memory_utilization x memory), so the size is iterated from
+    ``start`` (the worst stage at the current size) until the plan at that size fits."""
+    import math
+
+    def up(x: float) -> float:
+        return math.ceil(x / GiB * 10 - 1e-9) / 10 * GiB
+
+    dev = up(start)
+    for _ in range(200):
+        need = plan_at(dev).worst()[1].total
+        if need <= dev:
+            return dev
+        dev = max(up(need), dev + 0.1 * GiB)
+    return dev
+
+
+def below_reserve(device_bytes: float, budget: str, stage: str, need: float, fits_at: float, given: bool) -> str:
+    """The refusal when the device (or the given budget) is no larger than the runtime reserve alone."""
+    fix = (f"--gpu_memory_gb {fits_at / GiB:.1f} or more fits (or leave --gpu_memory_gb unset: the GPU's free memory)"
+           if given else f"a GPU with {fits_at / GiB:.1f} GiB free fits: free this one (another process holds it) or "
+                         f"run on a larger one")
+    return (f"memory plan: {budget} is {_gib(device_bytes)} GiB per rank, no more than the {_gib(CUDA_RESERVE)} GiB "
+            f"every CUDA rank holds before any model (context, cuBLAS workspace, NCCL buffers: the planner's runtime "
+            f"reserve); this job's largest stage, {stage}, needs {_gib(need)} GiB at this budget: {fix}. "
+            f"See python -m rlhf.plan --memory with the same flags; --skip_memory_check starts anyway")
+
+
 def startup_check(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
                   device_bytes: Optional[float] = None) -> List[str]:
     """Run before any process group (rlhf/config/preflight.py): plan the job and refuse a layout with a stage
     that cannot fit, naming the stage, the numbers and flag sets that fit, unless --skip_memory_check.
 
-    On CUDA the device is the GPU's own memory (or --gpu_memory_gb).  Without CUDA the check does nothing
-    unless --gpu_memory_gb is given (CPU runs are not planned for).  A topology the placement rejects, or a
+    On CUDA the device is the GPU's free memory at start-up (``free_device_bytes``; what other processes hold is
+    not ours to plan with), or --gpu_memory_gb.  Without CUDA the check does nothing unless --gpu_memory_gb is
+    given (CPU runs are not planned for).  A topology the placement rejects, or a
     model whose config.json cannot be read, is left to the checks that report those."""
-    import os
-
     gb = flag(cfg, "gpu_memory_gb", None)
     if on_cuda is None:
         import torch
 
         on_cuda = torch.cuda.is_available()
+    budget = "the given budget (--gpu_memory_gb)"
     if device_bytes is None:
         if gb is not None:
             device_bytes = float(gb) * GiB
         elif on_cuda:
-            import torch
-
-            local = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())  # as comm picks it
-            device_bytes = float(torch.cuda.get_device_properties(local).total_memory)
+            device_bytes, total, index = free_device_bytes()
+            budget = (f"GPU {index}'s free memory ({_gib(device_bytes)} of {_gib(total)} GiB; other processes hold "
+                      f"the rest)")
         else:
             return []
     placement = None
@@ -563,12 +708,22 @@ def startup_check(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
             return []
     import importlib.util
 
+    vllm = importlib.util.find_spec("vllm") is not None
     try:
-        plan, fits = plan_for_config(cfg, kind, placement, world, device_bytes, on_cuda,
-                                     importlib.util.find_spec("vllm") is not None)
+        plan, fits = plan_for_config(cfg, kind, placement, world, device_bytes, on_cuda, vllm)
     except (OSError, ValueError) as e:
         return [f"[memory] plan skipped: a model's config.json could not be read ({e})"]
     g, s = plan.worst()
+    job, dims = job_from_config(cfg, kind, on_cuda, vllm), role_dims(cfg, kind)
+
+    def fitting() -> float:
+        return smallest_device(lambda dev: plan_memory(job, dims, placement, world, dev, on_cuda), s.total)
+
+    if on_cuda and device_bytes <= CUDA_RESERVE:
+        msg = below_reserve(device_bytes, budget, s.name, s.total, fitting(), gb is not None)
+        if flag(cfg, "skip_memory_check", False):
+            return [f"[memory] WARNING (--skip_memory_check): {msg}"]
+        raise MemoryPlanError(msg)
     if plan.fits:
         return [f"[memory] plan: the largest peak is {s.name} on ranks {_ranges(g.ranks)}, {_gib(s.total)} of "
                 f"{_gib(device_bytes)} GiB (python -m rlhf.plan --memory shows every stage)"]
@@ -578,7 +733,8 @@ def startup_check(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
            f"{_gib(device_bytes)} GiB ({_gib(by)} GiB over"
            + (f"; {len(over) - 1} more stage(s) over" if len(over) > 1 else "") + "). "
            + (f"Fits with: {' | '.join(flags_text(f) for f in fits)}. " if fits else
-              "No flag set found that fits: more ranks or a smaller model. ")
+              f"No flag set found that fits: more ranks, a smaller model, or a device with at least "
+              f"{fitting() / GiB:.1f} GiB per rank. ")
            + "See python -m rlhf.plan --memory with the same flags; --skip_memory_check starts anyway")
     if flag(cfg, "skip_memory_check", False):
         return [f"[memory] WARNING (--skip_memory_check): {msg}"]

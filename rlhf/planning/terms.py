@@ -45,11 +45,18 @@ class States:
         return self.resident + self.gathered
 
 
-def fsdp2_states(n: int, dp: int, c: int, zero_stage: int, trainable: bool, layer_params: int, root_params: int,
-                 adam_offload: bool = False, no_sync: bool = False) -> States:
-    """FSDP2 (rlhf/backends/fsdp2.py): parameters stored fp32 and sharded, so
+def stored_bytes(c: int, trainable: bool, lora: bool = False) -> int:
+    """Bytes per parameter a model is stored in (rlhf/models/load.py ``weight_dtype``): a trainable model keeps
+    fp32 masters whatever --bf16 says; a frozen one (reference, reward model) is stored in the compute dtype
+    (bf16 under --bf16, veRL's choice too), and so is a LoRA model's frozen base (``lora``; its adapters: fp32)."""
+    return 4 if trainable and not lora else c
 
-        params    = 4 N / dp
+
+def fsdp2_states(n: int, dp: int, c: int, zero_stage: int, trainable: bool, layer_params: int, root_params: int,
+                 adam_offload: bool = False, no_sync: bool = False, adapters: int = 0) -> States:
+    """FSDP2 (rlhf/backends/fsdp2.py): parameters stored sharded, fp32 when trainable (frozen: c, ``stored_bytes``),
+
+        params    = 4 N / dp           (frozen: c N / dp)
         grads     = 4 N / dp           (trainable; --grad_accum_no_sync: 4 N, full unsharded fp32 gradients)
         optimizer = 8 N / dp           (AdamW exp_avg + exp_avg_sq, fp32; --adam_offload: on the host instead,
                                         with the fp32 params and grads: FSDP2 CPUOffloadPolicy)
@@ -57,10 +64,24 @@ def fsdp2_states(n: int, dp: int, c: int, zero_stage: int, trainable: bool, laye
                                            prefetched; the root unit stays unsharded from forward to backward)
                   = c N                    --zero_stage < 3 (every unit stays unsharded until backward is done)
 
-    A model on one rank without --bf16 (and without --adam_offload) is a plain module (no gathered copy)."""
+    A model on one rank without --bf16 (and without --adam_offload) is a plain module (no gathered copy).
+
+    ``adapters`` (A > 0, --lora_rank): the N base weights are frozen, stored in c (bf16 under --bf16,
+    rlhf/models/load.py ``weight_dtype(..., lora=True)``), and only the A adapter weights are fp32 masters with
+    gradients and AdamW state (``apply_lora`` keeps them fp32): params = c N / dp + 4 A / dp, grads 4 A / dp,
+    optimizer 8 A / dp; --adam_offload puts the whole model's shards on the host (CPUOffloadPolicy)."""
+    if adapters and trainable:
+        base = fsdp2_states(n, dp, c, zero_stage, False, layer_params, root_params)
+        ad = fsdp2_states(adapters, dp, c, zero_stage, True, 0, 0, False, no_sync)
+        st = States(params=base.params + ad.params, grads=ad.grads, optimizer=ad.optimizer,
+                    gathered=base.gathered + ad.gathered)
+        if adam_offload:
+            st.host = st.params + st.grads + st.optimizer
+            st.params = st.grads = st.optimizer = 0.0
+        return st
     st = States()
     sharded = dp > 1 or c < 4 or (adam_offload and trainable)  # offload shards one rank too (a single shard)
-    st.params = 4.0 * n / dp
+    st.params = float(stored_bytes(c, trainable)) * n / dp
     if trainable:
         st.grads = 4.0 * n if no_sync else 4.0 * n / dp
         st.optimizer = 8.0 * n / dp
@@ -73,7 +94,7 @@ def fsdp2_states(n: int, dp: int, c: int, zero_stage: int, trainable: bool, laye
 
 
 def deepspeed_states(n: int, dp: int, bf16: bool, zero_stage: int, trainable: bool, layer_params: int,
-                     adam_offload: bool = False) -> States:
+                     adam_offload: bool = False, adapters: int = 0) -> States:
     """DeepSpeed ZeRO, bytes per parameter as DeepSpeed's own estimators count them (module docstring):
 
         params    = c N          / dp at stage 3
@@ -83,7 +104,13 @@ def deepspeed_states(n: int, dp: int, bf16: bool, zero_stage: int, trainable: bo
 
     so --bf16 stage 3 is 18 N / dp and stage 2 is 2 N + 18 N / dp, DeepSpeed's own numbers.  --adam_offload
     (``offload_optimizer``): the optimizer term on the host.  Frozen (ref, reward; ``freeze_plain`` or ZeRO-3
-    eval config): c N, / dp at stage 3."""
+    eval config): c N, / dp at stage 3.  ``adapters`` (--lora_rank): the base counted frozen, the A adapter weights
+    trainable."""
+    if adapters and trainable:  # --lora_rank: a frozen base plus trainable adapters
+        base = deepspeed_states(n, dp, bf16, zero_stage, False, layer_params)
+        ad = deepspeed_states(adapters, dp, bf16, zero_stage, True, 0, adam_offload)
+        return States(params=base.params + ad.params, grads=ad.grads, optimizer=ad.optimizer,
+                      gathered=base.gathered, host=ad.host)
     st = States()
     c = 2 if bf16 else 4
     st.params = c * n / (dp if zero_stage >= 3 else 1)
@@ -199,6 +226,100 @@ def root_grad_bytes(d: ModelDims, c: int, sharded: bool, lm: bool = True) -> flo
     if sharded:
         out += (c + 4.0) * (d.root_params if lm else d.embed_params + 2 * d.hidden)
     return out
+
+
+def largest_tensor(d: ModelDims) -> int:
+    """Elements of the model's largest weight: the embedding / head (V h) or an MLP projection (h i)."""
+    return max(d.vocab * d.hidden, d.hidden * d.intermediate, d.hidden * d.q_dim)
+
+
+def load_transient_bytes(d: ModelDims, stored: int) -> float:
+    """What loading adds on every rank of an FSDP2 role beyond its shards (rlhf/backends/fsdp2.py
+    ``fill_from_first``): the source rank keeps the full model on the host (detached ``host_copies``, which
+    ``fully_shard``'s move of ``.data`` does not touch) and moves one full tensor at a time to the device; every
+    member receives that tensor into a device buffer of the same size and keeps its own shard:
+
+        stored x largest tensor   (``stored_bytes``: 4 for a trainable model, c for a frozen one)"""
+    return float(stored * largest_tensor(d))
+
+
+def sync_bucket_bytes(d: ModelDims, c: int, bucket: int) -> float:
+    """The largest bucket of the weight sync (rlhf/distributed/weight_sync.py ``bucket_plan``): tensors in the
+    sync dtype (c: the engine's, bf16 under --bf16) up to ``bucket`` bytes, a larger tensor in a bucket of its own:
+    max(bucket, c x largest tensor)."""
+    return float(max(bucket, c * largest_tensor(d)))
+
+
+def sync_buffer_bytes(side: str, bucket: float, layer: float, copies: bool, vllm: bool) -> float:
+    """What one weight sync holds on a rank beside the resident states, in buckets B (``sync_bucket_bytes``) and
+    decoder layers Ly (c x one block) (rlhf/distributed/weight_sync.py; every gathered tensor is in the sync dtype,
+    ``full_tensor(p, dtype)``).  ``copies``: the gather makes new tensors (sharded weights, a LoRA merge); an
+    unsharded model already in the sync dtype hands its parameters over as they are (no bytes).
+
+        colocated  ``sync_colocated``: the bucket being gathered while the previous one is still bound
+                   (``batch = [...]`` rebinds after the list is built): 2 B.  vLLM's ``load_weights`` holds back
+                   the last decoder layer until the next bucket completes it (``_pending``): the previous bucket
+                   and the held layer overlap, so max(B, Ly) + B.  No copies: 0.
+        sender     actor rank sending to rollout ranks of their own (``_send_direct`` / ``_sync_in_process``):
+                   the previous bucket's dict while the next is gathered, plus the packed piece in flight, then
+                   the next bucket, the piece in flight and the one being packed: 3 B (no copies: 2 B, the packed
+                   pieces only).
+        receiver   vLLM's workers (``vllm_worker.receive_and_load``): the piece being loaded, the next one posted,
+                   and the pieces the held-back last layer still views (at most Ly + B): Ly + 3 B.
+                   The HF engine in the trainer's process (``_sync_in_process``): the bucket's pieces while the
+                   last piece of the previous bucket is still bound: 2 B."""
+    if side == "colocated":
+        if not copies:
+            return 0.0
+        return max(bucket, layer) + bucket if vllm else 2 * bucket
+    if side == "sender":
+        return (3 if copies else 2) * bucket
+    return layer + 3 * bucket if vllm else 2 * bucket
+
+
+def sync_gathering_bytes(d: ModelDims, c: int, dp: int, cast_shard: bool, zero3: bool) -> float:
+    """The collective's own transient beside the gathered tensor it returns, for the largest tensor
+    (``weight_sync.full_tensor``): FSDP2 casts the local shard to the sync dtype before ``full_tensor()`` when the
+    stored dtype differs (fp32 masters under --bf16): c x largest / dp; DeepSpeed ZeRO-3 gathers the parameter in
+    place (``GatheredParameters``) and copies it out: c x largest while both exist."""
+    if zero3:
+        return float(c * largest_tensor(d))
+    return float(c * largest_tensor(d)) / dp if cast_shard else 0.0
+
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_shapes(d: ModelDims, target_modules: str) -> Dict[str, tuple]:
+    """(in, out) of each targeted linear of a decoder block; "all-linear" (peft: every linear but the LM head) is
+    all seven."""
+    h, q, kv, i = d.hidden, d.q_dim, d.kv_dim, d.intermediate
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+              "up_proj": (h, i), "down_proj": (i, h)}
+    names = LORA_MODULES if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
+    return {n: shapes[n] for n in names if n in shapes}
+
+
+def lora_adapter_params(d: ModelDims, rank: int, target_modules: str) -> int:
+    """Adapter weights of --lora_rank r over the targeted linears (peft: A is r x in, B is out x r):
+    L x sum over targets of r (in + out)."""
+    return d.layers * sum(rank * (a + b) for a, b in lora_shapes(d, target_modules).values())
+
+
+def lora_merge_bytes(d: ModelDims, c: int, target_modules: str, copies: bool) -> float:
+    """The sync's LoRA merge of the largest targeted weight, n = in x out elements (``weight_sync._export``:
+    ``(base.float() + scaling * (B.float() @ A.float())).to(dtype)``): the gathered base (c n, when a copy) and,
+    at the peak, three fp32 temporaries (base.float(), B @ A, its scaled copy; base.float() is the base itself in
+    an fp32 run): (c + 12) n under --bf16, (4 + 8) n in fp32."""
+    n = max((a * b for a, b in lora_shapes(d, target_modules).values()), default=0)
+    return float(((c if copies else 0) + (12 if c < 4 else 8)) * n)
+
+
+def load_host_bytes(n: int, stored: int, adapters: int = 0) -> float:
+    """Host memory of the rank that reads a role's checkpoint (FSDP2 ``load_on_first``: rlhf/backends/fsdp2.py
+    ``host_copies``): the whole model in its stored dtype, stored x N (+ 4 A fp32 adapters), freed tensor by
+    tensor as ``fill_from_first`` sends them; the other ranks build on meta and hold none."""
+    return float(stored * n + 4 * adapters)
 
 
 def kv_cache_bytes(d: ModelDims, seqs: int, tokens: int, c: int) -> float:

@@ -1,11 +1,22 @@
 """Reward functions: a local ``reward_func.py`` or an HTTP reward server, behind one checked call.
 
 API (OpenRLHF's): ``reward_func(queries, prompts, labels, **kwargs) -> {"rewards", "scores", "extra_logs"}``,
-sync or ``async def``, called once per batch.  ``queries`` are prompt + response texts.
+sync or ``async def``.  ``queries`` are prompt + response texts.
+
+Per-sample semantics: OpenRLHF calls a reward function with one query at a time (openrlhf/utils/agent.py
+``SingleTurnAgentExecutor._fetch_rewards_via_func``: ``batch_size = 1``), so each reward depends on its own query
+only, and an ``extra_logs`` value is one number.  Here it is called once per batch (lists of n): ``rewards`` and
+``scores`` must have one value per query (for any function written for OpenRLHF, the values it would give one query
+at a time); an ``extra_logs`` entry with one value (a number, a 0-d tensor, a one-element list) is the batch's
+value, logged for each of its rows: for a mean over the batch (OpenRLHF's examples/python/math_reward_func.py
+``math_accuracy``) that logs what OpenRLHF's mean over per-sample calls logs.  A reward file may import
+``openrlhf.utils``'s ``extract_boxed_answer`` / ``grade_answer`` (OpenRLHF's code, served while it loads:
+rlhf.agents.openrlhf_agent ``openrlhf_names``).
 """
 from __future__ import annotations
 
 import asyncio
+import http.client
 import importlib.util
 import inspect
 import json
@@ -26,17 +37,37 @@ class RewardError(RuntimeError):
     pass
 
 
+def resolve_reward_path(path: str) -> str:
+    """``--remote_rm_url path.py`` as an absolute path: ``~`` expanded, a relative path joined to the job's working
+    directory (where torchrun was started; slurm/common.sh starts there from $SLURM_SUBMIT_DIR), once, at load: the
+    module's ``__file__`` and every later message name that file even if something changes the directory after."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def load_reward_func(path: str) -> Callable:
-    """Import ``reward_func`` from a file and check its signature before any training starts."""
-    path = os.path.expanduser(path)
+    """Import ``reward_func`` from a file and check its signature before any training starts.  The file may import
+    ``openrlhf.utils`` (served while it loads, see the module docstring)."""
+    from rlhf.agents.openrlhf_agent import openrlhf_names
+
+    given, path = path, resolve_reward_path(path)
     if not os.path.isfile(path):
-        raise RewardError(f"--remote_rm_url {path}: no such file (give a reward_func.py path or an http(s) URL)")
+        where = "" if os.path.isabs(os.path.expanduser(given)) else \
+            f" (a relative path resolves against the job's working directory {os.getcwd()})"
+        raise RewardError(f"--remote_rm_url {given}: no such file {path}{where}; give a reward_func.py path or an "
+                          f"http(s) URL")
     spec = importlib.util.spec_from_file_location(f"rlhf_user_reward_{abs(hash(path))}", path)
     mod = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(mod)
+        with openrlhf_names():
+            spec.loader.exec_module(mod)
     except Exception as e:
-        raise RewardError(f"importing {path} failed: {type(e).__name__}: {e}") from e
+        hint = ""
+        if isinstance(e, ImportError) and "openrlhf" in str(e):
+            hint = (" (rlhf serves openrlhf.utils.agent and openrlhf.utils' extract_boxed_answer, grade_answer and "
+                    "math_utils; for other openrlhf modules install openrlhf)")
+        if isinstance(e, ModuleNotFoundError) and e.name == "pylatexenc":
+            hint = " (OpenRLHF's math_utils needs it: pip install pylatexenc, or pip install 'rlhf[math]')"
+        raise RewardError(f"importing {path} failed: {type(e).__name__}: {e}{hint}") from e
     fn = getattr(mod, "reward_func", None)
     if fn is None or not callable(fn):
         raise RewardError(f"{path} defines no callable reward_func(queries, prompts, labels, **kwargs)")
@@ -78,11 +109,24 @@ def check_result(out, n: int, where: str) -> Dict:
                           f"'extra_logs'); got {got}")
     rewards = _as_tensor(out["rewards"], n, "rewards", where)
     scores = _as_tensor(out.get("scores", rewards), n, "scores", where)
-    extra = {}
-    for k, v in (out.get("extra_logs") or {}).items():
-        extra[k] = _as_tensor(v, n, f"extra_logs[{k}]", where) if not isinstance(v, (int, float)) else \
-            torch.full((n,), float(v))
+    extra = {k: _extra_log(v, n, k, where) for k, v in (out.get("extra_logs") or {}).items()}
     return {"rewards": rewards, "scores": scores, "extra_logs": extra}
+
+
+def _extra_log(v, n: int, key: str, where: str) -> torch.Tensor:
+    """An ``extra_logs`` value as n per-row values: n values as given; one value (a number, a 0-d or one-element
+    tensor or list: what OpenRLHF's per-sample calls return, e.g. math_reward_func.py's ``math_accuracy``) is the
+    batch's value, repeated for each row."""
+    if isinstance(v, torch.Tensor):
+        v = v.detach()
+    if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1) or \
+            (isinstance(v, (list, tuple)) and len(v) == 1):
+        one = _as_tensor(v, 1, f"extra_logs[{key}]", where)
+        return one.expand(n).clone()
+    try:
+        return _as_tensor(v, n, f"extra_logs[{key}]", where)
+    except RewardError as e:
+        raise RewardError(f"{e}: give one value per query, or one value for the batch") from None
 
 
 class RewardTimeout(Exception):
@@ -264,8 +308,10 @@ def http_reward_func(url: str, timeout_s: float = 120.0, retries: int = 2, api_k
     prompts, "labels": labels}``; its serve_rm reads ``query``), so a reward server written for OpenRLHF works
     unchanged; the answer's ``rewards`` (and optional ``scores``, ``extra_logs``) are read as OpenRLHF's are.
 
-    One deadline (``timeout_s``, --reward_timeout_s) covers every try; a connection error, a timeout or a 5xx is
-    tried again up to ``retries`` more times (--remote_rm_retries) while time is left; a 4xx is final.
+    One deadline (``timeout_s``, --reward_timeout_s) covers every try; a connection error, a timeout, an answer cut
+    off mid-body (``http.client.IncompleteRead``, or a 2xx body that is not whole JSON) or a 5xx is tried again up to
+    ``retries`` more times (--remote_rm_retries) while time is left; a 4xx is final.  When no try succeeds, one
+    line says how many tries, the last failure and what to do.
 
     ``api_key`` (default: the environment variable RLHF_RM_API_KEY, read at each call) is sent as
     ``Authorization: Bearer <key>``, what ``rlhf.serve_rm --api_key`` checks; no key, no header.
@@ -287,7 +333,7 @@ def http_reward_func(url: str, timeout_s: float = 120.0, retries: int = 2, api_k
             req = urllib.request.Request(url, data=body, headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=left) as resp:
-                    return json.loads(resp.read())
+                    return _read_answer(resp)
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")[:500]
                 if 400 <= e.code < 500:
@@ -307,15 +353,37 @@ def http_reward_func(url: str, timeout_s: float = 120.0, retries: int = 2, api_k
                     last = f"{type(reason).__name__}: {reason}"
             except TimeoutError:
                 last = f"no answer within {left:.3g}s"
-            except (ConnectionError, OSError, ValueError) as e:
+            except http.client.IncompleteRead as e:  # the answer cut off: tried again like a reset connection
+                got = len(e.partial)
+                last = (f"the answer was cut off after {got} of {got + e.expected} bytes (IncompleteRead: the "
+                        f"server or a proxy closed the connection mid-answer)" if e.expected is not None else
+                        f"the answer was cut off after {got} bytes (IncompleteRead)")
+            except _Truncated as e:
+                last = str(e)
+            except (http.client.HTTPException, ConnectionError, OSError, ValueError) as e:
                 last = f"{type(e).__name__}: {e}"
             pause = min(2 ** attempt * 0.5, 5, max(0.0, deadline - time.monotonic()))
             if attempt < retries and pause > 0:
                 time.sleep(pause)
+        fix = (" (the server closed the connection mid-answer: see its log for why; a proxy may cap the answer's "
+               "size)" if "IncompleteRead" in last else "")
         raise RewardError(f"waited {timeout_s:g}s (--reward_timeout_s) for {what}: {tries} tries "
-                          f"(--remote_rm_retries {retries}), last: {last}")
+                          f"(--remote_rm_retries {retries}), last: {last}{fix}")
 
     return call
+
+
+class _Truncated(Exception):
+    """A 2xx answer whose body is not whole JSON (cut off without a Content-Length to tell)."""
+
+
+def _read_answer(resp) -> dict:
+    data = resp.read()
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _Truncated(f"the answer ({len(data)} bytes, HTTP {resp.status}) is not whole JSON ({e}): cut off, or "
+                         f"not a reward server; starts {data[:80]!r}") from None
 
 
 def sharded_http_reward_func(urls: List[str], timeout_s: float = 120.0, retries: int = 2,

@@ -44,14 +44,16 @@ def scores_at_positions(model, input_ids: torch.Tensor, attention_mask: Optional
 
 @torch.no_grad()
 def score_sequences(model, sequences: torch.Tensor, attention_mask: torch.Tensor, stats=(0.0, 1.0),
-                    micro_batch_size: int = 16) -> torch.Tensor:
+                    micro_batch_size: int = 16, device: Optional[torch.device] = None) -> torch.Tensor:
     """r = (RM(seq)[score_positions(mask)] - mean) / std  per row (PPO's reward role, serve_rm).
 
     Sequences are left-padded prompts + right-padded responses: the position is the mask's last 1, the same
-    one RM training reads (``score_positions``).
+    one RM training reads (``score_positions``).  ``device``: where the inputs go; an engine's model passes
+    ``TrainEngine.compute_device`` (its parameters may live on the host, --adam_offload); None: a plain module's
+    own parameter device (serve_rm).
     """
     out = []
-    dev = next(model.parameters()).device
+    dev = device if device is not None else next(model.parameters()).device
     for s in range(0, sequences.size(0), micro_batch_size):
         ids, att = sequences[s:s + micro_batch_size].to(dev), attention_mask[s:s + micro_batch_size].to(dev)
         sp = sp_of(model) is not None  # --ring_attn_size: this rank's slice of the packed rows (rlhf.models.forward)

@@ -1,7 +1,7 @@
 """HF rollout engine (a KV-cached decode loop over a transformers model): CPU / test / debug, vLLM's contract."""
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -28,8 +28,12 @@ def stop_ids(requested: Sequence[int], eos_id, generation_config=None) -> tuple:
 class HFEngine(RolloutEngine):
     """Holds its own copy of the policy (like a vLLM engine would); weights arrive via load_weights."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, device=None, micro_batch_size: int = 16):
+    def __init__(self, model: torch.nn.Module, tokenizer, device=None, micro_batch_size: int = 16,
+                 max_model_len: Optional[int] = None):
         self.model = model.to(device or torch.device("cpu"))
+        # prompt + response tokens of one sample, as vLLM's max_model_len (a generation stops there, finish reason
+        # "length"): RL's --max_len (OpenRLHF's prompt + response budget); None: --generate_max_len alone
+        self.max_model_len = max_model_len
         self.model.eval()
         self.model.requires_grad_(False)
         self.tokenizer = tokenizer
@@ -54,12 +58,20 @@ class HFEngine(RolloutEngine):
         pad = self.tokenizer.pad_token_id
         ids, att = pad_batch(prompts, pad, side="left")
         ids, att = ids.to(self.device), att.to(self.device)
-        resp, lp = decode_with_head(self.model, head, ids, att, params.n, params.max_new_tokens, stop, pad,
+        steps, room = params.max_new_tokens, None
+        if self.max_model_len:  # each row may take what its prompt leaves of max_model_len (at least 1 token)
+            room = (self.max_model_len - att.sum(1)).clamp(min=1).repeat_interleave(params.n)
+            steps = max(1, min(steps, int(room.max())))
+        resp, lp = decode_with_head(self.model, head, ids, att, params.n, steps, stop, pad,
                                     temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                     generator=gen)
         ids, att = ids.repeat_interleave(params.n, 0), att.repeat_interleave(params.n, 0)
         am = response_mask(resp, stop)
-        truncated = ~(torch.isin(resp, torch.tensor(stop, device=resp.device)).any(1))
+        is_stop = torch.isin(resp, torch.tensor(stop, device=resp.device))
+        if room is not None:  # past a row's room: as if its generation had ended there (vLLM: finish reason length)
+            cut = torch.arange(resp.size(1), device=resp.device).unsqueeze(0) >= room.to(resp.device).unsqueeze(1)
+            am, is_stop, resp = am * ~cut, is_stop & ~cut, resp.masked_fill(cut, pad)
+        truncated = ~is_stop.any(1)
         seqs = torch.cat([ids, resp], 1)
         full_att = torch.cat([att, am], 1)
         return RolloutBatch(seqs.cpu(), full_att.cpu(), am.cpu(), (lp * am).cpu(), ids.size(1), truncated.cpu())

@@ -319,7 +319,9 @@ class EngineMemory:
     def sleep(self) -> None:
         if not self.enabled or not self.mapped:
             return
-        level = self.level if self._sync_follows else 1
+        # level 2 when a sync follows, or when the weights are garbage anyway (dummy start, or a level-2 sleep not
+        # yet followed by a sync): a level-1 sleep would copy random values to pinned host memory and back
+        level = self.level if (self._sync_follows or not self.weights_valid) else 1
         self.wake()  # a partial engine maps its KV cache first: vLLM's sleep releases every allocation
         self.calls.append(("sleep", level))
         self.llm.sleep(level=level)
@@ -352,9 +354,10 @@ class EngineMemory:
             raise RuntimeError(f"vLLM engine asked to generate while {self.state} (tags awake: {sorted(self.mapped)}):"
                                f" wake it fully first (the phase scheduler does)")
         if not self.weights_valid:
-            raise RuntimeError("vLLM engine asked to generate after a level-2 sleep discarded its weights and before "
-                               "a weight sync restored them: call sync_follows() only where a sync comes before the "
-                               "next generate, or use --vllm_sleep_level 1")
+            raise RuntimeError("vLLM engine asked to generate after a level-2 sleep discarded its weights, or on the "
+                               "dummy weights it started on, before a weight sync loaded them: sync first (the "
+                               "trainer's first_sync), call sync_follows() only where a sync comes before the next "
+                               "generate, or use --vllm_sleep_level 1")
 
 
 def release_vllm_groups() -> None:
@@ -384,7 +387,7 @@ class VLLMEngine(RolloutEngine):
                  gpu_memory_utilization: float = 0.5, kv_cache_memory_bytes: Optional[int] = None,
                  enable_sleep: bool = False, sleep_level: int = 2, enforce_eager: bool = False,
                  weight_loader: Optional[str] = None, tp_group=None, tp_src: int = 0, driver: bool = True,
-                 device_ids: Optional[Sequence[int]] = None, log=print):
+                 device_ids: Optional[Sequence[int]] = None, dummy_weights: bool = False, log=print):
         """``tp_group`` / ``tp_src``: the engine's TP ranks and their first global rank (colocated, TP > 1: the
         prompts are broadcast from it so every TP rank passes identical prompts).  ``driver``: separate mode,
         False on an engine's non-first ranks (they build nothing).  ``device_ids``: separate mode on CUDA,
@@ -395,7 +398,12 @@ class VLLMEngine(RolloutEngine):
         ``seed``: the engine's seed, set once (OpenRLHF: ``LLM(seed=seed + engine index)``); a generate's
         ``params.seed`` resets the sampler's generator once per call, never per request.  ``dtype``: None picks
         bf16 on CUDA, fp32 on CPU (``default_dtype``).  ``sleep_level``: 2 discards the weights where a weight
-        sync follows before the next generate (``sync_follows``), 1 always keeps them (``EngineMemory``)."""
+        sync follows before the next generate (``sync_follows``), 1 always keeps them (``EngineMemory``).
+        ``dummy_weights`` (the trainer's colocated engines): build with ``load_format="dummy"`` (vLLM's
+        DummyModelLoader, vllm/model_executor/model_loader/dummy_loader.py: random values, no file read); take the
+        trainer's weights at the first sync, as veRL's colocated rollout does (``load_format: dummy``): no rank
+        reads the checkpoint a second time (a 70B model: 140 GB per rank).  Until that sync ``needs_weights`` is True and a
+        generate is refused (``EngineMemory.check_generate``)."""
         weight_loader = weight_loader or os.environ.get("RLHF_VLLM_WEIGHT_LOADER", "auto")
         if mode not in MODES:
             raise ValueError(f"VLLMEngine mode must be one of {MODES}, got {mode!r}")
@@ -428,6 +436,9 @@ class VLLMEngine(RolloutEngine):
                            dtype=dtype or default_dtype(cuda, False), enforce_eager=enforce_eager,
                            enable_sleep=enable_sleep, gpu_memory_utilization=gpu_memory_utilization,
                            kv_cache_memory_bytes=kv_cache_memory_bytes, cuda=cuda)
+        self.dummy = bool(dummy_weights)
+        if self.dummy:
+            kw["load_format"] = "dummy"
         if mode == "colocated":
             if cuda:  # the trainer's models are on this GPU already
                 import torch
@@ -449,6 +460,13 @@ class VLLMEngine(RolloutEngine):
             with _env(env, drop=LAUNCHER_ENV):
                 self.llm = vllm.LLM(**kw)
         self.memory.llm = self.llm
+        if self.dummy:
+            self.memory.weights_valid = False  # random values until the first weight sync (needs_weights)
+
+    @property
+    def needs_weights(self) -> bool:
+        """Built on dummy weights and not yet synced: the trainer syncs before the first generate."""
+        return not self.memory.weights_valid
 
     # ---- generation --------------------------------------------------------------------------------------------
     def _same_prompts(self, prompt_ids, params):

@@ -5,10 +5,13 @@ orchestration (which rank computes what, gathering) lives in experience.py; the
 order of operations and its conventions live here, in one place (OpenRLHF's order):
 
   1. length penalties on the raw reward: DAPO overlong (floored at -factor), then ProRL stop-properly;
-  2. optional running normalisation (--normalize_reward, over valid rewards);
+  2. optional running normalisation (--running_reward_norm, over valid rewards; OpenRLHF's --normalize_reward is
+     not this: it rescales the reward model's score by its saved mean / std, ``reward_model_stats``);
   3. dynamic filtering (which groups train);
   4. KL per token: estimator(old log-probs, ref log-probs), clamped to [-10, 10]; kl_coef < 0 counts as 0;
-  5. the estimator: group baseline -> clip to --reward_clip_range -> KL folded in -> returns -> whitening.
+  5. the estimator: group baseline -> clip to --reward_clip_range -> KL folded in -> returns -> whitening, over
+     the rows that train (valid and not filtered: OpenRLHF computes advantages over the accepted samples only,
+     so filtered groups enter neither flash_reinforce's batch mean nor the whitening moments).
 
 Invalid rewards (``valid`` False) enter no statistic: not the group baselines, not the whitening, not the
 ``reward`` metrics; their rows get advantage 0 and no loss.  A batch with no valid reward warns, and
@@ -25,6 +28,7 @@ import torch
 
 from rlhf.algorithms import (
     ADVANTAGE_ESTIMATORS,
+    RunningMeanStd,
     compute_advantages,
     compute_kl,
     dynamic_filter_mask,
@@ -70,6 +74,21 @@ def needs_old_logprobs(cfg, on_policy_single_update: bool) -> bool:
     return not on_policy_single_update or kl_in_reward(cfg)
 
 
+def reward_model_stats(cfg, saved: Optional[tuple]) -> tuple:
+    """(mean, std) the reward model's score is rescaled by, (r - mean) / std: the stats saved with the model
+    (``load_reward_model``) with --normalize_reward, else (0, 1).  OpenRLHF openrlhf/models/model.py (RewardModel:
+    ``if not self.training and self.normalize_reward: reward = (reward - self.mean) / self.std``, mean / std from
+    config.json, the flag overriding config.json's normalize_reward); reward functions are never rescaled."""
+    if not cfg.algorithm.normalize_reward or saved is None:
+        return (0.0, 1.0)
+    return (float(saved[0]), float(saved[1]))
+
+
+def running_reward_norm(cfg) -> Optional[RunningMeanStd]:
+    """The running mean / std every reward is normalised by (step 2), only with --running_reward_norm."""
+    return RunningMeanStd() if cfg.algorithm.running_reward_norm else None
+
+
 class InvalidRewardGuard(StreakGuard):
     """Consecutive batches without a single valid reward."""
 
@@ -106,7 +125,7 @@ def advantage_stage(cfg, x: StageInputs, kl_coef: float, reward_norm=None,
     # 1. length penalties
     pen = overlong_penalty(resp_len, cfg.data.generate_max_len, a.overlong_buffer_len, a.overlong_penalty_factor)
     shaped = stop_properly_penalty(rewards + pen, x.truncated, a.stop_properly_penalty_coef)
-    # 2. running normalisation (ours; OpenRLHF's --normalize_reward normalises the reward model's output instead)
+    # 2. running normalisation (--running_reward_norm; OpenRLHF's --normalize_reward rescales the RM's score instead)
     if reward_norm is not None:
         if n_valid:
             reward_norm.update(shaped[valid])
@@ -142,7 +161,7 @@ def advantage_stage(cfg, x: StageInputs, kl_coef: float, reward_norm=None,
         gamma = 1.0
     adv, ret = compute_advantages(a.advantage_estimator, shaped, mask, values=x.values, kl=kl, kl_coef=kl_coef,
                                   gamma=gamma, lambd=a.lambd, group_size=r.n_samples_per_prompt,
-                                  std_norm=not a.no_advantage_std_norm, scale=a.scale_rewards, valid=valid,
+                                  std_norm=not a.no_advantage_std_norm, scale=a.scale_rewards, valid=keep,
                                   clip_range=a.reward_clip_range)
     train_mask = x.action_mask * keep.long().unsqueeze(1)
     metrics = _metrics(x, valid, rewards, shaped, resp_len, mask, adv, kl_mean, kl_coef, filtered, pen,

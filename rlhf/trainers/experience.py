@@ -233,7 +233,13 @@ def refill_rollout_stage(tr, st: StepState) -> None:
             with tr.scheduler.phase("rollout", role="rollout"):
                 local = tr.roles.rollout.generate(prompts, tr.sampling(st.step, salt=rounds))
                 batch = gathered_rollout(tr, local, prompts, n)
-            with tr.scheduler.phase("reward", role="reward"):
+            # a reward function holds no device memory: the engine stays awake while it scores, so another round
+            # generates with nothing moved, and only the last round's sleep comes, at level 2 (a sync follows it);
+            # a reward model on this rank needs the device: the engine sleeps, at level 2 in the last allowed round
+            rm_here = "reward" in tr.scheduler.roles
+            if rm_here and rounds + 1 > a.dynamic_filtering_max_rounds:
+                tr.scheduler.sync_follows("rollout")
+            with tr.scheduler.phase("reward", role="reward", share=None if rm_here else "rollout"):
                 res = score_batch(tr, batch, [p.label for p in prompts for _ in range(n)])
         keep = dynamic_filter_mask(res["scores"], n, a.dynamic_filtering_reward_range, res["valid"]).view(-1, n)[:, 0]
         for g, ok in enumerate(keep.tolist()):
@@ -242,6 +248,7 @@ def refill_rollout_stage(tr, st: StepState) -> None:
             (kept if ok else spare).append(piece)
         seen, passed, rounds = seen + len(prompts), passed + int(keep.sum()), rounds + 1
         if len(kept) >= target or rounds > a.dynamic_filtering_max_rounds:
+            tr.scheduler.sync_follows("rollout")  # the step's weight sync comes before the next generate
             break
         extra = dynamic_filter_refill(len(kept), target, passed / seen, max_extra=4 * target)
         prompts = tr.refill_prompts(st.step, rounds, extra)

@@ -170,7 +170,7 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
     a, o, m, r = cfg.algorithm, cfg.optim, cfg.model, cfg.rollout
     model = engine.model
     model.train()
-    dev = next(model.parameters()).device
+    dev = engine.compute_device  # not the parameters' device: --adam_offload keeps FSDP2's shards on the host
     group = getattr(engine, "group", None)
     temp = r.temperature if r.temperature > 0 else 1.0
     loss_fn = POLICY_LOSSES.get_fn(a.policy_loss_type)
@@ -284,7 +284,7 @@ def train_critic(cfg, engine, exp, rank: int, world: int, step_seed: int) -> Dic
     a, o = cfg.algorithm, cfg.optim
     model = engine.model
     model.train()
-    dev = next(model.parameters()).device
+    dev = engine.compute_device  # not the parameters' device: --adam_offload keeps FSDP2's shards on the host
     group = getattr(engine, "group", None)
     scale = engine.accum_steps * world
     logs = defaultdict(list)

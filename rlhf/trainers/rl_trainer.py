@@ -14,8 +14,9 @@ from typing import List, Optional
 
 import torch
 
-from rlhf.algorithms import ADVANTAGE_ESTIMATORS, RunningMeanStd, make_kl_controller
+from rlhf.algorithms import ADVANTAGE_ESTIMATORS, make_kl_controller
 from rlhf.algorithms.eval_metrics import pass_at_n
+from rlhf.algorithms.seqlen_balancing import OVER_BUDGET
 from rlhf.config.preflight import preflight
 from rlhf.data.formatting import build_prompts, format_prompt
 from rlhf.data.loading import load_train_eval
@@ -29,7 +30,7 @@ from rlhf.utils import checkpoint as ckpt
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
-from .advantage_stage import InvalidRewardGuard
+from .advantage_stage import InvalidRewardGuard, running_reward_norm
 from .async_rollout import AsyncRollout
 from .cadence import Cadence, log0, planned_steps
 from .experience import Stage, StepState, decode_queries, gathered_rollout, rl_stages, score_batch
@@ -38,6 +39,19 @@ from .roles import build_roles
 
 class InputError(ValueError):
     """Bad input found before any process group exists: the message names the flag and the fix."""
+
+
+# Phases a pending stop cuts a step after: long, and before anything of the run's state changes (the update,
+# reward normalisation and the KL controller come later), so the last completed step is a consistent checkpoint.
+CUT_STAGES = ("rollout", "reward", "rollout_refill")
+
+
+class StepCut(Exception):
+    """Every rank agreed on a stop after ``stage``: the step is abandoned, the last completed step saved."""
+
+    def __init__(self, stage: str):
+        super().__init__(stage)
+        self.stage = stage
 
 
 def load_prompt_sets(cfg, tokenizer, kit_dir: Optional[str]):
@@ -70,6 +84,24 @@ def generation_rows(tokenizer, batch, res: dict, labels: List, k: int) -> List[d
         out.append({"prompt": p, "response": q[len(p):], "label": labels[i],
                     "reward": float(res["rewards"][i]) if ok else None})
     return out
+
+
+def io_deadlines(cfg, path: str, plan, nodes: int, floor_s: float) -> dict:
+    """The watchdog's "load" and "save" deadlines from the bytes they move (launch/sbatch.py ``io_deadlines_s``):
+    a 70B actor + critic write ~2 TB per checkpoint and read it back for the manifest's hashes, far past a fixed
+    --watchdog_slow_timeout_s (the floor).  Sizes from each model's config.json (or the size in its name)."""
+    from launch.sbatch import io_deadlines_s, model_params
+
+    m = cfg.model
+
+    def size(p):
+        return (model_params(p)[0] or 0) if p else 0
+
+    actor = size(path)
+    critic = size(m.critic_pretrain or path) if plan.ranks.get("critic") else 0
+    ref = size(m.ref_pretrain or path) if plan.ranks.get("ref") else 0
+    reward = size(m.reward_pretrain) if plan.ranks.get("reward") else 0
+    return io_deadlines_s(actor + critic, actor + critic + ref + reward, nodes, floor_s)
 
 
 def check_backend_placement(cfg, plan) -> None:
@@ -123,7 +155,8 @@ class RLTrainer:
         # --- everything that can fail on bad input, before any process group exists ---
         world = int(os.environ.get("WORLD_SIZE", "1"))
         preflight(cfg, "ppo", world)  # model kinds, writable paths, resume
-        self.plan = make_placement(t, world, t.nnodes_hint or nnodes_from_env(), a.init_kl_coef > 0 or a.use_kl_loss,
+        self.plan_nodes = t.nnodes_hint or nnodes_from_env()
+        self.plan = make_placement(t, world, self.plan_nodes, a.init_kl_coef > 0 or a.use_kl_loss,
                                    spec.needs_critic, cfg.model.reward_pretrain is not None)
         if r.async_train and not self.plan.separate_rollout:
             raise InputError("--async_train needs rollout ranks of their own: set --vllm_num_engines > 0 and give "
@@ -146,8 +179,9 @@ class RLTrainer:
         if len(self.prompts) < rb:
             raise InputError(f"{len(self.prompts)} training prompts is fewer than --rollout_batch_size {rb} (one "
                              f"step's prompts): use --rollout_batch_size {len(self.prompts)} or fewer, or more data"
-                             + (f" (--eval_split {cfg.data.eval_split} held out {len(self.eval_prompts)} for eval)"
-                                if cfg.data.prompt_data and not cfg.data.eval_dataset else ""))
+                             + (f" (--eval_holdout {cfg.data.eval_holdout} held out {len(self.eval_prompts)} for eval)"
+                                if cfg.data.prompt_data and not cfg.data.eval_dataset and cfg.data.eval_holdout
+                                else ""))
         self.steps_per_episode = len(self.prompts) // rb
         total, capped = planned_steps(self.steps_per_episode, cfg.optim.num_episodes, cfg.optim.max_global_steps,
                                       "--num_episodes")
@@ -165,7 +199,8 @@ class RLTrainer:
                                                          a.dynamic_filtering_max_rounds)
         self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
                                  deadlines={"rollout": t.watchdog_slow_timeout_s, "eval": t.watchdog_slow_timeout_s,
-                                            "load": t.watchdog_slow_timeout_s, "save": t.watchdog_slow_timeout_s,
+                                            **io_deadlines(cfg, self.path, self.plan, self.plan_nodes,
+                                                           t.watchdog_slow_timeout_s),
                                             "rollout_refill": refill_s, "produce": t.watchdog_slow_timeout_s,
                                             # async: the actor ranks wait here for the rollout ranks' produce
                                             # stage, which has its own (slow) deadline on those ranks
@@ -188,7 +223,7 @@ class RLTrainer:
         self.weight_sync = WeightSync(self.groups, rollout_engine, timeout_s=t.dist_timeout_s, device=self.device,
                                       dtype=torch.bfloat16 if cfg.model.bf16 else None)
         self.kl_ctl = make_kl_controller(a.init_kl_coef, a.kl_target, a.kl_horizon)
-        self.reward_norm = RunningMeanStd() if a.normalize_reward else None
+        self.reward_norm = running_reward_norm(cfg)
         self.invalid_rewards = InvalidRewardGuard(a.max_invalid_reward_batches)
         self.async_rollout = AsyncRollout(self) if r.async_train else None
         self.stages: List[Stage] = [s for s in rl_stages() if s.applies(self)]
@@ -199,6 +234,10 @@ class RLTrainer:
                                     use_tensorboard=lg.use_tensorboard, progress_bar=lg.progress_bar,
                                     config=cfg.to_dict())
         self.cadence = Cadence(cfg, self.logger, StopSignal())
+        # a stop (SIGTERM: torchrun kills 30 s later) cuts the step after its long phases (sync mode: every rank
+        # runs every stage, so the agreement is one all_reduce at the same point on every rank); said at once
+        self.cut_stages = () if self.async_rollout is not None else CUT_STAGES
+        self.watchdog.announce_stops(self.cadence.stop, self.cut_stages)
 
     # ---- data ------------------------------------------------------------------------------------------------------
     def prompts_for(self, step: int):
@@ -254,7 +293,21 @@ class RLTrainer:
             with self.phase(stage):
                 stage.run(self, st)
             st.metrics[f"time_{stage.name}"] = time.perf_counter() - t0
+            if stage.name in self.cut_stages and self.cadence.stop.requested():  # collective, on every rank
+                raise StepCut(stage.name)
         return st
+
+    def save_cut_step(self, stage: str) -> None:
+        """After a StepCut: save the last completed step (unless its own save just ran) and end as preempted."""
+        c = self.cfg.checkpoint
+        if not (self.step > 0 and c.save_steps > 0 and self.step % c.save_steps == 0):
+            critic = "critic" if self.roles.critic is not None else None
+            with self.scheduler.phase("save", role="actor", share=critic):
+                self.save()
+        self.cadence.preempted = True
+        log0(f"[preempt] {self.cadence.stop.reason()}: step {self.step + 1} cut after its {stage} phase; checkpoint "
+             f"of step {self.step} (the last completed) saved in {c.ckpt_path}; the run is NOT complete "
+             f"({self.step}/{self.total_steps} steps): resume with --load_checkpoint")
 
     # ---- weights ---------------------------------------------------------------------------------------------------
     def sync_weights(self) -> None:
@@ -283,9 +336,9 @@ class RLTrainer:
                 self.save_hf(os.path.join(path, "hf"))
 
     def resume(self) -> bool:
-        path = ckpt.resume_path(self.cfg.checkpoint.ckpt_path, self.cfg.checkpoint.strict_resume)
-        if path is None:
-            log0(f"[resume] no complete checkpoint in {self.cfg.checkpoint.ckpt_path}; starting fresh")
+        with self.watchdog.phase("load"):  # the verification reads the whole checkpoint (in shares): bytes-scaled
+            path = ckpt.resume_path(self.cfg.checkpoint.ckpt_path, self.cfg.checkpoint.strict_resume)
+        if path is None:  # preflight said so (check_resume: "no checkpoint ... starting from step 0")
             return False
         with self.watchdog.phase("load"):
             for name in ("actor", "critic"):
@@ -304,6 +357,16 @@ class RLTrainer:
             self.sync_weights()
         log0(f"[resume] from {path} at step {self.step}")
         return True
+
+    def first_sync(self) -> None:
+        """Colocated vLLM starts on dummy weights (VLLMEngine ``dummy_weights``) and takes the actor's here, before
+        the first generate, unless a resume synced already.  Collective: every rank learns whether any engine
+        needs it (ranks without a rollout engine take part in the sync as actor ranks)."""
+        engine = self.roles.rollout.engine
+        need = torch.tensor([1.0 if getattr(engine, "needs_weights", False) else 0.0])
+        if float(comm.all_reduce(need, "max")) > 0:
+            with self.phase(self.stage_named("weight_sync")):
+                self.sync_weights()
 
     def stage_named(self, name: str) -> Stage:
         return next(s for s in self.stages if s.name == name)
@@ -360,6 +423,7 @@ class RLTrainer:
     def fit(self):
         cfg = self.cfg
         self.cadence.start(self)
+        self.first_sync()
         n_rows = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
         if self.async_rollout is not None:  # the first K batches, with the starting (or resumed) weights
             k, slow = cfg.rollout.async_queue_size, cfg.topology.watchdog_slow_timeout_s
@@ -372,11 +436,17 @@ class RLTrainer:
             t_step = time.perf_counter()
             st = StepState(self.step, self.prompts_for(self.step), cfg.rollout.n_samples_per_prompt,
                            kl_coef=self.kl_ctl.value)
-            self.run_stages(st)
+            try:
+                self.run_stages(st)
+            except StepCut as cut:
+                self.save_cut_step(cut.stage)
+                break
             st.metrics.update(self.wait_metrics(st.metrics))
             self.step += 1
             dt = time.perf_counter() - t_step
             st.metrics.update({"time_step": dt, "tokens_per_s": int(st.batch.attention_mask.sum()) / dt})
+            if cfg.optim.use_dynamic_batch:  # sequences over the token budget, each run alone (seqlen_balancing)
+                st.metrics["over_budget_micro_batches"] = float(OVER_BUDGET.take())
             metrics = self.reduce_metrics(st.metrics)
             self.kl_ctl.update(metrics["kl"], n_rows)  # the mean over the ranks that computed it: the same value
             if not self.cadence.after_step(self, metrics):

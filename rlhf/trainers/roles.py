@@ -23,6 +23,7 @@ from rlhf.distributed import Groups
 from rlhf.distributed.sequence_parallel import SP, attach
 from rlhf.distributed.sharding import gather_max, gather_rows, micro_plan, run_micro, shard_rows
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
+from rlhf.models.lm_head import use_fp32_head
 from rlhf.models.load import load_causal_lm, load_reward_model, load_tokenizer, resolve_pretrain
 from rlhf.rewards.reward_model import score_sequences
 from rlhf.rollout.base import RolloutBatch, SamplingParams
@@ -110,8 +111,7 @@ class ModelRole(Role):
     def logprobs(self, batch: RolloutBatch, temperature: float, micro: int, chunk: int, packing: bool) -> torch.Tensor:
         """log pi(a_t | s_<t) of the response tokens, (B, R), masked."""
         def fn(p: slice):
-            model = self.engine.model
-            dev = next(model.parameters()).device
+            model, dev = self.engine.model, self.engine.compute_device
             ids, att = batch.sequences[p].to(dev), batch.attention_mask[p].to(dev)
             if packing:
                 return packed_action_logprobs(model, ids, att, batch.action_mask[p].to(dev), temperature, chunk)
@@ -123,8 +123,7 @@ class ModelRole(Role):
     def values(self, batch: RolloutBatch, micro: int) -> torch.Tensor:
         """Critic values of the response positions, (B, R), masked."""
         def fn(p: slice):
-            model = self.engine.model
-            dev = next(model.parameters()).device
+            model, dev = self.engine.model, self.engine.compute_device
             return model(batch.sequences[p].to(dev), batch.attention_mask[p].to(dev), batch.num_actions)
 
         return self.rows_forward(batch.sequences.size(0), micro, fn, batch.num_actions) * batch.action_mask
@@ -133,7 +132,8 @@ class ModelRole(Role):
     def scores(self, batch: RolloutBatch, micro: int, stats, over: Any = "default") -> torch.Tensor:
         """Reward-model scores, (B,), on every rank of ``over`` (see ``rows_forward``)."""
         fn = lambda p: score_sequences(self.engine.model, batch.sequences[p], batch.attention_mask[p], stats,  # noqa: E731
-                                       p.stop - p.start if hasattr(micro, "plan") else micro).unsqueeze(1)
+                                       p.stop - p.start if hasattr(micro, "plan") else micro,
+                                       device=self.engine.compute_device).unsqueeze(1)
         return self.rows_forward(batch.sequences.size(0), micro, fn, 1, over).squeeze(1)
 
 
@@ -278,13 +278,11 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     ref = model_role("ref", frozen, lambda on_meta: load_causal_lm(m.ref_pretrain or path, m.bf16, m.flash_attn,
                                                                    on_meta=on_meta, trainable=False))
 
-    def load_critic(on_meta):
-        from rlhf.models.critic import CriticModel
-
-        return CriticModel.from_pretrained(m.critic_pretrain or path, m.gradient_checkpointing, on_meta=on_meta,
-                                           flash_attn=m.flash_attn)
-
-    critic = model_role("critic", trainable(o.critic_learning_rate), load_critic)
+    if m.lm_head_fp32:  # the actor's and the reference's log-probs from float32 logits
+        for role in (actor, ref):
+            if role is not None and role.engine is not None:
+                use_fp32_head(role.engine.model)
+    critic = model_role("critic", trainable(o.critic_learning_rate), lambda on_meta: load_critic(cfg, path, on_meta))
     stats = {}
 
     def load_rm(on_meta):
@@ -302,8 +300,33 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
             inst, exe = load_agent(cfg.rollout.agent_func_path)
             rollout.agent = exe(inst, cfg.rollout.max_steps, cfg.data.generate_max_len * cfg.rollout.max_steps,
                                 rollout.engine, load_tokenizer(path))
+    from .advantage_stage import reward_model_stats
+
     return Roles(actor=actor, rollout=rollout, ref=ref, critic=critic, reward=reward,
-                 reward_stats=stats.get("v", (0.0, 1.0)))
+                 reward_stats=reward_model_stats(cfg, stats.get("v")))
+
+
+def load_critic(cfg, path: str, on_meta: bool = False):
+    """The critic from --critic_pretrain (default ``path``, --pretrain).  A reward model there gives the value head
+    its score head, normalised as the reward role normalises scores (``reward_model_stats``), so at step 1 the
+    critic's value at a sequence's last token is the reward role's score (rlhf.models.critic)."""
+    from rlhf.models.critic import CriticModel
+    from rlhf.models.load import saved_reward_stats
+
+    from .advantage_stage import reward_model_stats
+
+    m = cfg.model
+    src = m.critic_pretrain or path
+    return CriticModel.from_pretrained(src, m.gradient_checkpointing, on_meta=on_meta, flash_attn=m.flash_attn,
+                                       value_head_prefix=m.value_head_prefix,
+                                       reward_stats=reward_model_stats(cfg, saved_reward_stats(src)))
+
+
+def rl_max_len(cfg) -> int:
+    """Prompt + response tokens of one sample: --prompt_max_len + --generate_max_len, within RL's --max_len (OpenRLHF's
+    prompt + response budget, its vLLM max_model_len; rlhf.config.openrlhf_meaning)."""
+    d = cfg.data
+    return min(d.prompt_max_len + d.generate_max_len, d.max_len)
 
 
 def build_rollout_engine(cfg, path: str, groups: Groups, device):
@@ -329,7 +352,7 @@ def build_rollout_engine(cfg, path: str, groups: Groups, device):
         # one seed per engine (OpenRLHF: seed + engine index); bf16 on CUDA whatever --bf16 says (vLLM's
         # flash-attention backends take no fp32), fp32 on CPU unless --bf16
         return VLLMEngine(path, t.vllm_tensor_parallel_size, mode="separate" if separate else "colocated",
-                          max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len,
+                          max_model_len=rl_max_len(cfg),
                           seed=cfg.optim.seed + plan.engine_of(groups.rank),
                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                           dtype="bfloat16" if cfg.model.bf16 or device.type == "cuda" else "float32",
@@ -337,7 +360,8 @@ def build_rollout_engine(cfg, path: str, groups: Groups, device):
                           sleep_level=r.vllm_sleep_level, enforce_eager=r.enforce_eager or device.type == "cpu",
                           tp_group=groups.tp_group, tp_src=ranks[0], driver=groups.rank == ranks[0],
                           device_ids=[k % plan.gpus_per_node for k in ranks],
+                          dummy_weights=not separate,  # colocated: the actor's weights arrive at the first sync
                           log=print if groups.rank == ranks[0] else (lambda *_: None))
     model = load_causal_lm(path, cfg.model.bf16, trainable=False)  # generation only: bf16 under --bf16
     model.config.use_cache = True
-    return HFEngine(model, tok, device, micro_batch_size=r.micro_rollout_batch_size)
+    return HFEngine(model, tok, device, micro_batch_size=r.micro_rollout_batch_size, max_model_len=rl_max_len(cfg))

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
-from rlhf.algorithms.seqlen_balancing import Item, plan_step
+from rlhf.algorithms.seqlen_balancing import OVER_BUDGET, Item, plan_step
 from rlhf.backends.base import EngineSpec, make_engine, reads_weights, spec_from_config
 from rlhf.config.batching_checks import row_budgets
 from rlhf.config.preflight import preflight
@@ -19,7 +19,7 @@ from rlhf.data.loading import load_train_eval
 from rlhf.data.screen import screen_rows
 from rlhf.distributed import comm, micro_plan, shard_rows
 from rlhf.distributed.failfast import Watchdog, guarded
-from rlhf.distributed.groups import build_sp
+from rlhf.distributed.groups import build_sp, nnodes_from_env
 from rlhf.distributed.sequence_parallel import SP, attach, dp_coords
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.utils import checkpoint as ckpt
@@ -32,6 +32,7 @@ from .cadence import Cadence, log0, planned_steps
 class Task:
     name = "task"
     required_keys: Dict[str, str] = {}
+    device: Optional[torch.device] = None  # the engine's compute device (SupervisedTrainer sets it; see ``batch``)
 
     def __init__(self, cfg, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -49,10 +50,12 @@ class Task:
         raise NotImplementedError
 
     def batch(self, model, samples: List) -> dict:
-        """The one place a supervised micro-batch reaches the model's device: every tensor of ``collate``
-        (ids, masks, labels, margins, precomputed reference log-probs) is moved to where ``model``'s
-        parameters live (the GPU under FSDP2 / DeepSpeed), so no loss mixes CPU and CUDA tensors."""
-        return to_device(self.collate(samples), model_device(model))
+        """The one place a supervised micro-batch reaches the compute device: every tensor of ``collate`` (ids,
+        masks, labels, margins, precomputed reference log-probs) is moved to ``self.device``, the engine's compute
+        device (``TrainEngine.compute_device``, which SupervisedTrainer sets), so no loss mixes CPU and CUDA tensors.
+        Not the parameters' device: under --adam_offload FSDP2 keeps the shards on the host and computes on the GPU.
+        A task used without a trainer (``device`` unset) moves them to where ``model``'s parameters are."""
+        return to_device(self.collate(samples), self.device if self.device is not None else model_device(model))
 
     def loss(self, model, samples: List) -> tuple:
         """(loss tensor, metrics dict) of a list of samples."""
@@ -90,7 +93,8 @@ class Task:
 
 
 def model_device(model) -> torch.device:
-    """Where ``model``'s parameters live (a DTensor shard's device under FSDP2)."""
+    """Where ``model``'s parameters live (a DTensor shard's device under FSDP2): a plain module's compute device,
+    not an engine's (use ``TrainEngine.compute_device`` there)."""
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
 
@@ -98,6 +102,19 @@ def model_device(model) -> torch.device:
 def to_device(batch: dict, device: torch.device) -> dict:
     """Every tensor of ``batch`` on ``device`` (other values as they are)."""
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def io_deadlines(cfg, path: str, task: str, nodes: int, floor_s: float) -> dict:
+    """The watchdog's "load" and "save" deadlines from the bytes they move (launch/sbatch.py ``io_deadlines_s``, as
+    the RL trainers: rl_trainer.io_deadlines): the trained model's checkpoint (weights, fp32 master, Adam) written
+    and read back for the manifest's hashes, and at start-up or resume the weights (DPO: and its reference) or the
+    checkpoint read and verified; never below --watchdog_slow_timeout_s (``floor_s``).  Sizes from each model's
+    config.json (or the size in its name)."""
+    from launch.sbatch import io_deadlines_s, model_params
+
+    trained = model_params(path)[0] or 0
+    ref = (model_params(cfg.model.ref_pretrain or path)[0] or 0) if task == "dpo" else 0
+    return io_deadlines_s(trained, trained + ref, nodes, floor_s)
 
 
 def default_data(cfg, kit: str, kind: str):
@@ -137,13 +154,18 @@ class SupervisedTrainer:
         if capped:
             log0(capped)
         self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
-                                 deadlines={"load": t.watchdog_slow_timeout_s, "save": t.watchdog_slow_timeout_s})
+                                 deadlines=io_deadlines(cfg, self.path, self.task.name, t.nnodes_hint
+                                                        or nnodes_from_env(), t.watchdog_slow_timeout_s))
         torch.manual_seed(o.seed)
         spec = spec_from_config(cfg, o.learning_rate, self.total_steps)
         self.on_meta = not reads_weights(t.backend, None)
-        self.engine = make_engine(t.backend, self.task.build_model(self.path, on_meta=self.on_meta), spec,
-                                  device=self.device)
-        self.task.setup(self, spec)
+        with self.watchdog.phase("load"):
+            self.engine = make_engine(t.backend, self.task.build_model(self.path, on_meta=self.on_meta), spec,
+                                      device=self.device)
+            self.task.device = self.engine.compute_device  # batches go there, whatever device the parameters are on
+            self.task.setup(self, spec)
+        if cfg.model.lm_head_fp32:
+            self.fp32_heads()
         attach(self.engine.model, self.sp)
         if getattr(self.task, "ref", None) is not None:  # DPO's reference splits the same rows
             attach(self.task.ref.model, SP(self.sp.size, self.sp.rank, self.sp.group))
@@ -155,6 +177,22 @@ class SupervisedTrainer:
                                     config=cfg.to_dict())
         self.logger.log(0, self.data_report.metrics(), prefix="data")
         self.cadence = Cadence(cfg, self.logger, StopSignal())
+        # a stop signal is said at once (rank 0: the phase, that the checkpoint comes at step end, torchrun's grace);
+        # supervised steps are not cut (no phase runs long enough to need it)
+        self.watchdog.announce_stops(self.cadence.stop)
+
+    def fp32_heads(self) -> None:
+        """--lm_head_fp32: the policy's (and DPO's reference's) log-probs from float32 logits
+        (rlhf.models.lm_head.use_fp32_head); a reward model has no LM head: said, nothing changes."""
+        from rlhf.models.lm_head import use_fp32_head
+
+        if self.task.name == "rm":
+            log0("[rm] --lm_head_fp32 has no effect on a reward model (its score head is not an LM head)")
+            return
+        ref = getattr(self.task, "ref", None)
+        for model in (self.engine.model, ref.model if ref is not None else None):
+            if model is not None:
+                use_fp32_head(model)
 
     def batches_for(self, step: int):
         o = self.cfg.optim
@@ -228,13 +266,13 @@ class SupervisedTrainer:
                                  {"step": self.step}, c.max_ckpt_num, identity=ckpt.run_identity(self.cfg))
 
     def resume(self) -> bool:
-        path = ckpt.resume_path(self.cfg.checkpoint.ckpt_path, self.cfg.checkpoint.strict_resume)
-        if path is None:
-            log0(f"[resume] no complete checkpoint in {self.cfg.checkpoint.ckpt_path}; starting fresh")
-            return False
-        self.engine.load_checkpoint(os.path.join(path, "model"))
-        self.step = ckpt.load_trainer_state(path)["step"]
-        ckpt.load_rank_state(path)
+        with self.watchdog.phase("load"):  # the verification reads the whole checkpoint (in shares), then the load
+            path = ckpt.resume_path(self.cfg.checkpoint.ckpt_path, self.cfg.checkpoint.strict_resume)
+            if path is None:  # preflight said so (check_resume: "no checkpoint ... starting from step 0")
+                return False
+            self.engine.load_checkpoint(os.path.join(path, "model"))
+            self.step = ckpt.load_trainer_state(path)["step"]
+            ckpt.load_rank_state(path)
         log0(f"[resume] from {path} at step {self.step}")
         return True
 
@@ -256,6 +294,7 @@ class SupervisedTrainer:
             step_loss += float(loss.detach()) * w / self.engine.accum_steps
         if dynamic:
             logs["loss"] = [step_loss]
+            logs["over_budget_micro_batches"] = [float(OVER_BUDGET.take())]  # seqlen_balancing: run alone
         return logs
 
     def fit(self):

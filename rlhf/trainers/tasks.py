@@ -8,7 +8,7 @@ import torch
 
 from rlhf.algorithms import logprobs_from_logits
 from rlhf.algorithms.preference import REWARD_MODEL_LOSSES, dpo_loss, sft_token_loss
-from rlhf.data.formatting import collate_packed, collate_supervised, format_prompt, format_response, pad_batch, tokenize_pair
+from rlhf.data.formatting import collate_packed, collate_supervised, format_prompt, format_response, pad_batch, pair_texts, tokenize_pair
 from rlhf.data.sft_modes import mode_of, mode_sample
 from rlhf.distributed.sequence_parallel import sp_of
 from rlhf.models.forward import sp_token_logprobs
@@ -110,7 +110,8 @@ class RMTask(Task):
         from transformers import AutoModelForSequenceClassification
 
         m = from_pretrained_or_meta(AutoModelForSequenceClassification, path, on_meta, {"num_labels": 1},
-                                    dtype=weight_dtype(self.cfg.model.bf16, trainable=True),
+                                    dtype=weight_dtype(self.cfg.model.bf16, trainable=True,
+                                                       lora=self.cfg.model.lora_rank > 0),  # frozen base: bf16
                                     attn_implementation=attn_implementation(self.cfg.model.flash_attn))
         m.config.pad_token_id = self.tokenizer.pad_token_id
         if self.cfg.model.gradient_checkpointing:
@@ -127,9 +128,9 @@ class RMTask(Task):
 
     def make_sample(self, row):
         d, tok = self.cfg.data, self.tokenizer
-        p = _prompt(self.cfg, tok, row)
-        c = tokenize_pair(tok, p, _response(self.cfg, tok, row, "chosen_key"), d.max_len)[0]
-        r = tokenize_pair(tok, p, _response(self.cfg, tok, row, "rejected_key"), d.max_len)[0]
+        p, chosen, rejected = pair_texts(row, tok, d, is_dpo=False)  # rows without a prompt column: OpenRLHF's
+        c = tokenize_pair(tok, p, chosen, d.max_len)[0]
+        r = tokenize_pair(tok, p, rejected, d.max_len)[0]
         if self.cfg.algorithm.margin_loss:
             return c, r, float(row[d.margin_key])
         return c, r
@@ -227,11 +228,10 @@ class DPOTask(Task):
 
     def make_sample(self, row):
         d, tok = self.cfg.data, self.tokenizer
-        p = _prompt(self.cfg, tok, row)
+        p, chosen, rejected = pair_texts(row, tok, d, is_dpo=True)  # rows without a prompt column: OpenRLHF's
         ref = tuple(float(row[k]) for k in self.REF_KEYS) if all(row.get(k) is not None for k in self.REF_KEYS) \
             else None
-        return (tokenize_pair(tok, p, _response(self.cfg, tok, row, "chosen_key"), d.max_len),
-                tokenize_pair(tok, p, _response(self.cfg, tok, row, "rejected_key"), d.max_len), ref)
+        return tokenize_pair(tok, p, chosen, d.max_len), tokenize_pair(tok, p, rejected, d.max_len), ref
 
     def collate(self, samples):
         """One batch of [chosen..., rejected...] for the policy and the reference alike; ``ref``: the rows'

@@ -4,13 +4,15 @@ A directory only gets its final name after every rank finished writing, so a
 crash mid-save leaves a ``.tmp-global_step_N-<run>`` that resume ignores (and the next
 save removes).  Every checkpoint holds ``manifest.json``: the size and a fast hash of every file (each rank hashes
 the files it wrote, rank 0 assembles them before the rename) and the run's identity (``run_identity``).
-``pick_checkpoint`` verifies the newest checkpoint against its manifest and falls back to the newest intact one.
+``pick_checkpoint`` verifies the newest checkpoint against its manifest and falls back to the newest intact one;
+``resume_path`` does so collectively, every rank hashing a share (``verify_shared``).
 ``acquire_lock`` keeps two runs off one --ckpt_path.
 """
 from __future__ import annotations
 
 import atexit
 import fcntl
+import fnmatch
 import hashlib
 import json
 import os
@@ -53,19 +55,39 @@ def list_checkpoints(root: str):
     return sorted(out)
 
 
+def step_dirs(root: str):
+    """Every ``global_step_N`` directory, oldest first, as (step, path) -- complete or not (a checkpoint gets its
+    final name only after its trainer state is written, so one without it lost that file afterwards)."""
+    if not os.path.isdir(root):
+        return []
+    return sorted((int(m.group(1)), os.path.join(root, n)) for n in os.listdir(root)
+                  for m in [STEP_RE.match(n)] if m and os.path.isdir(os.path.join(root, n)))
+
+
 def latest_checkpoint(root: str) -> Optional[str]:
     cks = list_checkpoints(root)
     return cks[-1][1] if cks else None
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python, numpy and torch CPU generators, and every visible CUDA device's generator when CUDA is there
+    (dropout and sampling on the GPU draw from those; ``torch.cuda.random.get_rng_state_all``, as
+    transformers' trainer.py ``_save_rng_state`` keeps them under a distributed run)."""
+    s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
 
 
 def set_rng_state(s: dict) -> None:
     random.setstate(s["python"])
     np.random.set_state(s["numpy"])
     torch.set_rng_state(s["torch"])
+    cuda = s.get("cuda")
+    if cuda and torch.cuda.is_available():
+        # per device: a resume on a node that shows fewer devices restores the ones it has
+        for i, state in enumerate(cuda[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, i)
 
 
 def save_checkpoint(root: str, step: int, write: Callable[[str], None], trainer_state: dict, max_keep: int = 3,
@@ -113,14 +135,21 @@ def save_checkpoint(root: str, step: int, write: Callable[[str], None], trainer_
     return final
 
 
-def remove_cut_short_saves(root: str) -> None:
-    """Remove the ``.tmp-*`` directories of saves cut short -- only while this process holds the folder's lock
-    (without it, a ``.tmp-*`` may be another live run's save in progress)."""
-    if os.path.abspath(root) not in _HELD_LOCKS:
-        return
-    for name in os.listdir(root):
-        if name.startswith(".tmp-global_step_"):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+def remove_cut_short_saves(root: str) -> List[Tuple[str, int]]:
+    """Remove the ``.tmp-global_step_*`` directories of saves cut short -- only while this process holds the
+    folder's lock (without it, a ``.tmp-*`` may be another live run's save in progress; with it, every other
+    run that could be writing one is gone).  Returns (name, bytes) of what was removed."""
+    if os.path.abspath(root) not in _HELD_LOCKS or not os.path.isdir(root):
+        return []
+    removed = []
+    for name in sorted(os.listdir(root)):
+        d = os.path.join(root, name)
+        if name.startswith(".tmp-global_step_") and os.path.isdir(d):
+            size = sum(os.path.getsize(os.path.join(b, f)) for b, _, fs in os.walk(d) for f in fs
+                       if os.path.isfile(os.path.join(b, f)))
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append((name, size))
+    return removed
 
 
 # ---------------------------------------------------------------- manifest: sizes and hashes of every file
@@ -202,14 +231,19 @@ def verify_checkpoint(path: str, hashes: bool = True) -> Optional[str]:
     return None
 
 
-def pick_checkpoint(root: str, strict: bool = False, hashes: bool = True) -> Tuple[Optional[str], List[str]]:
+def pick_checkpoint(root: str, strict: bool = False, hashes: bool = True,
+                    verify: Optional[Callable[[str], Optional[str]]] = None,
+                    dirs: Optional[List[str]] = None) -> Tuple[Optional[str], List[str]]:
     """(the newest intact checkpoint or None when there is none at all, notices).  A damaged newer checkpoint is
     named in a notice and skipped; with ``strict`` a damaged newest checkpoint raises ``CheckpointError``, as does
     a folder whose every checkpoint is damaged (even with --start_fresh_if_no_checkpoint).  ``hashes=False``
-    checks presence and sizes only (cheap: preflight on every rank)."""
+    checks presence and sizes only (cheap: preflight on every rank).  ``verify`` (path -> what is wrong, or None)
+    replaces ``verify_checkpoint`` and ``dirs`` (newest first) the listing of ``root``: ``resume_path`` passes its
+    collective check and rank 0's listing."""
     notices: List[str] = []
-    for _, path in reversed(list_checkpoints(root)):
-        why = verify_checkpoint(path, hashes)
+    check = verify or (lambda p: verify_checkpoint(p, hashes))
+    for path in dirs if dirs is not None else [p for _, p in reversed(step_dirs(root))]:
+        why = check(path)
         if why is None:
             if notices:
                 notices.append(f"[resume] falling back to {path}, the newest intact checkpoint")
@@ -236,6 +270,16 @@ SAME_RUN_FLAGS = ("pretrain", "ref_pretrain", "critic_pretrain", "reward_pretrai
                   "advantage_estimator")
 REPORTED_FLAGS = ("learning_rate", "actor_learning_rate", "critic_learning_rate", "max_epochs", "num_episodes",
                   "max_global_steps", "train_batch_size")
+# the data stream: step N's prompts (samples) are a slice of a --seed shuffle at N x the batch, so another value
+# on resume re-trains some and skips others; {flag: why}
+RL_STREAM_FLAGS = {
+    "seed": "the prompt order of each episode is a shuffle drawn from --seed",
+    "rollout_batch_size": "step N's prompts are positions N x --rollout_batch_size of the episode's shuffle",
+    "n_samples_per_prompt": "each step's samples, its optimizer steps and the learning-rate schedule (and any "
+                            "queued async rollouts) were made with it"}
+SUPERVISED_STREAM_FLAGS = {
+    "seed": "the sample order of each epoch is a shuffle drawn from --seed",
+    "train_batch_size": "step N's samples are positions N x --train_batch_size of the epoch's shuffle"}
 
 
 def _model_shape(path: Optional[str]) -> Optional[dict]:
@@ -276,7 +320,20 @@ def run_identity(cfg) -> dict:
             if hasattr(grp, k):
                 ident[k] = getattr(grp, k)
                 break
+    ident["data_stream"] = {k: _flag_value(cfg, k) for k in stream_flags(cfg)}
     return ident
+
+
+def stream_flags(cfg) -> Dict[str, str]:
+    """The flags that place each step in the data stream: RL (--prompt_data) or supervised."""
+    return RL_STREAM_FLAGS if getattr(cfg.data, "prompt_data", None) else SUPERVISED_STREAM_FLAGS
+
+
+def _flag_value(cfg, name: str):
+    for grp in vars(cfg).values():
+        if hasattr(grp, name):
+            return getattr(grp, name)
+    return None
 
 
 def compare_identity(path: str, saved: dict, now: dict) -> List[str]:
@@ -292,8 +349,22 @@ def compare_identity(path: str, saved: dict, now: dict) -> List[str]:
                 f"checkpoint {path} was saved with --{flag} {_show(saved, k)}, this run has {_show(now, k)}: "
                 f"that {kind}, so resuming it would load another run's weights. Give this run its own --ckpt_path, "
                 f"or rerun with the saved --{flag}")
-    changed = [f"--{k} {saved[k]} -> {now.get(k)}" for k in REPORTED_FLAGS if k in saved and saved[k] != now.get(k)]
+    check_stream(path, saved.get("data_stream") or {}, now.get("data_stream") or {})
+    changed = [f"--{k} {saved[k]} -> {now.get(k)}" for k in REPORTED_FLAGS if k in saved and saved[k] != now.get(k)
+               and k not in (now.get("data_stream") or {})]
     return [f"[resume] {path}: changed since the save: {', '.join(changed)}"] if changed else []
+
+
+def check_stream(path: str, saved: dict, now: dict) -> None:
+    """CheckpointError naming the flag when a data-stream flag differs from the checkpoint's (a checkpoint saved
+    before these were recorded is not checked)."""
+    why = {**SUPERVISED_STREAM_FLAGS, **RL_STREAM_FLAGS}
+    for k, v in saved.items():
+        if k in now and now[k] != v:
+            raise CheckpointError(
+                f"checkpoint {path} was saved with --{k} {v}, this run has --{k} {now[k]}: {why.get(k, k)}, so "
+                f"resuming with another value would train some of the data again and skip the rest. Resume with --{k} "
+                f"{v}, or give this run its own --ckpt_path to start over with --{k} {now[k]}")
 
 
 def _show(ident: dict, k: str):
@@ -356,6 +427,12 @@ def acquire_lock(root: str) -> List[str]:
     fh.flush()
     _HELD_LOCKS[root] = fh
     atexit.register(release_lock, root)
+    # the lock proves every earlier run on this folder dead: their cut-short saves go now, before this run's
+    # first save needs the space (a disk filled by a save that failed stays full otherwise)
+    removed = remove_cut_short_saves(root)
+    if removed:
+        notices.append(f"[ckpt] removed {len(removed)} save(s) cut short by an earlier run in {root} "
+                       f"({', '.join(n for n, _ in removed)}; {sum(b for _, b in removed) / 2 ** 20:.1f} MiB freed)")
     return notices
 
 
@@ -371,22 +448,66 @@ def release_lock(root: str) -> None:
 
 
 def resume_path(root: str, strict: bool = False) -> Optional[str]:
-    """Collective: the checkpoint every rank resumes from.  Rank 0 verifies the hashes (``pick_checkpoint``) and
-    prints the fallback lines; the verdict (a path, None, or the error) is broadcast so every rank takes the same
-    branch and raises the same error."""
-    verdict = None
+    """Collective: the checkpoint every rank resumes from (``pick_checkpoint`` with ``verify_shared``: every rank
+    hashes a share of each candidate, so a 70B checkpoint's ~2 TB is read once, spread over the ranks, rather than
+    by rank 0 alone while the others wait in a collective bounded by --dist_timeout_s).  Rank 0 lists the
+    candidates and prints the fallback lines; every rank reaches the same verdict (a path, None, or the same
+    ``CheckpointError``) after the same collectives in the same order."""
+    dirs = comm.broadcast_object([p for _, p in reversed(step_dirs(root))] if _rank() == 0 else None, 0)
+    path, notices = pick_checkpoint(root, strict, verify=verify_shared, dirs=dirs)
     if _rank() == 0:
+        for n in notices:
+            print(n, flush=True)
+    return path
+
+
+def hash_shares(files: Dict[str, dict], world: int) -> List[List[str]]:
+    """The manifest's files split into ``world`` shares of about equal bytes (largest first, each to the share
+    with the fewest bytes so far; ties to the lower rank): the same on every rank, since it depends on the
+    manifest alone."""
+    shares: List[List[str]] = [[] for _ in range(world)]
+    load = [0] * world
+    for rel in sorted(files, key=lambda r: (-int(files[r].get("size", 0)), r)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        shares[r].append(rel)
+        load[r] += int(files[rel].get("size", 0))
+    return shares
+
+
+def check_hashes(path: str, files: Dict[str, dict], rels: List[str]) -> Dict[str, str]:
+    """{relative path: what is wrong} for the files ``rels`` of checkpoint ``path`` whose bytes differ from the
+    manifest's hash (or that vanished or changed size since the size check)."""
+    bad = {}
+    for rel in rels:
+        f, want = os.path.join(path, rel), files[rel]
         try:
-            path, notices = pick_checkpoint(root, strict)
-            for n in notices:
-                print(n, flush=True)
-            verdict = ("ok", path)
-        except CheckpointError as e:
-            verdict = ("error", str(e))
-    kind, value = comm.broadcast_object(verdict, 0)
-    if kind == "error":
-        raise CheckpointError(value)
-    return value
+            size = os.path.getsize(f)
+            if size != want["size"]:
+                bad[rel] = f"{rel} has {size} bytes, the manifest says {want['size']} (truncated or rewritten)"
+            elif file_digest(f) != want["hash"]:
+                bad[rel] = f"{rel} does not match its checksum (the bytes changed after the save)"
+        except OSError as e:
+            bad[rel] = f"{rel} is unreadable ({e.strerror or e})"
+    return bad
+
+
+def verify_shared(path: str) -> Optional[str]:
+    """Collective ``verify_checkpoint``: rank 0 checks the manifest, presence and sizes and broadcasts the verdict
+    with the file list; then every rank hashes its ``hash_shares`` share and one all_gather brings every rank the
+    damaged files, the first in manifest (sorted) order named -- the message ``verify_checkpoint`` gives on one
+    rank.  Every rank issues the same two collectives whatever it finds."""
+    head = None
+    if _rank() == 0:
+        why = verify_checkpoint(path, hashes=False)
+        man = read_manifest(path) if why is None else None
+        same_algo = man is not None and man.get("hash") == _hasher()[0]
+        head = (why, man.get("files", {}) if same_algo else {})
+    why, files = comm.broadcast_object(head, 0)
+    mine = hash_shares(files, comm.world_size())[_rank()] if why is None else []
+    bad: Dict[str, str] = {}
+    for part in comm.all_gather_object(check_hashes(path, files, mine)):
+        bad.update(part)
+    return why if why is not None else (bad[min(bad)] if bad else None)
 
 
 def load_trainer_state(path: str) -> dict:
@@ -446,12 +567,11 @@ def drop_tied_copies(state: dict, model) -> dict:
 
 
 def save_hf(model_state: Optional[dict], model, tokenizer, path: str) -> None:
-    """Rank 0: write an HF model (safetensors) + tokenizer under a temp name, then rename."""
+    """Rank 0: write an HF model (safetensors) + tokenizer beside ``path``, then put it in place (``install_export``:
+    only an earlier export's files are replaced; nothing else in ``path`` is touched)."""
     if model_state is None:
         return
-    tmp = path.rstrip("/") + ".tmp"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
+    tmp = begin_export(path)
     from rlhf.models.load import quiet_save
 
     base = getattr(model, "module", model)  # a peft model saves its adapter from the full state dict
@@ -459,6 +579,138 @@ def save_hf(model_state: Optional[dict], model, tokenizer, path: str) -> None:
         base.save_pretrained(tmp, state_dict=drop_tied_copies(model_state, base), safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    if os.path.exists(path):
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    install_export(tmp, path)
+
+
+# ---------------------------------------------------------------- the final export: never delete what we did not write
+#
+# OpenRLHF writes its model into --save_path with ``os.makedirs(exist_ok=True)`` + ``save_pretrained``
+# (openrlhf/utils/deepspeed/deepspeed.py ``save_model``), and its own scripts keep checkpoints and logs under the same
+# folder (``--save_path ./ckpt --ckpt_path ./ckpt/checkpoints_ppo_ray``).  An export here is written beside the target
+# and moved in file by file; ``EXPORT_RECORD`` in the target lists the files an export wrote, so the next export
+# replaces those (and drops the ones it no longer writes) and never touches anything else.  A file the export would
+# overwrite that no export wrote is refused at start (``export_conflicts``).
+
+EXPORT_RECORD = ".rlhf-export.json"
+# top-level names an HF / peft / critic export may write (save_pretrained's weights, config and model card, the
+# tokenizer's files, the critic's value head)
+EXPORT_PATTERNS = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "*.bin",
+                   "*.bin.index.json", "*.pt", "adapter_config.json", "tokenizer*", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.*", "merges.txt", "spiece.model", "chat_template.*", "README.md",
+                   "preprocessor_config.json", "processor_config.json")
+
+
+class ExportError(CheckpointError):
+    """The export cannot go where it was asked without overwriting files this project did not write."""
+
+
+def _export_files(d: str) -> List[str]:
+    """Files under ``d`` (relative, '/'-separated, sorted), the export record left out."""
+    out = []
+    for base, _, names in os.walk(d):
+        for n in names:
+            rel = os.path.relpath(os.path.join(base, n), d).replace(os.sep, "/")
+            if rel != EXPORT_RECORD:
+                out.append(rel)
+    return sorted(out)
+
+
+def export_record(path: str) -> Optional[List[str]]:
+    """The files the last export into ``path`` wrote; None when ``path`` holds no record."""
+    try:
+        with open(os.path.join(path, EXPORT_RECORD)) as fh:
+            return list(json.load(fh).get("files", []))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _write_record(path: str, files: List[str], partial: bool = False) -> None:
+    tmp = os.path.join(path, EXPORT_RECORD + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump({"files": sorted(set(files)), "partial": partial,
+                   "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, fh, indent=1)
+    os.replace(tmp, os.path.join(path, EXPORT_RECORD))
+
+
+def export_conflicts(path: str, extra: Tuple[str, ...] = ()) -> List[str]:
+    """Top-level files in ``path`` an export may overwrite (``EXPORT_PATTERNS`` and ``extra``) that no export of
+    this project wrote (they are not in its record)."""
+    if not os.path.isdir(path):
+        return []
+    ours = set(export_record(path) or [])
+    return sorted(n for n in os.listdir(path)
+                  if n not in ours and n != EXPORT_RECORD and os.path.isfile(os.path.join(path, n))
+                  and any(fnmatch.fnmatch(n, p) for p in EXPORT_PATTERNS + tuple(extra)))
+
+
+def check_export_target(path: str, flag: str, extra: Tuple[str, ...] = ()) -> None:
+    """ExportError naming ``--flag`` when ``path`` is a file, or holds files an export would overwrite that no
+    export wrote (a model, a tokenizer, a README of someone else's): checked before training, not after."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ExportError(f"--{flag} {path} is a file; the model is saved as a folder: give a folder path")
+    clash = export_conflicts(path, extra)
+    if clash:
+        shown = ", ".join(clash[:8]) + (f" and {len(clash) - 8} more" if len(clash) > 8 else "")
+        raise ExportError(
+            f"--{flag} {path} holds {shown}, which the final export would overwrite and which no export of this "
+            f"project wrote (no {EXPORT_RECORD} lists them): nothing there is deleted or overwritten. Give an empty "
+            f"or new folder, e.g. --{flag} {os.path.join(path.rstrip('/') or '.', 'model')}, or move those files "
+            f"away (the folder's other contents, such as --ckpt_path or --log_dir under it, are fine)")
+
+
+def begin_export(path: str) -> str:
+    """A fresh temporary folder beside ``path`` (``<path>.tmp``) for the export, marked as this project's; an earlier
+    export's cut-short temporary folder (marked) is replaced, a foreign folder of that name is refused."""
+    tmp = path.rstrip("/") + ".tmp"
+    if os.path.lexists(tmp):
+        if not (os.path.isdir(tmp) and export_record(tmp) is not None):
+            raise ExportError(f"{tmp} exists and was not written by an export of this project; the export of {path} "
+                              f"is written there first: move it away")
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    _write_record(tmp, [], partial=True)
+    return tmp
+
+
+def install_export(tmp: str, path: str) -> None:
+    """Put the finished export ``tmp`` (from ``begin_export``) at ``path``.  A new ``path``: one rename.  An existing
+    one: the export's files are moved in one by one, replacing only the files the previous export's record lists;
+    the previous export's files this one does not write are removed; nothing else in ``path`` is touched.  The
+    record lists every file written before any is moved, so a crash midway leaves no file unaccounted for.  A file
+    that would be overwritten and is not in the record: ExportError, the export left complete in ``tmp``."""
+    new = _export_files(tmp)
+    _write_record(tmp, new)
+    if not os.path.lexists(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        os.replace(tmp, path)
+        return
+    if not os.path.isdir(path):
+        raise ExportError(f"{path} is a file, so the export cannot be put there; it is complete in {tmp}")
+    old = export_record(path) or []
+    clash = [f for f in new if os.path.lexists(os.path.join(path, f)) and f not in old]
+    if clash:
+        raise ExportError(f"{path} holds {', '.join(clash[:8])}, which no export of this project wrote: nothing was "
+                          f"overwritten; the export is complete in {tmp} (move it where you want it)")
+    _write_record(path, old + new, partial=True)
+    for f in new:
+        dst = os.path.join(path, f)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        os.replace(os.path.join(tmp, f), dst)
+    for f in sorted(set(old) - set(new)):
+        _remove_exported(path, f)
+    _write_record(path, new)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_exported(path: str, rel: str) -> None:
+    """Remove a file an earlier export wrote, and the folders it leaves empty up to ``path``."""
+    f = os.path.join(path, rel)
+    if os.path.isfile(f) or os.path.islink(f):
+        os.remove(f)
+    d = os.path.dirname(f)
+    while os.path.abspath(d) != os.path.abspath(path):
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
+        d = os.path.dirname(d)

@@ -48,7 +48,11 @@ class MetricsLogger:
             self.bar = tqdm(total=total_steps, initial=initial_step, desc=run_name, dynamic_ncols=True,
                             mininterval=0.5)
         if use_wandb:
-            import wandb
+            try:  # optional: imported only when asked for (the GPU image has no wandb)
+                import wandb
+            except ImportError:
+                raise ImportError("--use_wandb needs the wandb package: pip install wandb, or drop --use_wandb "
+                                  "(metrics.jsonl and --use_tensorboard log without it)") from None
 
             if use_wandb not in ("True", "true", "1") and os.environ.get("WANDB_MODE") != "offline":
                 wandb.login(key=use_wandb)
