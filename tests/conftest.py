@@ -14,6 +14,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture()
+def one_rank_gloo(monkeypatch):
+    """A 1-rank gloo default group in this process, with torchrun's variables set (DeepSpeed reads them)."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def tiny_llama(layers: int = 2):
+    """A Llama of ``layers`` decoder layers (hidden 32, 4 heads, 2 kv heads, untied head), seeded, built from its
+    config (nothing read)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
 @pytest.fixture(scope="session")
 def tiny_kit(tmp_path_factory):
     """The built-in kit, built once per session into a temp dir."""

@@ -12,32 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_llama
 
 deepspeed = pytest.importorskip("deepspeed")
-
-
-@pytest.fixture()
-def one_rank_gloo(monkeypatch):
-    import torch.distributed as dist
-    from conftest import free_port
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def _model():
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg)
 
 
 class Moves:
@@ -77,7 +54,7 @@ def test_zero3_places_one_parameter_at_a_time(one_rank_gloo, monkeypatch, traina
     from rlhf.backends.base import EngineSpec
     from rlhf.backends.deepspeed_engine import DeepSpeedEngine
 
-    model = _model()
+    model = tiny_llama()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     seen = {}
@@ -118,6 +95,6 @@ def test_zero_below_3_refuses_a_model_larger_than_the_free_memory():
         check_whole_module_fits(2 * n70b, 79 * gib, 2, "cuda:0")
     check_whole_module_fits(2 * n70b, 79 * gib, 3)  # ZeRO-3 partitions as it places: no whole-module check
     check_whole_module_fits(2 * 7_615_616_512, 79 * gib, 2)  # 7B in bf16 fits
-    m = _model()
+    m = tiny_llama()
     n = sum(p.numel() for p in m.parameters())
     assert module_bytes(m, bf16=True) == 2 * n and module_bytes(m, bf16=False) == 4 * n

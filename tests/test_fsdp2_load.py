@@ -13,30 +13,9 @@ from __future__ import annotations
 
 import functools
 
-import pytest
 import torch
+from conftest import tiny_llama
 from torch.multiprocessing.reductions import StorageWeakRef
-
-
-@pytest.fixture()
-def one_rank_gloo(monkeypatch):
-    import torch.distributed as dist
-    from conftest import free_port
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def _tiny_llama(layers: int = 4):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg)
 
 
 class Refs:
@@ -74,7 +53,7 @@ def test_source_rank_frees_full_tensors_unit_by_unit(one_rank_gloo, monkeypatch)
     from rlhf.backends import fsdp2
     from rlhf.backends.base import EngineSpec
 
-    model = _tiny_llama()
+    model = tiny_llama(4)
     want = {k: v.detach().clone() for k, v in model.state_dict().items()}
     host, device_copies = Refs(), Refs()
     sizes = {}
@@ -113,7 +92,7 @@ def test_fill_units_cover_every_tensor_once():
     """Every parameter and buffer is filled exactly once, the decoder blocks first, each in its own unit."""
     from rlhf.backends.fsdp2 import fill_units, model_tensors
 
-    model = _tiny_llama(layers=3)
+    model = tiny_llama(layers=3)
     names = list(model_tensors(model))
     units = fill_units(model, names)
     flat = [n for u in units for n in u]

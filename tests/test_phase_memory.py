@@ -10,29 +10,8 @@ checks visible (a stand-in device, a recorded dtype) and fails without its fix.
 """
 from __future__ import annotations
 
-import pytest
 import torch
-
-
-@pytest.fixture()
-def one_rank_gloo(monkeypatch):
-    import torch.distributed as dist
-    from conftest import free_port
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def _model(layers: int = 2):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg)
+from conftest import tiny_llama
 
 
 def _train_step(eng):
@@ -77,7 +56,7 @@ def test_fsdp2_wake_moves_weights_and_step_moves_the_optimizer_state(one_rank_gl
     from rlhf.backends.base import EngineSpec
     from rlhf.backends.fsdp2 import FSDP2Engine
 
-    eng = FSDP2Engine(_model(), EngineSpec(lr=1e-3, train_batch_size=1, micro_batch_size=1, total_steps=4))
+    eng = FSDP2Engine(tiny_llama(), EngineSpec(lr=1e-3, train_batch_size=1, micro_batch_size=1, total_steps=4))
     _train_step(eng)  # Adam's state exists from here on
     fake = FakeDevice(monkeypatch)
     eng.device = torch.device("cuda", 0)  # as on a GPU: sleep / wake now move (recorded by the fake)
@@ -105,7 +84,7 @@ def test_colocated_sync_gathers_in_the_engine_dtype(one_rank_gloo, monkeypatch):
     from rlhf.backends.fsdp2 import FSDP2Engine
     from rlhf.distributed.weight_sync import WeightSync
 
-    model = _model()
+    model = tiny_llama()
     want = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
     eng = FSDP2Engine(model, EngineSpec(lr=1e-3, train_batch_size=1, micro_batch_size=1, total_steps=1, bf16=True))
     assert any(isinstance(p, DTensor) for p in eng.model.parameters()), "--bf16 should shard the model"

@@ -232,15 +232,13 @@ def test_sync_reward_func_timeout_enforced(tmp_path):
     assert fast(["a", "b"], ["", ""], [0, 0])["rewards"].tolist() == [2.0, 2.0]
 
 
-class _Stalled:
-    """A TCP server that accepts and never answers (a paused reward server)."""
+class _LocalServer:
+    """A TCP server on 127.0.0.1 whose accept loop hands each connection to ``handle`` (a reward server's stand-in)."""
 
     def __init__(self):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
-        self.conns = []
-        self.accepts = 0
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self):
@@ -249,12 +247,27 @@ class _Stalled:
                 c, _ = self.sock.accept()
             except OSError:
                 return
-            self.accepts += 1
-            self.conns.append(c)
+            self.handle(c)
+
+    def handle(self, conn):
+        raise NotImplementedError
 
     @property
     def url(self):
         return f"http://127.0.0.1:{self.sock.getsockname()[1]}/get_reward"
+
+
+class _Stalled(_LocalServer):
+    """A TCP server that accepts and never answers (a paused reward server)."""
+
+    def __init__(self):
+        self.conns = []
+        self.accepts = 0
+        super().__init__()
+
+    def handle(self, conn):
+        self.accepts += 1
+        self.conns.append(conn)
 
     def close(self):
         for c in self.conns:
@@ -400,41 +413,29 @@ def test_relative_reward_path_resolves_against_the_working_directory(tmp_path, m
         make_reward_source("missing.py")
 
 
-class _CutOffServer:
+class _CutOffServer(_LocalServer):
     """A reward server whose first ``cut`` answers stop after 20 of their Content-Length bytes and close the
     connection (a crashed worker, a proxy's limit): what the client sees as ``http.client.IncompleteRead``."""
 
     def __init__(self, cut: int):
         self.cut, self.served = cut, 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        threading.Thread(target=self._run, daemon=True).start()
+        super().__init__()
 
-    def _run(self):
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            with c:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    data += c.recv(65536)
-                head, _, body = data.partition(b"\r\n\r\n")
-                n = int([x for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")][0].split(b":")[1])
-                while len(body) < n:
-                    body += c.recv(65536)
-                q = json.loads(body)["query"]
-                out = json.dumps({"rewards": [float(len(x)) for x in q]}).encode().ljust(100)
-                self.served += 1
-                send = out[:20] if self.served <= self.cut else out
-                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-                          b"Connection: close\r\n\r\n" % len(out) + send)
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.sock.getsockname()[1]}/get_reward"
+    def handle(self, c):
+        with c:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += c.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            n = int([x for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")][0].split(b":")[1])
+            while len(body) < n:
+                body += c.recv(65536)
+            q = json.loads(body)["query"]
+            out = json.dumps({"rewards": [float(len(x)) for x in q]}).encode().ljust(100)
+            self.served += 1
+            send = out[:20] if self.served <= self.cut else out
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                      b"Connection: close\r\n\r\n" % len(out) + send)
 
 
 def test_cut_off_answer_is_retried_then_said_in_one_line():

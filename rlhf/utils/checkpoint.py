@@ -164,13 +164,13 @@ def _hasher():
         return "blake2b", lambda: hashlib.blake2b(digest_size=16)
 
 
-def _walk(d: str) -> List[str]:
-    """Files under ``d`` as sorted paths relative to it ('/'-separated), the manifest left out."""
+def _walk(d: str, leave_out: str = MANIFEST) -> List[str]:
+    """Files under ``d`` as sorted paths relative to it ('/'-separated), ``leave_out`` (the manifest) left out."""
     out = []
     for base, _, names in os.walk(d):
         for n in names:
             rel = os.path.relpath(os.path.join(base, n), d).replace(os.sep, "/")
-            if rel != MANIFEST:
+            if rel != leave_out:
                 out.append(rel)
     return sorted(out)
 
@@ -604,17 +604,6 @@ class ExportError(CheckpointError):
     """The export cannot go where it was asked without overwriting files this project did not write."""
 
 
-def _export_files(d: str) -> List[str]:
-    """Files under ``d`` (relative, '/'-separated, sorted), the export record left out."""
-    out = []
-    for base, _, names in os.walk(d):
-        for n in names:
-            rel = os.path.relpath(os.path.join(base, n), d).replace(os.sep, "/")
-            if rel != EXPORT_RECORD:
-                out.append(rel)
-    return sorted(out)
-
-
 def export_record(path: str) -> Optional[List[str]]:
     """The files the last export into ``path`` wrote; None when ``path`` holds no record."""
     try:
@@ -678,7 +667,7 @@ def install_export(tmp: str, path: str) -> None:
     the previous export's files this one does not write are removed; nothing else in ``path`` is touched.  The
     record lists every file written before any is moved, so a crash midway leaves no file unaccounted for.  A file
     that would be overwritten and is not in the record: ExportError, the export left complete in ``tmp``."""
-    new = _export_files(tmp)
+    new = _walk(tmp, leave_out=EXPORT_RECORD)
     _write_record(tmp, new)
     if not os.path.lexists(path):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
