@@ -79,11 +79,6 @@ def parse_source(part: str, split_flag: str = "--dataset_split") -> Source:
 
 # ---------------------------------------------------------------- JSON with the standard library
 
-def check_jsonl(path: str) -> None:
-    """Every non-blank line of a .jsonl file must be a JSON object; the error names the file and the line."""
-    read_jsonl(path)
-
-
 def read_jsonl(path: str) -> List[Dict]:
     """The objects of a JSON-lines file; a line that is not a JSON object is a DataError naming file and line."""
     rows = []
