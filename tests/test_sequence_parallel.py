@@ -244,7 +244,8 @@ def _engine(cfg, model, sp_size, rank, world, lr=1e-3):
     from rlhf.distributed import comm
     from rlhf.distributed.sequence_parallel import SP, attach
 
-    eng = make_engine("fsdp2", model, spec_from_config(cfg, lr, 4), group=comm.world_group())
+    eng = make_engine("fsdp2", model, spec_from_config(cfg.model, cfg.optim, cfg.topology, lr, 4),
+                      group=comm.world_group())
     if sp_size > 1:
         attach(eng.model, SP(sp_size, rank % sp_size, comm.world_group()))
     return eng, _GradTap(eng)

@@ -29,10 +29,14 @@ class EngineSpec:
     accum_no_sync: bool = False    # fsdp2: reduce-scatter gradients on the last micro-batch only (full grads kept)
 
 
-def spec_from_config(cfg, lr: float, total_steps: int, trainable: bool = True, group_size: int = 1) -> EngineSpec:
-    """The engine spec of one model from the config (every trainer builds its engines' specs here).  A frozen
-    model (trainable=False) runs inference micro-batches only: its batch is one micro-batch per rank."""
-    m, o, t = cfg.model, cfg.optim, cfg.topology
+def spec_from_config(model, optim, topology, lr: float, total_steps: int, trainable: bool = True,
+                     group_size: int = 1) -> EngineSpec:
+    """The engine spec of one model from the three flag groups it reads (every trainer builds its engines' specs
+    here): ``model`` (--bf16), ``optim`` (batch sizes, clipping, AdamW, schedule, --use_dynamic_batch) and
+    ``topology`` (--zero_stage, --adam_offload, --grad_accum_no_sync, --ring_attn_size), the ``ModelConfig`` /
+    ``OptimConfig`` / ``TopologyConfig`` of rlhf.config.schema.  A frozen model (trainable=False) runs inference
+    micro-batches only: its batch is one micro-batch per rank."""
+    m, o, t = model, optim, topology
     spec = EngineSpec(lr=lr if trainable else 0.0, train_batch_size=o.train_batch_size,
                       micro_batch_size=o.micro_train_batch_size, total_steps=max(1, total_steps), trainable=trainable,
                       bf16=m.bf16, zero_stage=t.zero_stage, max_norm=o.max_norm, weight_decay=o.weight_decay,

@@ -63,7 +63,7 @@ def deepspeed_config(spec: EngineSpec, dp: int, offload_optimizer: Optional[bool
             del zero[k]
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    cfg = {
+    ds_config = {
         "train_batch_size": spec.train_batch_size,
         "train_micro_batch_size_per_gpu": spec.micro_batch_size,
         "gradient_accumulation_steps": accum,
@@ -74,18 +74,18 @@ def deepspeed_config(spec: EngineSpec, dp: int, offload_optimizer: Optional[bool
         "wall_clock_breakdown": False,
     }
     if offload_optimizer and not ds_cpu_adam:
-        cfg["zero_force_ds_cpu_optimizer"] = False
+        ds_config["zero_force_ds_cpu_optimizer"] = False
     if spec.dynamic_batch and spec.trainable:
         # token budgets: the micro-batch count varies from step to step, so DeepSpeed does not count micro-steps;
         # the caller's step() is the accumulation boundary (DeepSpeed's "unmanaged" gradient accumulation,
         # deepspeed/runtime/engine.py is_gradient_accumulation_boundary; it refuses overlap_comm below stage 2).
         # The loss is still divided by gradient_accumulation_steps, as the other engines divide by accum_steps.
-        cfg["managed_gradient_accumulation"] = False
+        ds_config["managed_gradient_accumulation"] = False
         if spec.zero_stage < 2:
             zero["overlap_comm"] = False
     if not spec.trainable:
-        del cfg["gradient_clipping"]
-    return cfg
+        del ds_config["gradient_clipping"]
+    return ds_config
 
 
 def offload_optimizer_for(model: torch.nn.Module, spec: EngineSpec, device) -> tuple:
@@ -161,7 +161,7 @@ def check_whole_module_fits(nbytes: int, free_bytes: int, zero_stage: int, devic
                      f"--zero_stage 3 (parameters partitioned over the ranks as they are placed) or --backend fsdp2")
 
 
-def partition_on_placement(deepspeed, model: torch.nn.Module, cfg: dict, bf16: bool, device) -> None:
+def partition_on_placement(deepspeed, model: torch.nn.Module, ds_config: dict, bf16: bool, device) -> None:
     """ZeRO-3 without the whole model on any device: each parameter in turn is moved to the device, broadcast
     from rank 0 and partitioned (``deepspeed.zero.Init(module=model)``: "partition the model as if it was
     constructed in the context", deepspeed/runtime/zero/partition_parameters.py ``_convert_to_zero_parameters``),
@@ -177,7 +177,7 @@ def partition_on_placement(deepspeed, model: torch.nn.Module, cfg: dict, bf16: b
             if p.is_floating_point() and p.dtype != torch.bfloat16:
                 p.data = p.data.to(torch.bfloat16)
     deepspeed.init_distributed()  # DeepSpeed's comm over torch's existing world (zero.Init sizes the partitions by it)
-    deepspeed.zero.Init(module=model, config_dict_or_path=cfg, mem_efficient_linear=False)
+    deepspeed.zero.Init(module=model, config_dict_or_path=ds_config, mem_efficient_linear=False)
     if device is not None:
         for mod in model.modules():
             for name, b in mod.named_buffers(recurse=False):
@@ -226,11 +226,11 @@ class DeepSpeedEngine(TrainEngine):
             opt, sched, cpu_adam = offload_optimizer_for(model, spec, comm.device())
         elif spec.trainable:
             opt, sched = make_optimizer(model, spec)  # torch AdamW: no DeepSpeed op to JIT-build
-        cfg = deepspeed_config(spec, dp, hidden_size=hidden, ds_cpu_adam=cpu_adam)
-        self.config = cfg
+        ds_config = deepspeed_config(spec, dp, hidden_size=hidden, ds_cpu_adam=cpu_adam)
+        self.config = ds_config
         if spec.trainable:
             self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
+                model=model, optimizer=opt, lr_scheduler=sched, config=ds_config)
             self.model = self.ds.module
             if spec.dynamic_batch and not hasattr(self.ds, "managed_gradient_accumulation"):
                 raise RuntimeError(f"--use_dynamic_batch with --backend deepspeed needs DeepSpeed's unmanaged "
@@ -240,7 +240,7 @@ class DeepSpeedEngine(TrainEngine):
         elif self.zero3:
             model.requires_grad_(False)
             model.eval()
-            self.ds = deepspeed.initialize(model=model, config=cfg)[0]
+            self.ds = deepspeed.initialize(model=model, config=ds_config)[0]
             self.model = self.ds.module
         else:
             self.ds = None

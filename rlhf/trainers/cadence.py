@@ -11,6 +11,7 @@ import math
 import warnings
 from typing import Callable, Dict, Optional, Protocol
 
+from rlhf.config.schema import CheckpointConfig, LoggingConfig
 from rlhf.distributed import comm
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
@@ -88,10 +89,15 @@ class NonFiniteGuard(StreakGuard):
 
 
 class Cadence:
-    """Step-boundary bookkeeping of one run (see module docstring)."""
+    """Step-boundary bookkeeping of one run (see module docstring), built from its own flag groups:
+    ``--logging_steps`` / ``--eval_steps`` (``LoggingConfig``) and ``--save_steps`` / ``--ckpt_path`` /
+    ``--load_checkpoint`` / ``--max_nonfinite_steps`` (``CheckpointConfig``), plus the runtime objects (the logger,
+    the stop signal) as arguments, as torchtitan's components take their own ``Config`` and runtime objects
+    (torchtitan/config/configurable.py ``Config.build(**kwargs)``)."""
 
-    def __init__(self, cfg, logger: MetricsLogger, stop: Optional[StopSignal] = None):
-        self.lg, self.ck = cfg.logging, cfg.checkpoint
+    def __init__(self, logging: LoggingConfig, checkpoint: CheckpointConfig, logger: MetricsLogger,
+                 stop: Optional[StopSignal] = None):
+        self.lg, self.ck = logging, checkpoint
         self.logger = logger
         self.stop = stop or StopSignal()
         self.last_eval_step = -1

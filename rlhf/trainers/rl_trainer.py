@@ -233,7 +233,7 @@ class RLTrainer:
                                     use_wandb=lg.use_wandb, wandb_project=lg.wandb_project, wandb_org=lg.wandb_org,
                                     use_tensorboard=lg.use_tensorboard, progress_bar=lg.progress_bar,
                                     config=cfg.to_dict())
-        self.cadence = Cadence(cfg, self.logger, StopSignal())
+        self.cadence = Cadence(cfg.logging, cfg.checkpoint, self.logger, StopSignal())
         # a stop (SIGTERM: torchrun kills 30 s later) cuts the step after its long phases (sync mode: every rank
         # runs every stage, so the agreement is one all_reduce at the same point on every rank); said at once
         self.cut_stages = () if self.async_rollout is not None else CUT_STAGES

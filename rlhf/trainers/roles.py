@@ -267,10 +267,11 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
         return role
 
     def trainable(lr):
-        return lambda role: spec_from_config(cfg, lr, total_steps)
+        return lambda role: spec_from_config(cfg.model, cfg.optim, cfg.topology, lr, total_steps)
 
     def frozen(role):
-        return spec_from_config(cfg, 0.0, total_steps, trainable=False, group_size=role.size)
+        return spec_from_config(cfg.model, cfg.optim, cfg.topology, 0.0, total_steps, trainable=False,
+                                group_size=role.size)
 
     actor = model_role("actor", trainable(o.actor_learning_rate), lambda on_meta: load_causal_lm(
         path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha, m.target_modules,

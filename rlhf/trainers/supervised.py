@@ -157,7 +157,7 @@ class SupervisedTrainer:
                                  deadlines=io_deadlines(cfg, self.path, self.task.name, t.nnodes_hint
                                                         or nnodes_from_env(), t.watchdog_slow_timeout_s))
         torch.manual_seed(o.seed)
-        spec = spec_from_config(cfg, o.learning_rate, self.total_steps)
+        spec = spec_from_config(cfg.model, cfg.optim, cfg.topology, o.learning_rate, self.total_steps)
         self.on_meta = not reads_weights(t.backend, None)
         with self.watchdog.phase("load"):
             self.engine = make_engine(t.backend, self.task.build_model(self.path, on_meta=self.on_meta), spec,
@@ -176,7 +176,7 @@ class SupervisedTrainer:
                                     use_tensorboard=lg.use_tensorboard, progress_bar=lg.progress_bar,
                                     config=cfg.to_dict())
         self.logger.log(0, self.data_report.metrics(), prefix="data")
-        self.cadence = Cadence(cfg, self.logger, StopSignal())
+        self.cadence = Cadence(cfg.logging, cfg.checkpoint, self.logger, StopSignal())
         # a stop signal is said at once (rank 0: the phase, that the checkpoint comes at step end, torchrun's grace);
         # supervised steps are not cut (no phase runs long enough to need it)
         self.watchdog.announce_stops(self.cadence.stop)
