@@ -237,7 +237,7 @@ def test_preference_conversations_without_prompt_column(tiny_kit, tmp_path, caps
         cfg = parse(kind, ["--apply_chat_template", "--max_len", "64"])
         task = task_cls(cfg, tok)
         rows = load_rows(f, {k: getattr(cfg.data, k) for k in task.required_keys})  # no 'input' column: loads
-        kept, _ = screen_rows(rows, tok, cfg, kind)
+        kept, _ = screen_rows(rows, tok, cfg.data, kind)
         assert len(kept) == 2
         assert "chosen and rejected are read as whole conversations" in capsys.readouterr().out
         prompt, theirs = _openrlhf_pair(row, tok, kind == "dpo", True)
@@ -256,7 +256,7 @@ def test_preference_conversations_without_prompt_column(tiny_kit, tmp_path, caps
     # DPO sides that differ before their last message cannot share OpenRLHF's prompt: refused, naming the row
     bad = dict(row, rejected=[{"role": "user", "content": "9+9="}, {"role": "assistant", "content": "4"}])
     with pytest.raises(ValueError, match=r"train data, row 0: --chosen_key and --rejected_key conversations differ"):
-        screen_rows([bad], tok, parse("dpo", ["--apply_chat_template"]), "dpo")
+        screen_rows([bad], tok, parse("dpo", ["--apply_chat_template"]).data, "dpo")
 
 
 @pytest.mark.parametrize("messages, field", [
@@ -278,7 +278,7 @@ def test_malformed_multiturn_rows_named_before_the_template(tiny_kit, messages, 
     cfg = parse("sft", ["--multiturn", "--apply_chat_template", "--input_key", "messages", "--output_key", ""])
     good = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}
     with pytest.raises(ValueError) as e:
-        screen_rows([good, {"messages": messages}], tok, cfg, "sft")
+        screen_rows([good, {"messages": messages}], tok, cfg.data, "sft")
     msg = str(e.value)
     assert msg.startswith("train data, row 1: ") and field in msg, msg
     assert "jinja" not in msg.lower()

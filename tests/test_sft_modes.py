@@ -91,11 +91,11 @@ def test_multiturn_bad_input_names_the_flag(tok):
     rows = [{"messages": CHAT[:3]}, {"messages": [msg("system", "s"), msg("user", "1+1=")]}]
     with pytest.raises(ValueError, match=r"train data, row 1: --multiturn: the conversation has no assistant turn "
                                          r"\(roles \['system', 'user'\]\)"):
-        screen_rows(rows, tok, cfg, "sft")
+        screen_rows(rows, tok, cfg.data, "sft")
     with pytest.raises(ValueError, match=r"row 0: --multiturn: --input_key 'messages' must hold the whole "
                                          r"conversation as a chat message list"):
-        screen_rows([{"messages": "1+2="}], tok, cfg, "sft")
-    kept, rep = screen_rows(rows[:1] * 3, tok, cfg, "sft")
+        screen_rows([{"messages": "1+2="}], tok, cfg.data, "sft")
+    kept, rep = screen_rows(rows[:1] * 3, tok, cfg.data, "sft")
     assert len(kept) == 3 and rep.kept == 3 and rep.dropped_empty == 0
 
 
@@ -135,7 +135,8 @@ def test_pretrain_mode_loss_is_the_plain_causal_lm_loss(tiny_kit):
         pretrain_sample([msg("user", "hi")], tok, 64, "text")
     assert pretrain_sample("1+2=3", tok, 3)[:2] == (tok("1+2=3", add_special_tokens=False)["input_ids"][:3], [1] * 3)
     # rows with no next token to predict are dropped and counted; rows over --max_len are cut at the end and counted
-    kept, rep = screen_rows([{"text": ""}, {"text": "7"}, {"text": "7*8=56"}, {"text": "1+2=3 " * 20}], tok, cfg, "sft")
+    kept, rep = screen_rows([{"text": ""}, {"text": "7"}, {"text": "7*8=56"}, {"text": "1+2=3 " * 20}], tok, cfg.data, "sft",
+                            pretrain_mode=cfg.model.pretrain_mode)
     assert [r["text"] for r in kept] == ["7*8=56", "1+2=3 " * 20]
     assert (rep.dropped_empty, rep.response_truncated, rep.examples["empty"]) == (2, 1, 0)
 

@@ -37,7 +37,7 @@ def test_sft_rows_longer_than_max_len_counted_and_never_empty(tiny_kit, capsys):
 
     tok = AutoTokenizer.from_pretrained(tiny_kit)
     cfg = build_config({"max_len": 16}, "sft")
-    kept, rep = screen_rows(_rows_sft(), tok, cfg, "sft")
+    kept, rep = screen_rows(_rows_sft(), tok, cfg.data, "sft")
     assert (rep.rows, rep.kept, rep.prompt_truncated, rep.response_truncated, rep.dropped_empty) == (5, 3, 1, 1, 2)
     out = capsys.readouterr().out
     assert "1 longer than --max_len 16 had their prompt left-truncated" in out and "raise --max_len" in out
@@ -61,12 +61,12 @@ def test_preference_rows_identical_and_empty_dropped(tiny_kit, capsys):
             {"input": "1+2=", "chosen": "", "rejected": "4"},
             {"input": "1+2=" * 30, "chosen": "3", "rejected": "5"}]
     for kind in ("rm", "dpo"):
-        kept, rep = screen_rows(rows, tok, build_config({"max_len": 16}, kind), kind)
+        kept, rep = screen_rows(rows, tok, build_config({"max_len": 16}, kind).data, kind)
         assert (rep.kept, rep.dropped_identical, rep.dropped_empty, rep.prompt_truncated) == (2, 2, 1, 1), kind
         assert [r["chosen"] for r in kept] == ["3", "3"]
         assert "2 dropped because chosen == rejected" in capsys.readouterr().out
     with pytest.raises(ValueError, match="all 1 rows were dropped"):
-        screen_rows(rows[1:2], tok, build_config({}, "dpo"), "dpo")
+        screen_rows(rows[1:2], tok, build_config({}, "dpo").data, "dpo")
 
 
 def test_dpo_and_rm_samples_keep_both_responses(tiny_kit):
@@ -110,12 +110,12 @@ def test_message_list_responses_are_chat_templated_like_openrlhf(tiny_kit, capsy
         got, want = task(cfg, tok).make_sample(msgs), task(cfg, tok).make_sample(plain)
         assert got == want, f"{task.name}: message-list sample {got} differs from the plain-text one {want}"
     rows = [msgs, dict(msgs, rejected=_msgs("3")), dict(msgs, chosen=_msgs("  "))]
-    kept, rep = screen_rows(rows, tok, build_config(chat, "rm"), "rm")
+    kept, rep = screen_rows(rows, tok, build_config(chat, "rm").data, "rm")
     assert (rep.kept, rep.dropped_identical, rep.dropped_empty) == (1, 1, 1), rep
     capsys.readouterr()
     for kind in ("sft", "rm", "dpo"):
         with pytest.raises(ValueError, match=r"row 0: .*is a chat message list .*pass --apply_chat_template"):
-            screen_rows([msgs], tok, build_config({"max_len": 32}, kind), kind)
+            screen_rows([msgs], tok, build_config({"max_len": 32}, kind).data, kind)
     with pytest.raises(ValueError, match="pass --apply_chat_template"):
         SFTTask(build_config({"max_len": 32}, "sft"), tok).make_sample(dict(plain, output=_msgs("3")))
 

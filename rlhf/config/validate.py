@@ -43,9 +43,9 @@ def validate(cfg, kind: str) -> None:
     _check(o.train_batch_size % o.micro_train_batch_size == 0, "train_batch_size",
            f"--train_batch_size {o.train_batch_size} must be a multiple of --micro_train_batch_size {o.micro_train_batch_size}")
     _check(o.max_epochs >= 1, "max_epochs", "--max_epochs must be >= 1")
-    from rlhf.data.options import settle_data_flags  # --eval_split / --eval_holdout, --input_template, --label_key
+    from rlhf.data.options import settle_data_flags, uses_builtin_reward  # --eval_split / --eval_holdout, --input_template, --label_key
 
-    settle_data_flags(cfg, kind, ConfigError)
+    settle_data_flags(d, kind, ConfigError, uses_builtin_reward(cfg.rollout, m.reward_pretrain))
     _check(o.lr_warmup_ratio >= 0 and o.lr_warmup_ratio < 1, "lr_warmup_ratio", "--lr_warmup_ratio must lie in [0, 1)")
     if m.lora_rank < 0:
         raise ConfigError("lora_rank", "--lora_rank must be >= 0")

@@ -59,24 +59,26 @@ def settle_input_template(d) -> None:
              "$'...\\n...' in Bash (OpenRLHF warns the same)")
 
 
-def uses_builtin_reward(cfg) -> bool:
-    r = cfg.rollout
-    url = (r.remote_rm_url or "").strip()
-    return url == "builtin:arithmetic" or (not url and not cfg.model.reward_pretrain and not r.agent_func_path)
+def uses_builtin_reward(rollout, reward_pretrain) -> bool:
+    """Whether the reward is the built-in arithmetic one: ``rollout`` (the --rollout flag group,
+    rlhf.config.schema.RolloutConfig) names ``--remote_rm_url builtin:arithmetic``, or gives no reward (no URL, no
+    --agent_func_path) and there is no --reward_pretrain."""
+    url = (rollout.remote_rm_url or "").strip()
+    return url == "builtin:arithmetic" or (not url and not reward_pretrain and not rollout.agent_func_path)
 
 
-def settle_label_key(cfg) -> None:
+def settle_label_key(d, builtin_reward: bool) -> None:
     """``--label_key ""`` is None (no labels); unset with the built-in arithmetic reward: its ``label`` column."""
-    d = cfg.data
-    if d.label_key is None and uses_builtin_reward(cfg):
+    if d.label_key is None and builtin_reward:
         d.label_key = BUILTIN_LABEL_KEY
     elif not d.label_key:
         d.label_key = None
 
 
-def settle_data_flags(cfg, kind: str, error) -> None:
-    """Every data flag above; ``error(flag, message)`` builds the ConfigError."""
-    settle_eval_split(cfg.data, error)
-    settle_input_template(cfg.data)
+def settle_data_flags(d, kind: str, error, builtin_reward: bool) -> None:
+    """Every data flag above, on ``d`` (the --data flag group, rlhf.config.schema.DataConfig); ``error(flag,
+    message)`` builds the ConfigError; ``builtin_reward`` is ``uses_builtin_reward`` (RL's --label_key default)."""
+    settle_eval_split(d, error)
+    settle_input_template(d)
     if kind in ("ppo", "grpo"):
-        settle_label_key(cfg)
+        settle_label_key(d, builtin_reward)

@@ -57,14 +57,16 @@ class DataReport:
             print(msg, flush=True)
 
 
-def screen_rows(rows: List[Dict], tokenizer, cfg, kind: str, split: str = "train") -> Tuple[List[Dict], DataReport]:
-    """(kept rows, report) for kind sft / rm / dpo."""
-    d = cfg.data
+def screen_rows(rows: List[Dict], tokenizer, data, kind: str, split: str = "train",
+                pretrain_mode: bool = False) -> Tuple[List[Dict], DataReport]:
+    """(kept rows, report) for kind sft / rm / dpo; ``data`` is the --data flag group
+    (rlhf.config.schema.DataConfig), ``pretrain_mode`` SFT's --pretrain_mode."""
+    d = data
     keys = [getattr(d, k) for k in RESPONSE_KEYS[kind]]
     rep = DataReport(split, d.max_len, rows=len(rows))
-    if kind == "sft" and (d.multiturn or cfg.model.pretrain_mode):  # whole conversations / texts
-        from .sft_modes import screen_mode_rows
-        return screen_mode_rows(rows, tokenizer, cfg, split, rep), rep
+    if kind == "sft" and (d.multiturn or pretrain_mode):  # whole conversations / texts
+        from .sft_modes import mode_of, screen_mode_rows
+        return screen_mode_rows(rows, tokenizer, d, mode_of(d, pretrain_mode), split, rep), rep
     kept, whole = [], 0
     for i, row in enumerate(rows):
         if any(row.get(k) is None for k in keys):

@@ -135,27 +135,29 @@ def pretrain_sample(text, tokenizer, max_len: int, input_key: str = "input") -> 
     return ids, [1] * len(ids), how
 
 
-def mode_of(cfg) -> str:
-    """"multiturn", "pretrain" or "" (prompt -> response SFT)."""
-    return "pretrain" if cfg.model.pretrain_mode else "multiturn" if cfg.data.multiturn else ""
+def mode_of(data, pretrain_mode: bool) -> str:
+    """"multiturn", "pretrain" or "" (prompt -> response SFT), from ``data`` (the --data flag group,
+    rlhf.config.schema.DataConfig: --multiturn) and --pretrain_mode."""
+    return "pretrain" if pretrain_mode else "multiturn" if data.multiturn else ""
 
 
-def mode_sample(row: Dict, tokenizer, cfg) -> Tuple[List[int], List[int], str]:
-    """(input_ids, loss_mask, how) of a row under --multiturn or --pretrain_mode."""
-    d = cfg.data
-    if mode_of(cfg) == "pretrain":
+def mode_sample(row: Dict, tokenizer, data, mode: str) -> Tuple[List[int], List[int], str]:
+    """(input_ids, loss_mask, how) of a row under ``mode`` (``mode_of``: --multiturn or --pretrain_mode); ``data``
+    gives --input_key, --output_key and --max_len."""
+    d = data
+    if mode == "pretrain":
         return pretrain_sample(row.get(d.input_key), tokenizer, d.max_len, d.input_key)
     return multiturn_sample(conversation(row, d.input_key, d.output_key), tokenizer, d.max_len)
 
 
-def screen_mode_rows(rows: List[Dict], tokenizer, cfg, split: str, rep) -> List[Dict]:
+def screen_mode_rows(rows: List[Dict], tokenizer, data, mode: str, split: str, rep) -> List[Dict]:
     """rlhf.data.screen.screen_rows for the two modes: rows cut by --max_len are counted (``response_truncated``),
     rows left with no token to predict (no loss token after the first) are dropped (``dropped_empty``); a row the
     mode cannot read is a ValueError naming the row and the flag."""
     kept = []
     for i, row in enumerate(rows):
         try:
-            ids, mask, how = mode_sample(row, tokenizer, cfg)
+            ids, mask, how = mode_sample(row, tokenizer, data, mode)
         except ValueError as e:
             raise ValueError(f"{split} data, row {i}: {e}") from None
         if not any(mask[1:]):

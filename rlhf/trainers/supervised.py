@@ -134,8 +134,8 @@ class SupervisedTrainer:
                                    None if cfg.model.pretrain else default_data(cfg, self.path, data_kind),
                                    "--dataset is required with --pretrain (the built-in task goes with the built-in "
                                    "kit)", o.seed)
-        rows, self.data_report = screen_rows(rows, self.tokenizer, cfg, self.task.name, "train")
-        ev, _ = screen_rows(ev, self.tokenizer, cfg, self.task.name, "eval")
+        rows, self.data_report = screen_rows(rows, self.tokenizer, d, self.task.name, "train", cfg.model.pretrain_mode)
+        ev, _ = screen_rows(ev, self.tokenizer, d, self.task.name, "eval", cfg.model.pretrain_mode)
         self.train_samples = [self.task.make_sample(r) for r in rows]
         self.eval_samples = [self.task.make_sample(r) for r in ev]
         world = int(os.environ.get("WORLD_SIZE", "1")) // max(1, t.ring_attn_size)  # data-parallel ranks

@@ -79,7 +79,7 @@ class SFTTask(Task):
 
     def __init__(self, cfg, tokenizer):
         super().__init__(cfg, tokenizer)
-        if mode_of(cfg):  # --multiturn / --pretrain_mode: everything is in --input_key (rlhf.data.sft_modes)
+        if mode_of(cfg.data, cfg.model.pretrain_mode):  # --multiturn / --pretrain_mode: all in --input_key (data.sft_modes)
             self.required_keys = {"input_key": None}
 
     def build_model(self, path, on_meta=False):
@@ -88,8 +88,9 @@ class SFTTask(Task):
     def make_sample(self, row):
         """(input_ids, loss_mask): prompt -> response (loss on the response and eos), or under --multiturn every
         assistant turn, under --pretrain_mode every token (rlhf.data.sft_modes)."""
-        if mode_of(self.cfg):
-            return mode_sample(row, self.tokenizer, self.cfg)[:2]
+        mode = mode_of(self.cfg.data, self.cfg.model.pretrain_mode)
+        if mode:
+            return mode_sample(row, self.tokenizer, self.cfg.data, mode)[:2]
         return tokenize_pair(self.tokenizer, _prompt(self.cfg, self.tokenizer, row),
                              _response(self.cfg, self.tokenizer, row, "output_key"), self.cfg.data.max_len)
 
