@@ -301,7 +301,12 @@ def _norm_path(p):
 
 
 def run_identity(cfg) -> dict:
-    """What makes a checkpoint this run's: shapes, models and data, the objective, and harmless settings."""
+    """What makes a checkpoint this run's: shapes, models and data, the objective, and harmless settings.
+
+    The one function outside rlhf/config/ that reads the whole config, on purpose: a run's identity is a record of
+    its flags across five groups (model, data, algorithm, optim and, for the data stream, rollout), written into
+    every checkpoint's manifest and compared field by field on resume (``compare_identity``), as the config's own
+    ``to_dict`` records all of it; passing the five groups one by one would say the same thing longer."""
     m, a, o = cfg.model, cfg.algorithm, cfg.optim
     d = cfg.data
     from rlhf.algorithms import advantages  # noqa: F401 - registers the estimators
@@ -320,17 +325,20 @@ def run_identity(cfg) -> dict:
             if hasattr(grp, k):
                 ident[k] = getattr(grp, k)
                 break
-    ident["data_stream"] = {k: _flag_value(cfg, k) for k in stream_flags(cfg)}
+    groups = list(vars(cfg).values())
+    ident["data_stream"] = {k: _flag_value(groups, k) for k in stream_flags(d)}
     return ident
 
 
-def stream_flags(cfg) -> Dict[str, str]:
-    """The flags that place each step in the data stream: RL (--prompt_data) or supervised."""
-    return RL_STREAM_FLAGS if getattr(cfg.data, "prompt_data", None) else SUPERVISED_STREAM_FLAGS
+def stream_flags(data) -> Dict[str, str]:
+    """The flags that place each step in the data stream: RL (``data``, the --data flag group, names
+    --prompt_data) or supervised."""
+    return RL_STREAM_FLAGS if getattr(data, "prompt_data", None) else SUPERVISED_STREAM_FLAGS
 
 
-def _flag_value(cfg, name: str):
-    for grp in vars(cfg).values():
+def _flag_value(groups: List, name: str):
+    """Flag ``name``'s value in the first of the flag ``groups`` that has it (None when none does)."""
+    for grp in groups:
         if hasattr(grp, name):
             return getattr(grp, name)
     return None
