@@ -48,12 +48,13 @@ def plan_for(cfg, world_size: Optional[int], nnodes: Optional[int]):
 KINDS = ("ppo", "grpo", "sft", "rm", "dpo")
 
 
-def memory_report(cfg, kind: str, placement, world: int) -> str:
-    """The memory plan's table, its overflows and the flag sets that fit (rlhf.planning.memory)."""
-    from rlhf.planning.memory import plan_for_config, report
+def memory_report(job, model, gpu_memory_gb: Optional[float], placement, world: int) -> str:
+    """The memory plan's table, its overflows and the flag sets that fit (rlhf.planning.memory): ``job`` from
+    ``job_from_flags``, the models' paths in ``model`` (the --model flag group), against --gpu_memory_gb."""
+    from rlhf.planning.memory import device_budget, plan_with_fixes, report, role_dims
 
     try:
-        plan, fits = plan_for_config(cfg, kind, placement, world, on_cuda=True)
+        plan, fits = plan_with_fixes(job, role_dims(model), placement, world, device_budget(gpu_memory_gb))
     except (OSError, ValueError) as e:
         raise click.UsageError(f"--memory reads each model's config.json: {e}; give --pretrain a local model "
                                f"directory (config.json is enough)")
@@ -81,8 +82,12 @@ def main(argv=None):
             raise SystemExit(f"rlhf.plan: --kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
     def run(cfg):
+        from rlhf.planning.memory import job_from_flags
+
+        job = job_from_flags(kind, cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim)
+        gb = cfg.topology.gpu_memory_gb
         if kind not in ("ppo", "grpo"):
-            click.echo(memory_report(cfg, kind, None, extra["world_size"] or 1))
+            click.echo(memory_report(job, cfg.model, gb, None, extra["world_size"] or 1))
             return
         try:
             placement = plan_for(cfg, extra["world_size"], extra["nnodes"])
@@ -90,7 +95,7 @@ def main(argv=None):
             raise click.UsageError(f"bad topology: {e}")
         click.echo(placement.table())
         if memory:
-            click.echo(memory_report(cfg, kind, placement, placement.world_size))
+            click.echo(memory_report(job, cfg.model, gb, placement, placement.world_size))
 
     make_command("plan", run, help="Print the placement plan (add --world_size N --nnodes K; --memory: the memory "
                                    "plan; --kind sft|rm|dpo: a supervised job).").main(

@@ -6,10 +6,11 @@ from dataclasses import replace
 import pytest
 
 from rlhf.config import ConfigError, build_config, load_yaml
+from rlhf.config.preflight import memory_notices
 from rlhf.plan import main as plan_main
 from rlhf.planning import terms
 from rlhf.planning.dims import KNOWN, ModelDims, write_config
-from rlhf.planning.memory import Job, MemoryPlanError, plan_memory, startup_check, suggest
+from rlhf.planning.memory import Job, MemoryPlanError, plan_memory, suggest
 
 GiB = terms.GiB
 # h 8, 2 heads of 4, 1 kv head, MLP 16, vocabulary 50, 3 layers, untied
@@ -196,12 +197,12 @@ def test_startup_check(tmp_path, capsys):
     write_config("qwen2.5-7b", str(tmp_path))
     cfg = _cfg(pretrain=str(tmp_path), colocate_all_models=True, bf16=True, micro_train_batch_size=8,
                generate_max_len=4096, rollout_engine="vllm")
-    assert startup_check(cfg, "grpo", 8, on_cuda=False) == []  # CPU, no --gpu_memory_gb: silent, never refuses
+    assert memory_notices(cfg, "grpo", 8, on_cuda=False) == []  # CPU, no --gpu_memory_gb: silent, never refuses
     assert capsys.readouterr().out == ""
     cfg.topology.gpu_memory_gb = 80.0
     with pytest.raises(MemoryPlanError, match=r"actor_update on ranks 0-7 needs \d+\.\d GiB of 80\.0 GiB .*"
                                               r"Fits with: --gradient_checkpointing --vllm_enable_sleep"):
-        startup_check(cfg, "grpo", 8, on_cuda=False)
+        memory_notices(cfg, "grpo", 8, on_cuda=False)
     from rlhf.config.preflight import check_memory
 
     with pytest.raises(ConfigError) as e:
@@ -214,7 +215,7 @@ def test_startup_check(tmp_path, capsys):
     assert check_memory(cfg, "grpo", 8)[0].startswith("[memory] plan: the largest peak")
     sft = _cfg(pretrain=str(tmp_path), gpu_memory_gb=24.0, bf16=True, max_len=4096)
     with pytest.raises(MemoryPlanError, match="train on ranks 0-1"):
-        startup_check(sft, "sft", 2, on_cuda=False)
+        memory_notices(sft, "sft", 2, on_cuda=False)
 
 
 def test_known_table_has_the_fields_autoconfig_needs():
@@ -420,14 +421,14 @@ def test_startup_check_plans_with_free_device_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * GiB})())
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=None: (80 * GiB, 80 * GiB))
-    assert startup_check(cfg, "sft", 1)[0].startswith("[memory] plan: the largest peak")
+    assert memory_notices(cfg, "sft", 1)[0].startswith("[memory] plan: the largest peak")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=None: (int(2.5 * GiB), 80 * GiB))
     with pytest.raises(MemoryPlanError, match=r"of 2\.50 GiB"):
-        startup_check(cfg, "sft", 1)
+        memory_notices(cfg, "sft", 1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=None: (GiB, 80 * GiB))
     with pytest.raises(MemoryPlanError, match=r"GPU 0's free memory \(1\.00 of 80\.0 GiB; other processes hold the "
                                               r"rest\) is 1\.00 GiB per rank, no more than the 1\.50 GiB"):
-        startup_check(cfg, "sft", 1)
+        memory_notices(cfg, "sft", 1)
 
 
 def test_budget_below_the_runtime_reserve_says_so(tmp_path, tiny_kit):
@@ -436,11 +437,11 @@ def test_budget_below_the_runtime_reserve_says_so(tmp_path, tiny_kit):
     paths = dict(save_path=str(tmp_path / "m"), ckpt_path=str(tmp_path / "c"), log_dir=str(tmp_path / "l"))
     cfg = _cfg(pretrain=tiny_kit, gpu_memory_gb=0.5, **paths)
     with pytest.raises(MemoryPlanError) as e:
-        startup_check(cfg, "grpo", 2, on_cuda=True)
+        memory_notices(cfg, "grpo", 2, on_cuda=True)
     msg = str(e.value)
     assert re.search(r"the given budget \(--gpu_memory_gb\) is 0\.50 GiB per rank, no more than the 1\.50 GiB every "
                      r"CUDA rank holds before any model .*largest stage, \w+, needs \d\.\d\d GiB at this budget: "
                      r"--gpu_memory_gb (\d+\.\d) or more fits", msg), msg
     need = float(re.search(r"--gpu_memory_gb (\d+\.\d) or more fits", msg).group(1))
     cfg.topology.gpu_memory_gb = need
-    assert startup_check(cfg, "grpo", 2, on_cuda=True)[0].startswith("[memory] plan: the largest peak"), need
+    assert memory_notices(cfg, "grpo", 2, on_cuda=True)[0].startswith("[memory] plan: the largest peak"), need

@@ -53,12 +53,34 @@ def check_sequence_parallel(cfg, kind: str, world: int) -> None:
 def check_memory(cfg, kind: str, world: int) -> List[str]:
     """The memory plan (rlhf/planning): refuse a layout with a stage that cannot fit the device, naming the stage,
     the numbers and flags that fit (--skip_memory_check starts anyway).  Without CUDA only with --gpu_memory_gb."""
-    from rlhf.planning.memory import MemoryPlanError, startup_check
+    from rlhf.planning.memory import MemoryPlanError
 
     try:
-        return startup_check(cfg, kind, world)
+        return memory_notices(cfg, kind, world)
     except MemoryPlanError as e:
         raise ConfigError("skip_memory_check", str(e)) from None
+
+
+def memory_notices(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
+                   device_bytes: Optional[float] = None) -> List[str]:
+    """The planner's start-up check (``rlhf.planning.memory.startup_check``, which raises MemoryPlanError) built
+    from the config here, at the top: the job from its five flag groups, and in RL the placement (a topology the
+    placement rejects is left to the checks that report it: no plan)."""
+    from rlhf.planning.memory import job_from_flags, startup_check
+
+    placement = None
+    if kind in RL_KINDS:
+        from rlhf.distributed.groups import nnodes_from_env
+        from rlhf.distributed.placement import TopologyError, make_placement
+        from rlhf.plan import needs
+
+        try:
+            placement = make_placement(cfg.topology, world, cfg.topology.nnodes_hint or nnodes_from_env(),
+                                       **needs(cfg))
+        except TopologyError:
+            return []
+    job = job_from_flags(kind, cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim)
+    return startup_check(job, cfg.model, cfg.topology, world, placement, on_cuda, device_bytes)
 
 
 def check_models(cfg, kind: str) -> None:

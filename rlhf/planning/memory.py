@@ -85,26 +85,31 @@ class Job:
     def sleeps(self) -> bool:
         return self.vllm_enable_sleep or self.deepspeed_enable_sleep
 
-
-def flag(cfg, name: str, default):
-    """The value of flag ``name`` in whichever group of ``cfg`` holds it, else ``default``."""
-    for g in ("model", "data", "topology", "rollout", "algorithm", "optim", "checkpoint", "logging"):
-        grp = getattr(cfg, g, None)
-        if grp is not None and hasattr(grp, name):
-            return getattr(grp, name)
-    return default
+    def on(self, on_cuda: bool, vllm_installed: bool) -> Job:
+        """This job with --rollout_engine auto decided as it picks on the device planned for: vllm on CUDA when
+        installed (planning a GPU job: assumed), else hf."""
+        if self.rollout_engine != "auto":
+            return self
+        return replace(self, rollout_engine="vllm" if on_cuda and vllm_installed else "hf")
 
 
-def job_from_config(cfg, kind: str, on_cuda: bool = True, vllm_installed: bool = True) -> Job:
+def job_from_flags(kind: str, model, data, topology, rollout, optim) -> Job:
+    """The planner's input from the five flag groups that hold its flags (rlhf.config.schema's ``ModelConfig``,
+    ``DataConfig``, ``TopologyConfig``, ``RolloutConfig``, ``OptimConfig``): each ``Job`` field takes the flag of
+    its name, a field no group has keeps its default.  ``kind``: ppo / grpo (both "rl"), sft, rm, dpo.
+    --rollout_engine auto stays auto here; ``Job.on`` decides it where the device is known.  The one builder of
+    the planner's input, called at the top (rlhf/config/preflight.py, ``python -m rlhf.plan``), as torchtitan
+    builds a component from its own config there (torchtitan/config/configurable.py ``Config.build``)."""
+    groups = (model, data, topology, rollout, optim)
     j = Job()
     for f in fields(Job):
-        if f.name != "kind":
-            setattr(j, f.name, flag(cfg, f.name, getattr(j, f.name)))
+        for grp in groups:
+            if f.name != "kind" and hasattr(grp, f.name):
+                setattr(j, f.name, getattr(grp, f.name))
+                break
     j.kind = "rl" if kind in ("ppo", "grpo", "rl") else kind
     if j.kind == "rl":
-        j.rl_max_len = int(flag(cfg, "max_len", 0) or 0)
-    if j.rollout_engine == "auto":  # what auto picks on CUDA when vLLM is installed (planning a GPU job: assumed)
-        j.rollout_engine = "vllm" if on_cuda and vllm_installed else "hf"
+        j.rl_max_len = int(data.max_len or 0)
     return j
 
 
@@ -450,14 +455,14 @@ def plan_memory(job: Job, dims: Dict[str, ModelDims], placement=None, world: int
     return MemoryPlan(job, device_bytes, out, ranks_per_node=placement.gpus_per_node, dims=actor)
 
 
-def role_dims(cfg, kind: str) -> Dict[str, ModelDims]:
-    """Each role's dimensions from its config.json: --pretrain (the built-in kit when unset), --ref_pretrain,
-    --critic_pretrain (default --pretrain), --reward_pretrain."""
+def role_dims(model) -> Dict[str, ModelDims]:
+    """Each role's dimensions from its config.json, the paths in ``model`` (the --model flag group): --pretrain
+    (the built-in kit when unset), --ref_pretrain, --critic_pretrain (default --pretrain), --reward_pretrain."""
     from rlhf.models.load import resolve_pretrain
 
     from .dims import dims_of
 
-    m = cfg.model
+    m = model
     actor = dims_of(resolve_pretrain(m.pretrain))
     out = {"actor": actor}
     for role, path in (("ref", m.ref_pretrain), ("critic", m.critic_pretrain), ("reward", m.reward_pretrain)):
@@ -466,16 +471,20 @@ def role_dims(cfg, kind: str) -> Dict[str, ModelDims]:
     return out
 
 
-def plan_for_config(cfg, kind: str, placement=None, world: int = 1, device_bytes: Optional[float] = None,
-                    on_cuda: bool = True, vllm_installed: bool = True) -> Tuple[MemoryPlan, List[Dict]]:
-    """The plan of a job's flags and the flag sets that fit when it does not (each checked by re-planning)."""
-    job = job_from_config(cfg, kind, on_cuda, vllm_installed)
-    dims = role_dims(cfg, kind)
-    gb = flag(cfg, "gpu_memory_gb", None)
-    dev = device_bytes if device_bytes is not None else (gb if gb is not None else DEFAULT_GPU_GB) * GiB
+def device_budget(gpu_memory_gb: Optional[float]) -> float:
+    """Bytes per rank to plan against: --gpu_memory_gb, else DEFAULT_GPU_GB (an H100)."""
+    return (gpu_memory_gb if gpu_memory_gb is not None else DEFAULT_GPU_GB) * GiB
+
+
+def plan_with_fixes(job: Job, dims: Dict[str, ModelDims], placement=None, world: int = 1,
+                    device_bytes: float = DEFAULT_GPU_GB * GiB, on_cuda: bool = True,
+                    vllm_installed: bool = True) -> Tuple[MemoryPlan, List[Dict]]:
+    """The plan of a job (``job_from_flags``, ``role_dims``) and the flag sets that fit when it does not (each
+    checked by re-planning)."""
+    job = job.on(on_cuda, vllm_installed)
 
     def replan(j: Job) -> MemoryPlan:
-        return plan_memory(j, dims, placement, world, dev, on_cuda)
+        return plan_memory(j, dims, placement, world, device_bytes, on_cuda)
 
     plan = replan(job)
     colocated = bool(placement is not None and placement.colocated)
@@ -617,7 +626,8 @@ def report(plan: MemoryPlan, suggestions: List[Dict]) -> str:
 
 
 __all__ = ["Job", "MemoryPlan", "GroupPlan", "Stage", "RoleModel", "plan_memory", "suggest", "report",
-           "job_from_config", "flag", "flags_text", "DEFAULT_GPU_GB", "CUDA_RESERVE"]
+           "job_from_flags", "role_dims", "plan_with_fixes", "device_budget", "flags_text", "DEFAULT_GPU_GB",
+           "CUDA_RESERVE"]
 
 
 def _gib(x: float) -> str:
@@ -671,16 +681,19 @@ def below_reserve(device_bytes: float, budget: str, stage: str, need: float, fit
             f"See python -m rlhf.plan --memory with the same flags; --skip_memory_check starts anyway")
 
 
-def startup_check(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
+def startup_check(job: Job, model, topology, world: int, placement=None, on_cuda: Optional[bool] = None,
                   device_bytes: Optional[float] = None) -> List[str]:
-    """Run before any process group (rlhf/config/preflight.py): plan the job and refuse a layout with a stage
-    that cannot fit, naming the stage, the numbers and flag sets that fit, unless --skip_memory_check.
+    """Run before any process group (rlhf/config/preflight.py ``memory_notices``): plan the job and refuse a layout
+    with a stage that cannot fit, naming the stage, the numbers and flag sets that fit, unless --skip_memory_check.
 
+    ``job`` comes from ``job_from_flags``; ``model`` (the --model flag group) names the models whose config.json
+    give their dimensions; ``topology`` (the --topology group) gives --gpu_memory_gb and --skip_memory_check;
+    ``placement`` is RL's (None: a supervised job over ``world`` ranks).
     On CUDA the device is the GPU's free memory at start-up (``free_device_bytes``; what other processes hold is
     not ours to plan with), or --gpu_memory_gb.  Without CUDA the check does nothing unless --gpu_memory_gb is
-    given (CPU runs are not planned for).  A topology the placement rejects, or a
-    model whose config.json cannot be read, is left to the checks that report those."""
-    gb = flag(cfg, "gpu_memory_gb", None)
+    given (CPU runs are not planned for).  A model whose config.json cannot be read is left to the checks that
+    report those."""
+    gb = topology.gpu_memory_gb
     if on_cuda is None:
         import torch
 
@@ -695,33 +708,23 @@ def startup_check(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
                       f"the rest)")
         else:
             return []
-    placement = None
-    if kind in ("ppo", "grpo"):
-        from rlhf.distributed.groups import nnodes_from_env
-        from rlhf.distributed.placement import TopologyError, make_placement
-        from rlhf.plan import needs
-
-        try:
-            placement = make_placement(cfg.topology, world, cfg.topology.nnodes_hint or nnodes_from_env(),
-                                       **needs(cfg))
-        except TopologyError:
-            return []
     import importlib.util
 
     vllm = importlib.util.find_spec("vllm") is not None
+    job = job.on(on_cuda, vllm)
     try:
-        plan, fits = plan_for_config(cfg, kind, placement, world, device_bytes, on_cuda, vllm)
+        dims = role_dims(model)
+        plan, fits = plan_with_fixes(job, dims, placement, world, device_bytes, on_cuda, vllm)
     except (OSError, ValueError) as e:
         return [f"[memory] plan skipped: a model's config.json could not be read ({e})"]
     g, s = plan.worst()
-    job, dims = job_from_config(cfg, kind, on_cuda, vllm), role_dims(cfg, kind)
 
     def fitting() -> float:
         return smallest_device(lambda dev: plan_memory(job, dims, placement, world, dev, on_cuda), s.total)
 
     if on_cuda and device_bytes <= CUDA_RESERVE:
         msg = below_reserve(device_bytes, budget, s.name, s.total, fitting(), gb is not None)
-        if flag(cfg, "skip_memory_check", False):
+        if topology.skip_memory_check:
             return [f"[memory] WARNING (--skip_memory_check): {msg}"]
         raise MemoryPlanError(msg)
     if plan.fits:
@@ -736,6 +739,6 @@ def startup_check(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
               f"No flag set found that fits: more ranks, a smaller model, or a device with at least "
               f"{fitting() / GiB:.1f} GiB per rank. ")
            + "See python -m rlhf.plan --memory with the same flags; --skip_memory_check starts anyway")
-    if flag(cfg, "skip_memory_check", False):
+    if topology.skip_memory_check:
         return [f"[memory] WARNING (--skip_memory_check): {msg}"]
     raise MemoryPlanError(msg)
