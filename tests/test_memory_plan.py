@@ -126,6 +126,30 @@ def _cfg(recipe=None, **kw):
     return build_config(values, "plan")
 
 
+def test_job_from_flags_reads_every_planner_flag_from_its_group():
+    """Every ``Job`` field is a flag of one of the five groups the builder is given (a field no group has would
+    silently plan with its default), each flag's value arrives, and ``Job.on`` decides --rollout_engine auto."""
+    from dataclasses import fields
+
+    from rlhf.planning.memory import job_from_flags
+
+    cfg = _cfg(micro_train_batch_size=2, generate_max_len=77, zero_stage=2, vllm_gpu_memory_utilization=0.3,
+               lora_rank=4, max_len=999)
+    groups = (cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim)
+    job = job_from_flags("grpo", *groups)
+    for f in fields(Job):
+        if f.name in ("kind", "rl_max_len"):
+            continue
+        holders = [g for g in groups if hasattr(g, f.name)]
+        assert len(holders) == 1, f"Job.{f.name}: in {len(holders)} of the flag groups"
+        assert getattr(job, f.name) == getattr(holders[0], f.name), f.name
+    assert (job.kind, job.rl_max_len, job.micro_train_batch_size, job.generate_max_len) == ("rl", 999, 2, 77)
+    assert job_from_flags("sft", *groups).rl_max_len == 0
+    assert job.rollout_engine == "auto"
+    assert [job.on(c, v).rollout_engine for c, v in ((True, True), (True, False), (False, True))] == ["vllm", "hf", "hf"]
+    assert replace(job, rollout_engine="hf").on(True, True).rollout_engine == "hf"
+
+
 def _plan_cli(capsys, *args):
     with pytest.raises(SystemExit) as e:
         plan_main(["--memory", *map(str, args)])
