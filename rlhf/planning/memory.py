@@ -698,12 +698,11 @@ def startup_check(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
     placement = None
     if kind in ("ppo", "grpo"):
         from rlhf.distributed.groups import nnodes_from_env
-        from rlhf.distributed.placement import TopologyError, make_placement
-        from rlhf.plan import needs
+        from rlhf.distributed.placement import TopologyError, make_placement, role_needs
 
         try:
             placement = make_placement(cfg.topology, world, cfg.topology.nnodes_hint or nnodes_from_env(),
-                                       **needs(cfg))
+                                       **role_needs(cfg.algorithm, cfg.model))
         except TopologyError:
             return []
     import importlib.util
