@@ -31,14 +31,6 @@ class Placement:
     sp_size: int = 1                       # --ring_attn_size: ranks that split one sequence (Ulysses)
     sp_groups: Dict[str, List[List[int]]] = field(default_factory=dict)  # role -> its SP groups (consecutive ranks)
 
-    def sp_group_of(self, role: str, rank: int) -> Optional[List[int]]:
-        """The ranks of ``role``'s sequence-parallel group holding ``rank`` (None: no SP for the role, or not a
-        member)."""
-        for g in self.sp_groups.get(role, []):
-            if rank in g:
-                return g
-        return None
-
     def dims(self, role: str) -> Dict[str, int]:
         """``role``'s named mesh dimensions, outer to inner (their product is its rank count; rlhf.distributed.mesh).
 
