@@ -123,3 +123,16 @@ def test_role_needs_are_the_placement_kwargs():
     alg = SimpleNamespace(advantage_estimator="group_norm", init_kl_coef=0.0, use_kl_loss=True)
     assert role_needs(alg, SimpleNamespace(reward_pretrain="rm")) == dict(need_ref=True, need_critic=False,
                                                                           need_reward_model=True)
+
+
+def test_batch_check_counts_data_parallel_ranks_of_the_mesh():
+    """--ring_attn_size 2 over 4 ranks: 2 data-parallel actor ranks, so 6 = 3 x (micro 1 x 2) passes and
+    micro 2 x 2 = 4 does not divide it (the SP ranks of a group take the same micro-batches)."""
+    from rlhf.trainers.rl_trainer import InputError, check_batch_sizes
+
+    p = make_placement(topo(colocate_all_models=True, ring_attn_size=2), 4)
+    cfg = lambda micro: SimpleNamespace(optim=SimpleNamespace(train_batch_size=6, micro_train_batch_size=micro),  # noqa: E731
+                                        rollout=SimpleNamespace(rollout_batch_size=3, n_samples_per_prompt=2))
+    check_batch_sizes(cfg(1), p)
+    with pytest.raises(InputError, match=r"micro_train_batch_size 2 x 2 actor ranks = 4"):
+        check_batch_sizes(cfg(2), p)

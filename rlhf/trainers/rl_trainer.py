@@ -124,7 +124,7 @@ def check_batch_sizes(cfg, plan) -> None:
     o = cfg.optim
     samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     for role, lr_flag in (("actor", "actor"), ("critic", "critic")):
-        n = len(plan.ranks.get(role) or []) // (plan.sp_size if role in plan.sp_groups else 1)  # data-parallel
+        n = plan.dims(role)["dp"]  # data-parallel ranks (rlhf.distributed.mesh)
         if n and o.train_batch_size % (o.micro_train_batch_size * n):
             per = o.micro_train_batch_size * n
             raise InputError(f"--train_batch_size {o.train_batch_size} must be a multiple of --micro_train_batch_size "
