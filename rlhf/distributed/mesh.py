@@ -11,10 +11,13 @@ same rows, and of those the member whose other coordinates are all 0 reports the
 has exactly one owner.
 
 Mirrors torchtitan's ``ParallelDims`` (torchtitan/distributed/parallel_dims.py: named sizes whose product is the
-world, the data-parallel coordinates, and FSDP sharding over the flattened ``dp_shard_cp`` dimension, as FSDP2
-here shards over the whole role, ``dp x sp``), with plain process groups instead of a ``DeviceMesh``: a role
-is a sub-range of the world, the roles' meshes overlap when colocated, and DeepSpeed sets up its own world-wide
-groups; ``DeviceMesh.from_group(mesh.group)`` wraps the role's group where FSDP2 wants one (rlhf.backends.fsdp2).
+ranks, the data-parallel coordinates, the context-parallel dimension flattened into FSDP's ``dp_shard_cp``, which
+torchtitan/models/llama3/parallelize.py shards over; FSDP2 here likewise shards over the whole role, ``dp x sp``),
+with plain process groups behind this small class instead of a ``DeviceMesh``: a role is a sub-range of the world
+and the roles' ranks overlap when colocated (one world-wide ``init_device_mesh`` per role does not fit), group
+creation must stay one logged sequence on every rank (``comm.new_group``, ``comm.check_groups_agree``), and
+DeepSpeed sets up its own world-wide groups.  ``DeviceMesh.from_group(mesh.group)`` wraps the role's group where
+FSDP2 wants one (rlhf.backends.fsdp2).
 """
 from __future__ import annotations
 
