@@ -20,21 +20,14 @@ from typing import Optional
 
 import click
 
-from rlhf.algorithms import ADVANTAGE_ESTIMATORS
 from rlhf.config import make_command
-from rlhf.distributed.placement import TopologyError, make_placement, required_world_size
-
-
-def needs(cfg) -> dict:
-    spec = ADVANTAGE_ESTIMATORS[cfg.algorithm.advantage_estimator]
-    return dict(need_ref=cfg.algorithm.init_kl_coef > 0 or cfg.algorithm.use_kl_loss, need_critic=spec.needs_critic,
-                need_reward_model=cfg.model.reward_pretrain is not None)
+from rlhf.distributed.placement import TopologyError, make_placement, required_world_size, role_needs
 
 
 def plan_for(cfg, world_size: Optional[int], nnodes: Optional[int]):
     t = cfg.topology
     if world_size is None:
-        world_size = required_world_size(t, **needs(cfg))
+        world_size = required_world_size(t, **role_needs(cfg.algorithm, cfg.model))
         if world_size is None:
             raise TopologyError("the role flags leave the world size open (the actor takes all remaining ranks): "
                                 "give --actor_num_gpus_per_node, or --world_size N")
@@ -42,7 +35,7 @@ def plan_for(cfg, world_size: Optional[int], nnodes: Optional[int]):
         nnodes = t.actor_num_nodes if t.colocate_all_models else max(1, t.nnodes_hint or 1)
         if world_size % nnodes:
             nnodes = 1
-    return make_placement(t, world_size, nnodes, **needs(cfg))
+    return make_placement(t, world_size, nnodes, **role_needs(cfg.algorithm, cfg.model))
 
 
 KINDS = ("ppo", "grpo", "sft", "rm", "dpo")

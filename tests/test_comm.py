@@ -176,7 +176,7 @@ def test_every_rank_creates_every_group_in_one_order(monkeypatch):
     Every placement's groups are created by every rank, members or not, in the same order."""
     from rlhf.config import TopologyConfig
     from rlhf.distributed import build_groups, make_placement
-    from rlhf.distributed.groups import build_sp
+    from rlhf.distributed.groups import supervised_mesh
 
     def topo(**kw):
         t = TopologyConfig()
@@ -194,7 +194,7 @@ def test_every_rank_creates_every_group_in_one_order(monkeypatch):
         made = _groups_created(plan, world, monkeypatch, build_groups)
         assert made[0], f"no sub-group in {plan.ranks}: the case tests nothing"
         assert all(made[r] == made[0] for r in made), f"ranks create different groups: {made}"
-    made = _groups_created(None, 4, monkeypatch, lambda plan, rank: build_sp(range(4), 2, 4, rank))
+    made = _groups_created(None, 4, monkeypatch, lambda plan, rank: supervised_mesh(4, 4, 2, rank))
     assert made[0] == [[0, 1], [2, 3]] and all(made[r] == made[0] for r in made), made
 
 

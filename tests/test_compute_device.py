@@ -121,9 +121,10 @@ def _rl_config(packing: bool):
 
 
 def _role(name, engine):
+    from rlhf.distributed.mesh import mesh_of
     from rlhf.trainers.roles import ModelRole
 
-    role = ModelRole(name, [0], None, 0)
+    role = ModelRole(name, mesh_of(name, [0], 0, {"dp": 1}))
     role.engine = engine
     return role
 

@@ -61,7 +61,7 @@ def _topology_worker(rank, world, out_dir):
         assert (grp is not None) == (rank in ranks)
         if grp is not None:
             assert dist.get_process_group_ranks(grp) == ranks
-    assert (g.sync is not None) == (rank in (0, 3))
+    assert (g.group("sync") is not None) == (rank in (0, 3))
     # weight sync by bucketed broadcast from actor rank 0 to the rollout rank only
     engine = None
     model = None

@@ -33,13 +33,13 @@ def test_padding_slices_and_dp_coords():
 def test_role_rows_one_owner_per_sp_group():
     """A role of 4 ranks with SP 2 is 2 data-parallel ranks: both ranks of a group compute the same rows, only the
     group's first reports them (sharding.gather_rows needs one owner per row)."""
+    from rlhf.distributed.mesh import RoleMesh
     from rlhf.distributed.sequence_parallel import SP
     from rlhf.trainers.roles import ModelRole
 
     got = []
     for rank in range(4):
-        role = ModelRole("actor", [0, 1, 2, 3], None, rank)
-        role.sp = SP(2, rank % 2)
+        role = ModelRole("actor", RoleMesh("actor", [0, 1, 2, 3], rank, {"dp": 2, "sp": 2}, sp=SP(2, rank % 2)))
         got.append((role.dp_index, role.dp_size, role.rows(8)))
     assert got == [(0, 2, slice(0, 4)), (0, 2, None), (1, 2, slice(4, 8)), (1, 2, None)], got
 
@@ -242,12 +242,14 @@ def _assert_same_steps(what, a, b):
 def _engine(cfg, model, sp_size, rank, world, lr=1e-3):
     from rlhf.backends.base import make_engine, spec_from_config
     from rlhf.distributed import comm
+    from rlhf.distributed.mesh import RoleMesh
     from rlhf.distributed.sequence_parallel import SP, attach
 
-    eng = make_engine("fsdp2", model, spec_from_config(cfg.model, cfg.optim, cfg.topology, lr, 4),
-                      group=comm.world_group())
+    mesh = RoleMesh("actor", list(range(world)), rank, {"dp": world // sp_size, "sp": sp_size},
+                    group=comm.world_group(), sp=SP(sp_size, rank % sp_size, comm.world_group()))
+    eng = make_engine("fsdp2", model, spec_from_config(cfg.model, cfg.optim, cfg.topology, lr, 4), mesh=mesh)
     if sp_size > 1:
-        attach(eng.model, SP(sp_size, rank % sp_size, comm.world_group()))
+        attach(eng.model, mesh.sp)
     return eng, _GradTap(eng)
 
 

@@ -97,7 +97,7 @@ def _direct(rank, world, out_dir):
 
     eng = None if rank == 0 else ThreadedEngine(driver=rank == 1)
     groups = SimpleNamespace(plan=SimpleNamespace(sync_ranks=[0, 1, 2], separate_rollout=True), rank=rank,
-                             sync=dist.group.WORLD)
+                             group={"sync": dist.group.WORLD}.get)
     ws = WeightSync(groups, eng, bucket_mb=0.001, timeout_s=30)  # ~1 KB buckets: every layer straddles two
     sent = [ws.sync(tiny_model(seed) if rank == 0 else None) for seed in (1, 2)]
     assert sent[0] == sent[1] > 0, sent

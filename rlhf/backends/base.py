@@ -4,7 +4,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -101,6 +101,7 @@ class TrainEngine(abc.ABC):
 
     model: torch.nn.Module
     accum_steps: int
+    mesh: Any  # the role's rlhf.distributed.mesh.RoleMesh: its process group, its SP group
 
     @property
     def compute_device(self) -> torch.device:
@@ -151,14 +152,18 @@ class TrainEngine(abc.ABC):
         the host until ``step`` (FSDP2 does)."""
 
 
-def make_engine(backend: str, model: torch.nn.Module, spec: EngineSpec, group=None, device=None) -> TrainEngine:
-    """The engine over ``group``; ``model`` as built by ``reads_weights`` (real weights or the meta device)."""
+def make_engine(backend: str, model: torch.nn.Module, spec: EngineSpec, mesh=None, device=None) -> TrainEngine:
+    """The engine over ``mesh`` (a role's ``rlhf.distributed.mesh.RoleMesh``; default every rank); ``model`` as
+    built by ``reads_weights`` (real weights or the meta device)."""
+    from rlhf.distributed.mesh import world_mesh
+
+    mesh = mesh if mesh is not None else world_mesh()
     if backend == "fsdp2":
         from .fsdp2 import FSDP2Engine
 
-        return FSDP2Engine(model, spec, group=group, device=device, load_on_first=loads_on_first(backend, group))
+        return FSDP2Engine(model, spec, mesh=mesh, device=device, load_on_first=loads_on_first(backend, mesh.group))
     if backend == "deepspeed":
         from .deepspeed_engine import DeepSpeedEngine
 
-        return DeepSpeedEngine(model, spec, group=group, device=device)
+        return DeepSpeedEngine(model, spec, device=device, mesh=mesh)
     raise ValueError(f"unknown --backend {backend!r}; choose fsdp2 or deepspeed")

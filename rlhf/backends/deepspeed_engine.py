@@ -30,6 +30,7 @@ from typing import Dict, Optional
 import torch
 
 from rlhf.distributed import comm
+from rlhf.distributed.mesh import world_mesh
 
 from .base import EngineSpec, TrainEngine, is_last, make_optimizer
 
@@ -202,10 +203,11 @@ def master_tensors(ds_optimizer) -> list:
 
 
 class DeepSpeedEngine(TrainEngine):
-    def __init__(self, model: torch.nn.Module, spec: EngineSpec, group=None, device=None):
+    def __init__(self, model: torch.nn.Module, spec: EngineSpec, group=None, device=None, mesh=None):
         deepspeed = _import_deepspeed()
         self.spec = spec
-        self.group = group if group is not None else comm.world_group()
+        self.mesh = mesh if mesh is not None else world_mesh()  # the role's mesh (rlhf.distributed.mesh)
+        self.group = group if group is not None else self.mesh.group
         _check_whole_world(self.group)
         dp = comm.world_size(self.group)
         per_step = spec.micro_batch_size * dp

@@ -10,6 +10,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlhf.distributed import comm
+from rlhf.distributed.mesh import RoleMesh, world_mesh
 
 from .base import EngineSpec, TrainEngine, is_last, make_optimizer
 
@@ -137,14 +138,18 @@ def buffers_to(model: torch.nn.Module, device: torch.device) -> None:
 
 
 class FSDP2Engine(TrainEngine):
-    def __init__(self, model: torch.nn.Module, spec: EngineSpec, group=None, device=None,
+    def __init__(self, model: torch.nn.Module, spec: EngineSpec, mesh: Optional[RoleMesh] = None, device=None,
                  load_on_first: bool = False):
-        """load_on_first: only the group's first rank holds real weights (the others built ``model`` on the meta
-        device).  The model is sharded first, then each rank's shards are allocated on its device and filled by
+        """``mesh``: the role's mesh (default every rank, ``world_mesh``); the model is sharded over the whole role
+        (``mesh.group``: every dimension flattened, as torchtitan's FSDP over ``dp_shard_cp``,
+        torchtitan/distributed/parallel_dims.py), so SP ranks hold shards too and the gradient is averaged over
+        all of them.  load_on_first: only the group's first rank holds real weights (the others built ``model``
+        on the meta device).  The model is sharded first, then each rank's shards are allocated on its device and filled by
         broadcast from that rank (``fill_from_first``): no rank ever holds the whole model on its device, and
         the checkpoint is read once per group, not once per member."""
         self.spec = spec
-        self.group = group if group is not None else comm.world_group()
+        self.mesh = mesh if mesh is not None else world_mesh()
+        self.group = self.mesh.group if self.mesh.group is not None else comm.world_group()
         self.device = device or torch.device("cpu")
         self.dp = comm.world_size(self.group)
         per_step = spec.micro_batch_size * self.dp
@@ -164,16 +169,16 @@ class FSDP2Engine(TrainEngine):
         self.adam_offload = bool(spec.adam_offload and spec.trainable)
         self.sharded = self.dp > 1 or spec.bf16 or self.adam_offload
         if self.sharded:  # shard first (on the host or the meta device), then move shards
-            mesh = DeviceMesh.from_group(self.group, self.device.type)
+            device_mesh = DeviceMesh.from_group(self.group, self.device.type)
             mp = mixed_precision(spec.bf16)
             reshard = spec.zero_stage >= 3
             off = offload_policy(self.adam_offload, self.device)
             for block in decoder_layers(model):
-                fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=off)
+                fully_shard(block, mesh=device_mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=off)
             # the root unit (embedding, final norm, LM head) stays unsharded from forward to backward, torch's own
             # default for the root (its params are all-gathered again at once for backward), and what lets the
             # fused LM head read the unsharded head weight after the forward (lm_head.fusable_head)
-            fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=off)
+            fully_shard(model, mesh=device_mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=off)
         home = torch.device("cpu") if self.adam_offload else self.device  # offloaded shards stay on the host
         if load_on_first:
             model.to_empty(device=home)

@@ -71,12 +71,11 @@ def memory_notices(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
     placement = None
     if kind in RL_KINDS:
         from rlhf.distributed.groups import nnodes_from_env
-        from rlhf.distributed.placement import TopologyError, make_placement
-        from rlhf.plan import needs
+        from rlhf.distributed.placement import TopologyError, make_placement, role_needs
 
         try:
             placement = make_placement(cfg.topology, world, cfg.topology.nnodes_hint or nnodes_from_env(),
-                                       **needs(cfg))
+                                       **role_needs(cfg.algorithm, cfg.model))
         except TopologyError:
             return []
     job = job_from_flags(kind, cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from . import comm
+from .mesh import RoleMesh
 from .placement import ROLES, Placement
 from .sequence_parallel import SP
 
@@ -20,33 +21,51 @@ def nnodes_from_env() -> int:
 
 
 @dataclass
+class RankGroup:
+    """A named group across roles (``Placement.named_ranks``): its ``ranks`` and process ``group`` (None on the
+    ranks outside it)."""
+    ranks: List[int]
+    group: Optional[Any] = None
+
+
+@dataclass
 class Groups:
-    """This rank's process groups: one per role it holds, its rollout engine's TP group, the weight-sync group."""
+    """This rank's view of every process group of the placement: one mesh per role that exists
+    (``rlhf.distributed.mesh.RoleMesh``, on every rank) and the named groups across roles (``sync``, ``trainers``,
+    ``rollout_reward``; ``Placement.named_ranks``)."""
     plan: Placement
     rank: int
-    role_groups: Dict[str, Optional[Any]] = field(default_factory=dict)  # None where not a member
-    tp_group: Optional[Any] = None    # this rank's rollout engine's TP ranks
-    sync: Optional[Any] = None        # actor rank 0 + rollout ranks (separate rollout only)
-    sp: Dict[str, SP] = field(default_factory=dict)  # role -> this rank's sequence-parallel group (--ring_attn_size)
-    # the ranks holding a model role (actor, ref, critic, reward), where rollout ranks of their own exist: the
-    # inference forwards gather over them under --async_train, so the rollout ranks generate meanwhile
-    trainers: Optional[Any] = None
-    rollout_only: bool = False        # this rank holds the rollout role and no model role
-    # rollout ranks of their own + the reward model's ranks (where both exist): under --async_train the reward
-    # model scores each batch over them as soon as the engines produced it (rlhf.trainers.async_rollout)
-    rollout_reward: Optional[Any] = None
-    rollout_reward_ranks: List[int] = field(default_factory=list)
+    meshes: Dict[str, RoleMesh] = field(default_factory=dict)
+    named: Dict[str, RankGroup] = field(default_factory=dict)
 
-    def group(self, role: str):
-        return self.role_groups.get(role)
+    def mesh(self, role: str) -> Optional[RoleMesh]:
+        """``role``'s mesh (None: the placement has no such role)."""
+        return self.meshes.get(role)
 
-    def sp_of(self, role: str) -> SP:
-        """This rank's SP group for ``role`` (size 1 where the role splits no sequence)."""
-        return self.sp.get(role) or SP()
+    def group(self, name: str):
+        """The process group of a role or of a named group on its ranks; None elsewhere, or where it does not
+        exist."""
+        if name in self.meshes:
+            return self.meshes[name].group
+        return self.named[name].group if name in self.named else None
+
+    def ranks(self, name: str) -> List[int]:
+        """The ranks of a role or of a named group (empty where it does not exist)."""
+        if name in self.meshes:
+            return list(self.meshes[name].ranks)
+        return list(self.named[name].ranks) if name in self.named else []
+
+    @property
+    def rollout_only(self) -> bool:
+        """This rank holds the rollout role and no model role (only where the model roles' ranks are not the
+        world: ``trainers``)."""
+        return "trainers" in self.named and self.rank not in self.named["trainers"].ranks
 
 
 def build_groups(plan: Placement, rank: int) -> Groups:
-    """new_group for each role, each engine and the sync group, called identically on all ranks."""
+    """Every process group of the placement, created identically on every rank in one order (group creation is
+    collective, ``comm.new_group``): each role's group, each engine's TP group, the named groups (``sync``,
+    ``trainers``, ``rollout_reward``), each role's SP groups.  A group over the same ranks is created once."""
     g = Groups(plan, rank)
     world = list(range(plan.world_size))
     cache: Dict[tuple, Any] = {}
@@ -59,45 +78,31 @@ def build_groups(plan: Placement, rank: int) -> Groups:
 
     for role in ROLES:
         ranks = plan.ranks.get(role) or []
-        grp = make(ranks) if ranks else None
-        g.role_groups[role] = grp if rank in ranks else None
-    for e in plan.engine_ranks:
+        if ranks:
+            grp = make(ranks)
+            g.meshes[role] = RoleMesh(role, ranks, rank, plan.dims(role), group=grp if rank in ranks else None)
+    rollout = g.meshes.get("rollout")
+    for e in (rollout.ranks_along("tp") if rollout is not None else []):  # each engine's TP ranks
         grp = make(e)
         if rank in e:
-            g.tp_group = grp
-    if plan.sync_ranks:
-        grp = make(plan.sync_ranks)
-        if rank in plan.sync_ranks:
-            g.sync = grp
-    trainers = sorted({r for role in ROLES if role != "rollout" for r in (plan.ranks.get(role) or [])})
-    if trainers and trainers != world:
-        grp = make(trainers)
-        g.trainers = grp if rank in trainers else None
-        g.rollout_only = rank not in trainers
-    if plan.separate_rollout and plan.ranks.get("reward"):
-        g.rollout_reward_ranks = sorted(set(plan.ranks["rollout"]) | set(plan.ranks["reward"]))
-        grp = make(g.rollout_reward_ranks)
-        g.rollout_reward = grp if rank in g.rollout_reward_ranks else None
-    for role, sp_groups in plan.sp_groups.items():  # one SP object per role (each wraps its model's attention)
-        for ranks in sp_groups:
+            rollout.dim_groups["tp"] = grp
+    for name, ranks in plan.named_ranks().items():
+        grp = make(ranks)
+        g.named[name] = RankGroup(ranks, grp if rank in ranks else None)
+    for role in plan.sp_groups:  # one SP object per role (each wraps its model's attention)
+        mesh = g.meshes[role]
+        for ranks in mesh.ranks_along("sp"):
             grp = make(ranks)
             if rank in ranks:
-                g.sp[role] = SP(len(ranks), ranks.index(rank), grp)
+                mesh.dim_groups["sp"] = grp
+                mesh.sp = SP(len(ranks), ranks.index(rank), grp)
     comm.check_groups_agree()
     return g
 
 
-def build_sp(ranks: List[int], sp_size: int, gpus_per_node: int, rank: int, what: str = "world") -> SP:
-    """The SP group of ``rank`` among ``ranks`` split into consecutive groups of ``sp_size`` (the supervised
-    trainers: every rank holds the one model); new_group for every SP group, on every rank, in order."""
-    from .placement import sp_groups_for
+def supervised_mesh(world_size: int, gpus_per_node: int, sp: int, rank: int) -> RoleMesh:
+    """The mesh of a supervised job's one model (every rank; ``dp x sp``), built by ``build_groups`` over
+    ``placement.supervised_placement``: the same groups on every rank, in order."""
+    from .placement import supervised_placement
 
-    out = SP()
-    if sp_size <= 1:
-        return out
-    for grp_ranks in sp_groups_for(list(ranks), sp_size, gpus_per_node, what):
-        grp = comm.new_group(grp_ranks)
-        if rank in grp_ranks:
-            out = SP(sp_size, grp_ranks.index(rank), grp)
-    comm.check_groups_agree()
-    return out
+    return build_groups(supervised_placement(world_size, gpus_per_node, sp), rank).mesh("actor")

@@ -31,13 +31,36 @@ class Placement:
     sp_size: int = 1                       # --ring_attn_size: ranks that split one sequence (Ulysses)
     sp_groups: Dict[str, List[List[int]]] = field(default_factory=dict)  # role -> its SP groups (consecutive ranks)
 
-    def sp_group_of(self, role: str, rank: int) -> Optional[List[int]]:
-        """The ranks of ``role``'s sequence-parallel group holding ``rank`` (None: no SP for the role, or not a
-        member)."""
-        for g in self.sp_groups.get(role, []):
-            if rank in g:
-                return g
-        return None
+    def dims(self, role: str) -> Dict[str, int]:
+        """``role``'s named mesh dimensions, outer to inner (their product is its rank count; rlhf.distributed.mesh).
+
+        Model roles: ``dp`` (data-parallel ranks) x ``sp`` (``--ring_attn_size``, consecutive ranks).  Tensor
+        parallelism of a training role goes here next, as an inner ``tp`` dimension.  The rollout role: ``dp``
+        (engines) x ``tp`` (``--vllm_tensor_parallel_size``, each engine's consecutive ranks)."""
+        n = len(self.ranks.get(role) or [])
+        if role == "rollout":
+            tp = len(self.engine_ranks[0]) if self.engine_ranks else 1
+            return {"dp": n // tp, "tp": tp}
+        sp = self.sp_size if role in self.sp_groups else 1
+        return {"dp": n // sp, "sp": sp}
+
+    def named_ranks(self) -> Dict[str, List[int]]:
+        """The groups across roles, by name (only those this placement has):
+
+        * ``sync``: actor rank 0 + the rollout ranks (separate rollout: the weight broadcast);
+        * ``trainers``: the ranks holding a model role, where rollout ranks of their own exist (--async_train
+          gathers the inference forwards over them, so the rollout ranks generate meanwhile);
+        * ``rollout_reward``: the rollout ranks of their own + the reward model's (--async_train scores each batch
+          over them as soon as the engines produced it, rlhf.trainers.async_rollout)."""
+        out: Dict[str, List[int]] = {}
+        if self.sync_ranks:
+            out["sync"] = list(self.sync_ranks)
+        trainers = sorted({r for role in ROLES if role != "rollout" for r in (self.ranks.get(role) or [])})
+        if trainers and trainers != list(range(self.world_size)):
+            out["trainers"] = trainers
+        if self.separate_rollout and self.ranks.get("reward"):
+            out["rollout_reward"] = sorted(set(self.ranks["rollout"]) | set(self.ranks["reward"]))
+        return out
 
     def roles_of(self, rank: int) -> List[str]:
         return [r for r in ROLES if rank in self.ranks.get(r, [])]
@@ -115,6 +138,29 @@ def required_world_size(topo, need_ref: bool = True, need_critic: bool = False,
     if need_reward_model and topo.reward_num_gpus_per_node and not (topo.colocate_critic_reward and need_critic):
         total += topo.reward_num_nodes * topo.reward_num_gpus_per_node
     return total
+
+
+def role_needs(algorithm, model) -> Dict[str, bool]:
+    """Which optional roles a job needs, from the algorithm and model flags (the one place these rules live):
+    a reference if the KL enters the reward or the loss (``--init_kl_coef > 0`` or ``--use_kl_loss``), a critic if
+    the advantage estimator needs one (its registered spec), a reward model if ``--reward_pretrain`` is given.
+    The keyword arguments of ``make_placement`` / ``required_world_size``."""
+    from rlhf.algorithms import ADVANTAGE_ESTIMATORS
+
+    spec = ADVANTAGE_ESTIMATORS[algorithm.advantage_estimator]
+    return dict(need_ref=algorithm.init_kl_coef > 0 or algorithm.use_kl_loss, need_critic=spec.needs_critic,
+                need_reward_model=model.reward_pretrain is not None)
+
+
+def supervised_placement(world_size: int, gpus_per_node: int, sp: int) -> Placement:
+    """The placement of a supervised job (SFT / RM / DPO): one model on every rank (the ``actor`` role), split into
+    sequence-parallel groups of ``sp`` consecutive ranks; no rollout.  Raises TopologyError as ``sp_groups_for``."""
+    ranks = list(range(world_size))
+    plan = Placement(world_size, gpus_per_node, {r: (ranks if r == "actor" else []) for r in ROLES}, [], False,
+                     False, sp_size=sp)
+    if sp > 1:
+        plan.sp_groups = {"actor": sp_groups_for(ranks, sp, gpus_per_node, "world")}
+    return plan
 
 
 def make_placement(topo, world_size: int, nnodes: int = 1, need_ref: bool = True, need_critic: bool = False,

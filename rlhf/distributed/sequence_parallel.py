@@ -250,12 +250,6 @@ def sp_of(model) -> Optional[SP]:
     return sp if sp is not None and sp.on else None
 
 
-def sp_size(model) -> int:
-    """The SP group size ``model`` splits sequences over (1: none)."""
-    sp = sp_of(model)
-    return sp.size if sp is not None else 1
-
-
 def local_hidden(forward, ids: torch.Tensor, pos: torch.Tensor, sp: SP) -> Tuple[torch.Tensor, int, int]:
     """Run ``forward(input_ids, position_ids)`` (returning (1, s, *) per-token outputs) on this rank's slice of the
     packed row: (its outputs (s, *), slice start, slice stop) in full-row coordinates."""

@@ -246,7 +246,7 @@ class WeightSync:
         aliases = self._link["aliases"]
         if self._meta is None:
             self._meta = comm.broadcast_object(param_meta(model, aliases) if rank == src else None, src,
-                                               self.groups.sync)
+                                               self.groups.group("sync"))
         wire = self._wire()
         if not self._link["direct"]:
             return self._sync_in_process(model, wire, src, aliases)
@@ -278,7 +278,7 @@ class WeightSync:
         eng = self.engine
         direct = bool(getattr(eng, "direct_weights", False))
         workers = eng.weight_workers() if direct else 0
-        info = comm.all_gather_object((direct, workers, wants_tied_aliases(eng)), group=self.groups.sync)
+        info = comm.all_gather_object((direct, workers, wants_tied_aliases(eng)), group=self.groups.group("sync"))
         aliases = any(a for _, _, a in info)  # tied weights under every name if any engine needs them
         info = [(d, w) for d, w, _ in info]
         if not any(d for d, _ in info):
@@ -290,14 +290,14 @@ class WeightSync:
             backend = transfer.transfer_backend(self.device)
             store, port = transfer.open_store(transfer.sender_address(), self.timeout_s)
             addr = (transfer.sender_address(), port, backend)
-        host, port, backend = comm.broadcast_object(addr, src, self.groups.sync)
+        host, port, backend = comm.broadcast_object(addr, src, self.groups.group("sync"))
         if is_src:
             group = transfer.TransferGroup(store, 0, world, backend, self.timeout_s, self.device)
             print(f"[weights] direct to {world - 1} vLLM worker(s) of {sum(1 for _, w in info if w)} engine(s) "
                   f"over {backend} (weight-transfer group at {host}:{port})", flush=True)
             return {"direct": True, "group": group, "aliases": aliases}
         if workers:
-            me = comm.rank(self.groups.sync)
+            me = comm.rank(self.groups.group("sync"))
             offset = 1 + sum(w for _, w in info[:me])
             eng.join_weight_group(host, port, offset, world, backend, self.timeout_s)
         return {"direct": True, "joined": bool(workers), "aliases": aliases}
@@ -342,7 +342,7 @@ class WeightSync:
                     flat = torch.empty(sum(transfer.numel(s) for _, s in piece[1]), dtype=getattr(torch, piece[0]),
                                        device=self.device)
                 try:
-                    comm.broadcast(flat, src, self.groups.sync, timeout_s=self.timeout_s)
+                    comm.broadcast(flat, src, self.groups.group("sync"), timeout_s=self.timeout_s)
                 except TimeoutError as e:
                     raise WeightSyncTimeout(f"weight sync: bucket piece of {len(piece[1])} tensors: a rank of the "
                                             f"sync group did not join within --dist_timeout_s. Cause: {e}") from None

@@ -171,19 +171,19 @@ class AsyncRollout:
         """A reward model (``scores_ahead``): the last ``count`` produced batches go from the engines to the reward
         model's ranks and are scored there at once, so reward latency leaves the trainer's path: with the reward
         model on ranks of its own (or the critic's) the actor trains meanwhile, and the scores travel with the
-        batch when its step comes (``take``).  Collective over ``Groups.rollout_reward`` only (the rollout and
+        batch when its step comes (``take``).  Collective over the placement's ``rollout_reward`` group only (the rollout and
         reward ranks; every other rank skips it): per batch one ``gather`` over those ranks, then the reward
         model's forwards, gathered over its own ranks.  The count is shared state (step, K, total steps)."""
         tr = self.tr
         g = tr.groups
-        if not self.ahead or count <= 0 or tr.rank not in g.rollout_reward_ranks:
+        if not self.ahead or count <= 0 or tr.rank not in g.ranks("rollout_reward"):
             return
         from .experience import inference_forward
 
         reward = tr.roles.reward
         mine = list(self.produced)[-count:] if self.stream is not None else [(None, None)] * count
         for local, _ in mine:
-            batch = self.gather(local, group=g.rollout_reward)
+            batch = self.gather(local, group=g.group("rollout_reward"))
             if reward.is_member:
                 with tr.watchdog.phase("reward_model"):
                     s = inference_forward(tr.cfg, reward, batch, lambda b, micro: reward.scores(

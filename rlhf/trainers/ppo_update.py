@@ -23,7 +23,6 @@ from rlhf.algorithms.masked import masked_mean
 from rlhf.algorithms.registry import POLICY_LOSSES
 from rlhf.algorithms.seqlen_balancing import Item, plan_step
 from rlhf.distributed import comm, shard_rows
-from rlhf.distributed.sequence_parallel import sp_size
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
 
 
@@ -171,7 +170,7 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
     model = engine.model
     model.train()
     dev = engine.compute_device  # not the parameters' device: --adam_offload keeps FSDP2's shards on the host
-    group = getattr(engine, "group", None)
+    group, replicas = engine.mesh.group, engine.mesh.sp.size  # the role's ranks; an SP group holds the same rows
     temp = r.temperature if r.temperature > 0 else 1.0
     loss_fn = POLICY_LOSSES.get_fn(a.policy_loss_type)
     kl_coef = max(float(kl_coef), 0.0)
@@ -188,7 +187,7 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
             for micro_rows in _minibatches(n, rank, world, o.train_batch_size, o.micro_train_batch_size,
                                            step_seed * 1000 + epoch, dyn):
                 real = [mr for mr in micro_rows if mr.real]
-                tot = step_totals([exp.action_mask[mr.rows] for mr in real], group, sp_size(model))
+                tot = step_totals([exp.action_mask[mr.rows] for mr in real], group, replicas)
                 n_step = max(sum(mr.rows.numel() for mr in real), 1)
                 step = defaultdict(float)
                 logs["micro_batches"].append(float(len(micro_rows)))
@@ -285,7 +284,7 @@ def train_critic(cfg, engine, exp, rank: int, world: int, step_seed: int) -> Dic
     model = engine.model
     model.train()
     dev = engine.compute_device  # not the parameters' device: --adam_offload keeps FSDP2's shards on the host
-    group = getattr(engine, "group", None)
+    group, replicas = engine.mesh.group, engine.mesh.sp.size  # the role's ranks; an SP group holds the same rows
     scale = engine.accum_steps * world
     logs = defaultdict(list)
     n = exp.sequences.size(0)
@@ -296,7 +295,7 @@ def train_critic(cfg, engine, exp, rank: int, world: int, step_seed: int) -> Dic
     for epoch in range(o.max_epochs):
         for micro_rows in _minibatches(n, rank, world, o.train_batch_size, o.micro_train_batch_size,
                                        step_seed * 1000 + epoch + 7, dyn):
-            tot = step_totals([exp.action_mask[mr.rows] for mr in micro_rows if mr.real], group, sp_size(model))
+            tot = step_totals([exp.action_mask[mr.rows] for mr in micro_rows if mr.real], group, replicas)
             total = 0.0
             for i, mr in enumerate(micro_rows):
                 mb = micro_batch(exp, mr, dyn)

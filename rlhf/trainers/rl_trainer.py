@@ -14,13 +14,13 @@ from typing import List, Optional
 
 import torch
 
-from rlhf.algorithms import ADVANTAGE_ESTIMATORS, make_kl_controller
+from rlhf.algorithms import make_kl_controller
 from rlhf.algorithms.eval_metrics import pass_at_n
 from rlhf.algorithms.seqlen_balancing import OVER_BUDGET
 from rlhf.config.preflight import preflight
 from rlhf.data.formatting import build_prompts, format_prompt
 from rlhf.data.loading import load_train_eval
-from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, make_placement, nnodes_from_env
+from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, make_placement, nnodes_from_env, role_needs
 from rlhf.distributed.failfast import Watchdog, guarded, refill_deadlines
 from rlhf.distributed.sharding import all_gather_objects
 from rlhf.models.load import load_tokenizer, resolve_pretrain
@@ -124,7 +124,7 @@ def check_batch_sizes(cfg, plan) -> None:
     o = cfg.optim
     samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     for role, lr_flag in (("actor", "actor"), ("critic", "critic")):
-        n = len(plan.ranks.get(role) or []) // (plan.sp_size if role in plan.sp_groups else 1)  # data-parallel
+        n = plan.dims(role)["dp"]  # data-parallel ranks (rlhf.distributed.mesh)
         if n and o.train_batch_size % (o.micro_train_batch_size * n):
             per = o.micro_train_batch_size * n
             raise InputError(f"--train_batch_size {o.train_batch_size} must be a multiple of --micro_train_batch_size "
@@ -151,13 +151,11 @@ class RLTrainer:
     def __init__(self, cfg, run_name: str = "ppo"):
         self.cfg = cfg
         a, t, r = cfg.algorithm, cfg.topology, cfg.rollout
-        spec = ADVANTAGE_ESTIMATORS[a.advantage_estimator]
         # --- everything that can fail on bad input, before any process group exists ---
         world = int(os.environ.get("WORLD_SIZE", "1"))
         preflight(cfg, "ppo", world)  # model kinds, writable paths, resume
         self.plan_nodes = t.nnodes_hint or nnodes_from_env()
-        self.plan = make_placement(t, world, self.plan_nodes, a.init_kl_coef > 0 or a.use_kl_loss,
-                                   spec.needs_critic, cfg.model.reward_pretrain is not None)
+        self.plan = make_placement(t, world, self.plan_nodes, **role_needs(a, cfg.model))
         if r.async_train and not self.plan.separate_rollout:
             raise InputError("--async_train needs rollout ranks of their own: set --vllm_num_engines > 0 and give "
                              "the job those extra ranks")

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from rlhf.backends.base import TrainEngine, make_engine, reads_weights, spec_from_config
-from rlhf.distributed import Groups
+from rlhf.distributed import Groups, RoleMesh
 from rlhf.distributed.sequence_parallel import SP, attach
 from rlhf.distributed.sharding import gather_max, gather_rows, micro_plan, run_micro, shard_rows
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
@@ -31,39 +31,56 @@ from rlhf.rollout.hf_engine import HFEngine
 
 
 class Role:
-    """A role of the placement: ``members`` (global ranks), ``group`` (their process group, on members)."""
+    """A role of the placement over its ``mesh`` (rlhf.distributed.mesh.RoleMesh: its ranks, named dimensions,
+    process groups and row ownership; on every rank, member or not)."""
 
-    def __init__(self, name: str, members: List[int], group, rank: int):
-        self.name, self.members, self.group, self.rank = name, list(members), group, rank
+    def __init__(self, name: str, mesh: RoleMesh):
+        self.name, self.mesh = name, mesh
         self.engine = None
-        self.sp = SP()  # --ring_attn_size: this member's sequence-parallel group (size 1: none)
         self.gather_group = None  # the ranks its forwards' rows are gathered to (None: the world)
 
     @property
+    def members(self) -> List[int]:
+        return self.mesh.ranks
+
+    @property
+    def group(self):
+        """The role's process group (on members; None elsewhere)."""
+        return self.mesh.group
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.rank
+
+    @property
+    def sp(self) -> SP:
+        """--ring_attn_size: this member's sequence-parallel group (size 1: none)."""
+        return self.mesh.sp
+
+    @property
     def is_member(self) -> bool:
-        return self.rank in self.members
+        return self.mesh.is_member
 
     @property
     def size(self) -> int:
-        return len(self.members)
+        return self.mesh.size
 
     @property
     def index(self) -> Optional[int]:
-        return self.members.index(self.rank) if self.is_member else None
+        return self.mesh.index
 
     @property
     def dp_index(self) -> Optional[int]:
-        """This member's data-parallel rank: the members of an SP group share one (rlhf.distributed.sequence_parallel)."""
-        return self.index // self.sp.size if self.is_member else None
+        """This member's data-parallel rank (``RoleMesh.dp_rank``: the members of an SP group share one)."""
+        return self.mesh.dp_rank
 
     @property
     def dp_size(self) -> int:
-        return self.size // self.sp.size
+        return self.mesh.dp_size
 
     def rows(self, n_rows: int) -> Optional[slice]:
-        """The rows this member reports of an n-row batch (None on non-members, and on an SP group's other ranks,
-        which compute the same rows: each row has one owner)."""
-        return shard_rows(n_rows, self.dp_index, self.dp_size) if self.is_member and self.sp.rank == 0 else None
+        """The rows this member reports of an n-row batch (``RoleMesh.owned_rows``: one owner per row)."""
+        return self.mesh.owned_rows(n_rows)
 
     def sleep(self) -> None:
         if self.engine is not None:
@@ -141,9 +158,9 @@ class RolloutRole(Role):
     """The rollout engines: ``engine_ranks`` lists each engine's TP ranks; prompts are split over engines, every
     TP rank of an engine gets the same prompts, and the engine's first rank reports its rows."""
 
-    def __init__(self, name, members, group, rank, engine_ranks: List[List[int]]):
-        super().__init__(name, members, group, rank)
-        self.engine_ranks = engine_ranks
+    def __init__(self, name: str, mesh: RoleMesh):
+        super().__init__(name, mesh)
+        self.engine_ranks = mesh.ranks_along("tp")
         self.agent = None  # AgentExecutor driving the engine (--agent_func_path)
 
     @property
@@ -250,19 +267,17 @@ class Roles:
 def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     """Role objects on every rank from the plan; engines built on the members only."""
     m, o, t = cfg.model, cfg.optim, cfg.topology
-    plan, rank = groups.plan, groups.rank
     path = resolve_pretrain(m.pretrain)
     def model_role(name, spec_fn, load) -> Optional[ModelRole]:
-        members = plan.ranks.get(name) or []
-        if not members:
+        mesh = groups.mesh(name)
+        if mesh is None:
             return None
-        role = ModelRole(name, members, groups.group(name), rank)
-        role.sp = groups.sp_of(name)
+        role = ModelRole(name, mesh)
         if cfg.rollout.async_train:  # the rollout ranks of their own generate meanwhile (rlhf.trainers.async_rollout)
-            role.gather_group = groups.trainers
+            role.gather_group = groups.group("trainers")
         if role.is_member:
             role.engine = make_engine(t.backend, load(not reads_weights(t.backend, role.group)), spec_fn(role),
-                                      group=role.group, device=device)
+                                      mesh=mesh, device=device)
             attach(role.engine.model, role.sp)
         return role
 
@@ -292,7 +307,7 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
         return rm
 
     reward = model_role("reward", frozen, load_rm)
-    rollout = RolloutRole("rollout", plan.ranks["rollout"], groups.group("rollout"), rank, plan.engine_ranks)
+    rollout = RolloutRole("rollout", groups.mesh("rollout"))
     if rollout.is_member:
         rollout.engine = build_rollout_engine(cfg, path, groups, device)
         if cfg.rollout.agent_func_path:
@@ -359,7 +374,7 @@ def build_rollout_engine(cfg, path: str, groups: Groups, device):
                           dtype="bfloat16" if cfg.model.bf16 or device.type == "cuda" else "float32",
                           gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep=t.vllm_enable_sleep,
                           sleep_level=r.vllm_sleep_level, enforce_eager=r.enforce_eager or device.type == "cpu",
-                          tp_group=groups.tp_group, tp_src=ranks[0], driver=groups.rank == ranks[0],
+                          tp_group=groups.mesh("rollout").group_of("tp"), tp_src=ranks[0], driver=groups.rank == ranks[0],
                           device_ids=[k % plan.gpus_per_node for k in ranks],
                           dummy_weights=not separate,  # colocated: the actor's weights arrive at the first sync
                           log=print if groups.rank == ranks[0] else (lambda *_: None))

@@ -19,8 +19,8 @@ from rlhf.data.loading import load_train_eval
 from rlhf.data.screen import screen_rows
 from rlhf.distributed import comm, micro_plan, shard_rows
 from rlhf.distributed.failfast import Watchdog, guarded
-from rlhf.distributed.groups import build_sp, nnodes_from_env
-from rlhf.distributed.sequence_parallel import SP, attach, dp_coords
+from rlhf.distributed.groups import nnodes_from_env, supervised_mesh
+from rlhf.distributed.sequence_parallel import SP, attach
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.utils import checkpoint as ckpt
 from rlhf.utils.logging import MetricsLogger
@@ -148,9 +148,9 @@ class SupervisedTrainer:
         self.total_steps, capped = planned_steps(self.steps_per_epoch, o.max_epochs, o.max_global_steps, "--max_epochs")
         self.rank, self.world, _, self.device = comm.init(t.dist_timeout_s)
         # --ring_attn_size: consecutive ranks split each sequence; each such group is one data-parallel rank
-        self.sp = build_sp(range(self.world), t.ring_attn_size, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)),
-                           self.rank)
-        self.dp_rank, self.dp_world, _ = dp_coords(self.rank, self.world, self.sp.size)
+        self.mesh = supervised_mesh(self.world, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)), t.ring_attn_size,
+                                    self.rank)
+        self.sp, self.dp_rank, self.dp_world = self.mesh.sp, self.mesh.dp_rank, self.mesh.dp_size
         if capped:
             log0(capped)
         self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
@@ -161,7 +161,7 @@ class SupervisedTrainer:
         self.on_meta = not reads_weights(t.backend, None)
         with self.watchdog.phase("load"):
             self.engine = make_engine(t.backend, self.task.build_model(self.path, on_meta=self.on_meta), spec,
-                                      device=self.device)
+                                      mesh=self.mesh, device=self.device)
             self.task.device = self.engine.compute_device  # batches go there, whatever device the parameters are on
             self.task.setup(self, spec)
         if cfg.model.lm_head_fp32:
