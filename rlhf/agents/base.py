@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from rlhf.errors import AgentContractError
 from rlhf.rollout.base import RolloutBatch, SamplingParams, batch_from_rows
 
 
@@ -42,16 +43,6 @@ CONTRACT = ("OpenRLHF's contract (openrlhf/utils/agent.py MultiTurnAgentExecutor
             "{'rewards': a number or one-value tensor, 'environment_feedback': str, 'done': bool, optional 'scores', "
             "'extra_logs', 'sampling_params'}; reset returns {'observation': str}.")
 _SAID: set = set()
-
-
-class AgentContractError(ValueError):
-    """A value an agent returned that breaks the contract; the episode is counted as failed (its reward NaN:
-    excluded from the loss, counted in reward_invalid), the first of each kind (``field``) said once."""
-
-    def __init__(self, message: str, field_: str = "result", got=None):
-        super().__init__(message)
-        self.field = field_
-        self.kind = f"{field_}:{type(got).__name__}"
 
 
 def agent_file(cls) -> str:

@@ -6,12 +6,7 @@ world size (topology) live in ``rlhf.distributed.plan`` and also run before
 """
 from __future__ import annotations
 
-
-class ConfigError(ValueError):
-    def __init__(self, flag: str, message: str):
-        self.flag = flag
-        super().__init__(message)
-
+from rlhf.errors import ConfigError
 
 RL_KINDS = ("ppo", "grpo")
 

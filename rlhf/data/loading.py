@@ -30,6 +30,8 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from rlhf.errors import DataError
+
 EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 STDLIB_EXT = (".jsonl", ".json")
 # datasets' split keywords in file names (datasets/data_files.py SPLIT_KEYWORDS): a flat folder whose file names
@@ -38,10 +40,6 @@ SPLIT_KEYWORDS = ("train", "training", "validation", "valid", "dev", "val", "tes
 _SPLIT_IN_NAME = re.compile(r"(^|[-._ 0-9])(" + "|".join(SPLIT_KEYWORDS) + r")[-._ 0-9]")
 # what `@` meant before it named a data_dir: a split, possibly sliced (train[:100])
 OLD_SPLIT_SPELLING = re.compile(r"^(" + "|".join(SPLIT_KEYWORDS) + r")(\[.*\])?$")
-
-
-class DataError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from typing import Optional
 import torch
 import transformers
 
+from rlhf.errors import ModelKindError
+
 
 def resolve_pretrain(path: Optional[str]) -> str:
     """None means the built-in tiny kit (built on first use)."""
@@ -17,12 +19,6 @@ def resolve_pretrain(path: Optional[str]) -> str:
     from rlhf.tools.make_tiny import ensure_tiny
 
     return ensure_tiny()
-
-
-class ModelKindError(ValueError):
-    def __init__(self, flag: str, message: str):
-        self.flag = flag
-        super().__init__(message)
 
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")

@@ -38,13 +38,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from rlhf.errors import CombineError
 from rlhf.utils.checkpoint import CheckpointError, begin_export, check_export_target, install_export
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-class CombineError(ValueError):
-    pass
 
 
 def check_paths(model_path: str, lora_path: str, output_path: str) -> None:

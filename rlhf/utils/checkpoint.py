@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from rlhf.distributed import comm
+from rlhf.errors import CheckpointError, ExportError
 
 STEP_RE = re.compile(r"^global_step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -257,10 +258,6 @@ def pick_checkpoint(root: str, strict: bool = False, hashes: bool = True,
         raise CheckpointError(f"no intact checkpoint in --ckpt_path {root}: {'; '.join(notices)}. Move the damaged "
                               f"checkpoints away (or give another --ckpt_path) to start from step 0")
     return None, notices
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used (damaged, or saved by a different run); the message names it and a fix."""
 
 
 # ---------------------------------------------------------------- the run's identity
@@ -598,10 +595,6 @@ EXPORT_PATTERNS = ("config.json", "generation_config.json", "*.safetensors", "*.
                    "*.bin.index.json", "*.pt", "adapter_config.json", "tokenizer*", "special_tokens_map.json",
                    "added_tokens.json", "vocab.*", "merges.txt", "spiece.model", "chat_template.*", "README.md",
                    "preprocessor_config.json", "processor_config.json")
-
-
-class ExportError(CheckpointError):
-    """The export cannot go where it was asked without overwriting files this project did not write."""
 
 
 def export_record(path: str) -> Optional[List[str]]:
