@@ -328,8 +328,8 @@ def main_entry(kind: str, run: Callable[[TrainConfig], None], trainer_defaults: 
 
 def refuse_one_line(e: BaseException) -> None:
     """A refusal (``failfast.is_input_error``: an ``rlhf.errors.Refusal`` or a click usage error) as the one line
-    ``error: <message>`` and exit 2 before any process group (1 after), as ``failfast.guarded`` does on more ranks; anything else returns (and its
-    traceback follows)."""
+    ``error: <message>`` and exit 2 before any process group (1 after), as ``failfast.guarded`` does on more ranks;
+    anything else returns (and its traceback follows)."""
     from rlhf.distributed import failfast
 
     if not failfast.is_input_error(e):
