@@ -52,3 +52,24 @@ def test_refusal_is_matched_by_class_not_by_name():
     assert errors.ConfigError("seed", "m").flag == "seed"
     e = errors.AgentContractError("m", "reward", got=3)
     assert (e.field, e.kind) == ("reward", "reward:int")
+
+
+def test_a_misspelt_algorithm_keyword_raises_instead_of_vanishing():
+    """The estimators and policy losses no longer take ``**_``: the registry hands each the keywords it names and
+    refuses one that no registered function takes (before: ``std_nrom=False`` was silently ignored)."""
+    import torch
+
+    from rlhf.algorithms import compute_advantages
+    from rlhf.algorithms.registry import POLICY_LOSSES
+
+    scores, mask = torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.ones(4, 2)
+    a, _ = compute_advantages("group_norm", scores, mask, group_size=2, std_norm=False, lambd=0.9, values=None)
+    b, _ = compute_advantages("group_norm", scores, mask, group_size=2, std_norm=False)
+    assert torch.equal(a, b), "keywords another estimator reads (lambd, values) are dropped for group_norm"
+    with pytest.raises(TypeError, match="unknown keyword 'std_nrom' \\(did you mean 'std_norm'\\?\\)"):
+        compute_advantages("group_norm", scores, mask, group_size=2, std_nrom=False)
+    lp = torch.zeros(2, 2)
+    loss, _ = POLICY_LOSSES.bound("ppo")(lp, lp, torch.ones(2, 2), mask[:2], sapo_tau_pos=2.0, clip_eps_low=0.2)
+    assert float(loss) == -1.0
+    with pytest.raises(TypeError, match="unknown keyword 'clip_eps_lo'"):
+        POLICY_LOSSES.bound("ppo")(lp, lp, torch.ones(2, 2), mask[:2], clip_eps_lo=0.1)
