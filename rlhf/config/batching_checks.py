@@ -2,7 +2,7 @@
 process group.  Called from validate.validate; each failure names the flag and a value that works."""
 from __future__ import annotations
 
-from .validate import ConfigError
+from rlhf.errors import ConfigError
 
 RL_KINDS = ("ppo", "grpo")
 

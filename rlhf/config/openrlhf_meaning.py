@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Iterable
 
-from .validate import ConfigError
+from rlhf.errors import ConfigError
 
 RL_KINDS = ("ppo", "grpo")
 

@@ -161,7 +161,7 @@ class RLTrainer:
         check_backend_placement(cfg, self.plan)
         self.agent_mode = bool(r.agent_func_path)
         if self.agent_mode:
-            from rlhf.agents.base import load_agent
+            from rlhf.agents.load import load_agent
 
             load_agent(r.agent_func_path)  # fail on a bad file before any process group
         self.reward_source = make_reward_source(r.remote_rm_url, r.reward_timeout_s, log0, r.remote_rm_retries)

@@ -295,7 +295,7 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     if rollout.is_member:
         rollout.engine = build_rollout_engine(cfg, path, groups, device)
         if cfg.rollout.agent_func_path:
-            from rlhf.agents.base import load_agent
+            from rlhf.agents.load import load_agent
 
             inst, exe = load_agent(cfg.rollout.agent_func_path)
             rollout.agent = exe(inst, cfg.rollout.max_steps, cfg.data.generate_max_len * cfg.rollout.max_steps,
