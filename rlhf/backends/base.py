@@ -145,16 +145,3 @@ class TrainEngine(abc.ABC):
     def wake(self, tags=None) -> None:
         """Bring back what sleep released, as far as a forward needs it: an engine may leave its optimizer state on
         the host until ``step`` (FSDP2 does)."""
-
-
-def make_engine(backend: str, model: torch.nn.Module, spec: EngineSpec, group=None, device=None) -> TrainEngine:
-    """The engine over ``group``; ``model`` as built by ``reads_weights`` (real weights or the meta device)."""
-    if backend == "fsdp2":
-        from .fsdp2 import FSDP2Engine
-
-        return FSDP2Engine(model, spec, group=group, device=device, load_on_first=loads_on_first(backend, group))
-    if backend == "deepspeed":
-        from .deepspeed_engine import DeepSpeedEngine
-
-        return DeepSpeedEngine(model, spec, group=group, device=device)
-    raise ValueError(f"unknown --backend {backend!r}; choose fsdp2 or deepspeed")

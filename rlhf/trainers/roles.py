@@ -18,7 +18,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from rlhf.backends.base import TrainEngine, make_engine, reads_weights, spec_from_config
+from rlhf.backends.base import TrainEngine, reads_weights, spec_from_config
+from rlhf.backends.factory import make_engine
 from rlhf.distributed import Groups
 from rlhf.distributed.sequence_parallel import SP, attach
 from rlhf.distributed.sharding import gather_max, gather_rows, micro_plan, run_micro, shard_rows

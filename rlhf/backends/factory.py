@@ -1,0 +1,31 @@
+"""Train engines by ``--backend`` name.  A registry apart from base.py, so the interface (base.py) imports no
+implementation and each implementation imports only the interface: factory -> {fsdp2, deepspeed_engine} -> base.
+A new backend is one file plus one entry here (veRL keeps its engines the same way: verl/workers/engine/base.py
+``EngineRegistry``)."""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch
+
+from .base import EngineSpec, TrainEngine, loads_on_first
+from .deepspeed_engine import DeepSpeedEngine
+from .fsdp2 import FSDP2Engine
+
+
+def _fsdp2(model: torch.nn.Module, spec: EngineSpec, group, device) -> TrainEngine:
+    return FSDP2Engine(model, spec, group=group, device=device, load_on_first=loads_on_first("fsdp2", group))
+
+
+def _deepspeed(model: torch.nn.Module, spec: EngineSpec, group, device) -> TrainEngine:
+    return DeepSpeedEngine(model, spec, group=group, device=device)
+
+
+TRAIN_ENGINES: Dict[str, Callable[..., TrainEngine]] = {"fsdp2": _fsdp2, "deepspeed": _deepspeed}
+
+
+def make_engine(backend: str, model: torch.nn.Module, spec: EngineSpec, group=None, device=None) -> TrainEngine:
+    """The engine over ``group``; ``model`` as built by ``reads_weights`` (real weights or the meta device)."""
+    if backend not in TRAIN_ENGINES:
+        raise ValueError(f"unknown --backend {backend!r}; choose {' or '.join(TRAIN_ENGINES)}")
+    return TRAIN_ENGINES[backend](model, spec, group, device)
