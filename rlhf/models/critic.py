@@ -92,7 +92,7 @@ class CriticModel(nn.Module):
 
         tmp = begin_export(path)
         backbone = {k[len("backbone."):]: v for k, v in state_dict.items() if k.startswith("backbone.")}
-        from .load import quiet_save
+        from rlhf.utils.quiet import quiet_save
 
         with quiet_save():
             self.backbone.save_pretrained(tmp, state_dict=backbone, safe_serialization=True)

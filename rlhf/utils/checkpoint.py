@@ -569,7 +569,7 @@ def save_hf(model_state: Optional[dict], model, tokenizer, path: str) -> None:
     if model_state is None:
         return
     tmp = begin_export(path)
-    from rlhf.models.load import quiet_save
+    from .quiet import quiet_save
 
     base = getattr(model, "module", model)  # a peft model saves its adapter from the full state dict
     with quiet_save():  # no DeepSpeed import (and its "Setting accelerator to CPU") under --backend fsdp2
