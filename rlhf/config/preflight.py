@@ -11,6 +11,8 @@ import os
 import tempfile
 from typing import List, Optional
 
+from rlhf.console import print0
+
 from .validate import ConfigError
 
 RL_KINDS = ("ppo", "grpo")
@@ -28,9 +30,8 @@ def preflight(cfg, kind: str, world_size: Optional[int] = None) -> List[str]:
     check_batch_world(cfg, kind, world)
     check_sequence_parallel(cfg, kind, world)
     notices += check_memory(cfg, kind, world)  # last: the layout it plans has passed the other checks
-    if os.environ.get("RANK", "0") == "0":
-        for n in notices:
-            print(n, flush=True)
+    for n in notices:
+        print0(n)
     return notices
 
 

@@ -40,20 +40,13 @@ from typing import Callable, Dict, List, Optional
 
 import click
 
+from rlhf.console import process_rank as _rank
 from rlhf.errors import Refusal
 
 ABORT_KEY = "rlhf/abort"
 PHASE_KEY = "rlhf/phase/{}"
 EXIT_FAILED = 1
 EXIT_PREEMPTED = 75  # a stop request checkpointed an incomplete run (rlhf.config.cli.EXIT_PREEMPTED)
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
 
 
 def _world() -> int:

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from rlhf.console import is_rank0
 from rlhf.errors import ModelKindError
 from rlhf.utils.quiet import load_report, quiet_progress
 
@@ -146,7 +147,7 @@ def from_pretrained_or_meta(auto_cls, path: str, on_meta: bool = False, config_k
     the FSDP2 engine then fills the shards by broadcast from rank 0, so a node holds one copy, not one per rank.
     transformers' load report (missing / unexpected keys) is printed by rank 0 only, and not at all with
     ``report=False`` (a caller that checks ``output_loading_info`` itself)."""
-    with quiet_progress(), load_report(report and os.environ.get("RANK", "0") == "0"):
+    with quiet_progress(), load_report(report and is_rank0()):
         return _from_pretrained_or_meta(auto_cls, path, on_meta, config_kwargs, **kwargs)
 
 
