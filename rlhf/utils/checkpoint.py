@@ -65,11 +65,6 @@ def step_dirs(root: str):
                   for m in [STEP_RE.match(n)] if m and os.path.isdir(os.path.join(root, n)))
 
 
-def latest_checkpoint(root: str) -> Optional[str]:
-    cks = list_checkpoints(root)
-    return cks[-1][1] if cks else None
-
-
 def rng_state() -> dict:
     """Python, numpy and torch CPU generators, and every visible CUDA device's generator when CUDA is there
     (dropout and sampling on the GPU draw from those; ``torch.cuda.random.get_rng_state_all``, as
