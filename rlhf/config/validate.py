@@ -55,7 +55,7 @@ def validate(cfg, kind: str) -> None:
     _validate_sp(cfg, kind)
     if kind in RL_KINDS:
         _validate_rl(cfg)
-    validate_batching(cfg, kind)
+    validate_batching(cfg)
     if kind in ("sft", "rm", "dpo"):
         _check(d.max_len > 8, "max_len", "--max_len must be > 8")
     for flag, on in (("multiturn", d.multiturn), ("pretrain_mode", m.pretrain_mode)):  # rlhf.data.sft_modes
