@@ -1,8 +1,9 @@
 """Name -> function registries, so trainers look algorithms up instead of branching on names.
 
-The functions of one registry share a calling convention: the trainer passes every keyword any of them may read,
-and ``call`` / ``bound`` hand each function the keywords its signature names.  A keyword no registered function
-names is a misspelling, refused with ``TypeError`` (a function's own ``**_`` would swallow it silently).
+Where a registry's functions take keywords (advantage estimators, policy losses) the trainer passes every keyword
+any of them may read, and ``call`` / ``bound`` hand each function the keywords its signature names.  A keyword no
+registered function names is a misspelling, refused with ``TypeError`` (a function's own ``**_`` would swallow it
+silently).
 """
 from __future__ import annotations
 
