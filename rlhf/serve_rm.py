@@ -615,12 +615,6 @@ class RewardServer:
         self.sock.close()
 
 
-def make_server(scorer, host: str = "127.0.0.1", port: int = 5000, request_timeout_s: float = 30.0,
-                limits: Optional[Limits] = None) -> RewardServer:
-    limits = limits or Limits(request_timeout_s=request_timeout_s)
-    return RewardServer(RewardApp(scorer, limits), host, port)
-
-
 def _loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from rlhf.agents.base import load_agent
+from rlhf.agents.load import load_agent
 from rlhf.agents.openrlhf_agent import ExecuteAdapter, openrlhf_names, result_to_row
 from rlhf.models.load import load_tokenizer
 from rlhf.rollout.base import RolloutBatch, SamplingParams

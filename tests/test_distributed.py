@@ -271,12 +271,12 @@ def test_fsdp2_engine_matches_single_process_and_checkpoints(tiny_kit, tmp_path)
 
 
 def test_half_written_checkpoint_ignored(tmp_path):
-    from rlhf.utils.checkpoint import latest_checkpoint, save_checkpoint
+    from rlhf.utils.checkpoint import list_checkpoints, save_checkpoint
 
     save_checkpoint(str(tmp_path), 2, lambda d: None, {"step": 2})
     (tmp_path / ".tmp-global_step_4").mkdir()          # crash mid-save
     (tmp_path / "global_step_6").mkdir()               # renamed but no trainer state (foreign dir)
-    assert latest_checkpoint(str(tmp_path)).endswith("global_step_2")
+    assert list_checkpoints(str(tmp_path))[-1][1].endswith("global_step_2")
     for s in (3, 5, 7, 9):
         save_checkpoint(str(tmp_path), s, lambda d: None, {"step": s}, max_keep=2)
     names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("global_step") and

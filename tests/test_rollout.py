@@ -85,7 +85,8 @@ class ScriptedEngine:
 def test_agent_episode_token_and_action_masks(tiny_kit):
     import os
 
-    from rlhf.agents.base import AgentExecutorBase, load_agent
+    from rlhf.agents.base import AgentExecutorBase
+    from rlhf.agents.load import load_agent
 
     tok = load_tokenizer(tiny_kit)
     inst, exe = load_agent(os.path.join(os.path.dirname(__file__), "..", "examples", "agent_arithmetic.py"))

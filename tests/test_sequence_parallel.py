@@ -240,7 +240,8 @@ def _assert_same_steps(what, a, b):
 
 
 def _engine(cfg, model, sp_size, rank, world, lr=1e-3):
-    from rlhf.backends.base import make_engine, spec_from_config
+    from rlhf.backends.base import spec_from_config
+    from rlhf.backends.factory import make_engine
     from rlhf.distributed import comm
     from rlhf.distributed.mesh import RoleMesh
     from rlhf.distributed.sequence_parallel import SP, attach

@@ -228,10 +228,10 @@ def test_long_query_keeps_its_response(tiny_kit):
 # ---- routes, validation, the real reward model ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def rm_server(tiny_kit):
-    from rlhf.serve_rm import RewardScorer, make_server
+    from rlhf.serve_rm import Limits, RewardApp, RewardScorer, RewardServer
 
-    server = make_server(RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2), "127.0.0.1", 0,
-                         request_timeout_s=0.5)
+    server = RewardServer(RewardApp(RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2),
+                                    Limits(request_timeout_s=0.5)), "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server.server_address[1]
     server.shutdown()
@@ -296,10 +296,10 @@ def test_serve_rm_accepts_openrlhf_query_key(rm_server):
 
 
 def test_rm_server_over_http(tiny_kit):
-    from rlhf.serve_rm import RewardScorer, make_server
+    from rlhf.serve_rm import Limits, RewardApp, RewardScorer, RewardServer
 
     scorer = RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2)
-    server = make_server(scorer, "127.0.0.1", 0)
+    server = RewardServer(RewardApp(scorer, Limits(request_timeout_s=30.0)), "127.0.0.1", 0)
     th = threading.Thread(target=server.serve_forever, daemon=True)
     th.start()
     url = f"http://127.0.0.1:{server.server_address[1]}/get_reward"

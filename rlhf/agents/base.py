@@ -10,7 +10,6 @@ is exactly what the engine generated.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import inspect
 import math
 import os
@@ -18,6 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from rlhf.errors import AgentContractError
 from rlhf.rollout.base import RolloutBatch, SamplingParams, batch_from_rows
 
 
@@ -42,16 +42,6 @@ CONTRACT = ("OpenRLHF's contract (openrlhf/utils/agent.py MultiTurnAgentExecutor
             "{'rewards': a number or one-value tensor, 'environment_feedback': str, 'done': bool, optional 'scores', "
             "'extra_logs', 'sampling_params'}; reset returns {'observation': str}.")
 _SAID: set = set()
-
-
-class AgentContractError(ValueError):
-    """A value an agent returned that breaks the contract; the episode is counted as failed (its reward NaN:
-    excluded from the loss, counted in reward_invalid), the first of each kind (``field``) said once."""
-
-    def __init__(self, message: str, field_: str = "result", got=None):
-        super().__init__(message)
-        self.field = field_
-        self.kind = f"{field_}:{type(got).__name__}"
 
 
 def agent_file(cls) -> str:
@@ -245,50 +235,3 @@ class AgentExecutorBase:
                                [e.truncated for e in eps], self.tokenizer.pad_token_id,
                                action_masks=[e.action_mask for e in eps], rewards=[e.reward for e in eps],
                                scores=[e.score for e in eps])
-
-
-def load_agent(path: str):
-    """(AgentInstance class, AgentExecutor class) from a user file, checked before training starts.
-
-    An OpenRLHF agent file loads unchanged: while it executes, ``openrlhf.utils.agent`` resolves to
-    rlhf.agents.openrlhf_agent (import time only; see ``openrlhf_names``).  Its ``AgentExecutor`` -- a subclass of
-    OpenRLHF's AgentExecutorBase / MultiTurnAgentExecutor implementing ``execute(...)`` -- is run through
-    ``ExecuteAdapter``; OpenRLHF requires only AgentExecutor (openrlhf/trainer/ray/vllm_engine.py)."""
-    from . import openrlhf_agent as orl
-
-    path = os.path.expanduser(path)
-    if not os.path.isfile(path):
-        raise ValueError(f"--agent_func_path {path}: no such file")
-    spec = importlib.util.spec_from_file_location("rlhf_user_agent", path)
-    mod = importlib.util.module_from_spec(spec)
-    with orl.openrlhf_names():
-        spec.loader.exec_module(mod)
-    for name in ("AgentInstance", "AgentExecutor"):
-        check_sync_init(getattr(mod, name, None), name, path)
-    exe = getattr(mod, "AgentExecutor", None)
-    if orl.is_openrlhf_executor(exe):
-        if inspect.isabstract(exe):
-            raise ValueError(f"{path}: AgentExecutor must implement async execute(prompt, label, sampling_params, "
-                             f"max_length, hf_tokenizer, llm_engine, images=None) (OpenRLHF's AgentExecutorBase)")
-        return getattr(mod, "AgentInstance", None), orl.adapter_for(exe)
-    inst = getattr(mod, "AgentInstance", None)
-    if inst is None or not (isinstance(inst, type) and issubclass(inst, AgentInstanceBase)):
-        raise ValueError(f"{path} must define class AgentInstance(AgentInstanceBase)")
-    if inst.step is AgentInstanceBase.step:
-        raise ValueError(f"{path}: AgentInstance must implement step(states)")
-    exe = getattr(mod, "AgentExecutor", AgentExecutorBase)
-    if not issubclass(exe, AgentExecutorBase):
-        raise ValueError(f"{path}: AgentExecutor must subclass AgentExecutorBase")
-    return inst, exe
-
-
-def check_sync_init(cls, name: str, path: str) -> None:
-    """``async def __init__`` cannot work: calling the class returns a coroutine from ``__init__``, which Python
-    refuses with a bare ``TypeError: __init__() should return None, not 'coroutine'`` (OpenRLHF fails there too:
-    openrlhf/utils/agent.py builds ``self.agent_instance_cls()``).  Said at load, with the fix."""
-    init = getattr(cls, "__init__", None) if isinstance(cls, type) else None
-    if init is not None and inspect.iscoroutinefunction(init):
-        raise ValueError(f"{path}: {name}.__init__ is `async def`; Python cannot await a constructor (calling "
-                         f"{name}() fails with \"TypeError: __init__() should return None, not 'coroutine'\", under "
-                         f"OpenRLHF too). Make __init__ a plain `def` and do the async set-up in "
-                         f"`async def reset(self, states, **kwargs)`, which is awaited at the start of each episode")

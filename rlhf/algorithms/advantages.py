@@ -124,7 +124,7 @@ def _token_returns(seq_scores, mask, v_rows, kl, kl_coef, gamma, clip_range):
 
 @ADVANTAGE_ESTIMATORS.register("gae", needs_critic=True, needs_group=False, forces_gamma1=False)
 def gae(scores, mask, *, values, kl=None, kl_coef=0.0, gamma=1.0, lambd=1.0, whiten=True, std_norm=True,
-        valid=None, clip_range=None, **_):
+        valid=None, clip_range=None):
     """PPO: r_t = clip(s) [t = last] - kl_coef kl_t; GAE(gamma, lambda); A whitened over the batch's valid tokens."""
     v = _valid(scores, valid).float()
     m = mask.float() * v.unsqueeze(1)
@@ -134,7 +134,7 @@ def gae(scores, mask, *, values, kl=None, kl_coef=0.0, gamma=1.0, lambd=1.0, whi
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce", needs_critic=False, needs_group=False, forces_gamma1=False)
-def reinforce(scores, mask, *, kl=None, kl_coef=0.0, gamma=1.0, std_norm=True, valid=None, clip_range=None, **_):
+def reinforce(scores, mask, *, kl=None, kl_coef=0.0, gamma=1.0, std_norm=True, valid=None, clip_range=None):
     """REINFORCE++: G_t = return-to-go of the token rewards; A = whiten(G) over the batch's valid tokens."""
     v = _valid(scores, valid).float()
     ret, m = _token_returns(scores, mask, v, kl, kl_coef, gamma, clip_range)
@@ -143,7 +143,7 @@ def reinforce(scores, mask, *, kl=None, kl_coef=0.0, gamma=1.0, std_norm=True, v
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_baseline", needs_critic=False, needs_group=True, forces_gamma1=True)
 def reinforce_baseline(scores, mask, *, group_size, kl=None, kl_coef=0.0, gamma=1.0, std_norm=True, valid=None,
-                       clip_range=None, **_):
+                       clip_range=None):
     """REINFORCE++-baseline: s' = s - mean_group(s); G = return-to-go; A = whiten(G) over the valid tokens."""
     g, v = _groups(scores, valid, group_size)
     ret, m = _token_returns(_with_baseline(g - group_mean(g, v), v), mask, v.view(-1), kl, kl_coef, gamma,
@@ -153,7 +153,7 @@ def reinforce_baseline(scores, mask, *, group_size, kl=None, kl_coef=0.0, gamma=
 
 @ADVANTAGE_ESTIMATORS.register("group_norm", needs_critic=False, needs_group=True, forces_gamma1=True)
 def group_norm(scores, mask, *, group_size, kl=None, kl_coef=0.0, gamma=1.0, std_norm=True, scale="group",
-               eps=GROUP_NORM_EPS, valid=None, clip_range=None, **_):
+               eps=GROUP_NORM_EPS, valid=None, clip_range=None):
     """GRPO: s' = (s - mean_group) / (std + eps), std unbiased, eps 1e-9;
     std = the group's (scale="group"), the whole batch's (scale="batch", TRL's scale_rewards=batch), or none
     (scale="none" or --no_advantage_std_norm);  A_t = return-to-go of (clip(s') at the last token - kl_coef kl)."""
@@ -172,7 +172,7 @@ def group_norm(scores, mask, *, group_size, kl=None, kl_coef=0.0, gamma=1.0, std
 
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo", needs_critic=False, needs_group=True, forces_gamma1=True)
-def dr_grpo(scores, mask, *, group_size, kl=None, kl_coef=0.0, gamma=1.0, valid=None, clip_range=None, **_):
+def dr_grpo(scores, mask, *, group_size, kl=None, kl_coef=0.0, gamma=1.0, valid=None, clip_range=None):
     """Dr. GRPO: s' = s - mean_group(s) (no std, no length normalisation here); A = return-to-go."""
     g, v = _groups(scores, valid, group_size)
     ret, _ = _token_returns(_with_baseline(g - group_mean(g, v), v), mask, v.view(-1), kl, kl_coef, gamma,
@@ -181,7 +181,7 @@ def dr_grpo(scores, mask, *, group_size, kl=None, kl_coef=0.0, gamma=1.0, valid=
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo", needs_critic=False, needs_group=True, forces_gamma1=True)
-def rloo(scores, mask, *, group_size, kl=None, kl_coef=0.0, gamma=1.0, valid=None, clip_range=None, **_):
+def rloo(scores, mask, *, group_size, kl=None, kl_coef=0.0, gamma=1.0, valid=None, clip_range=None):
     """RLOO: s'_i = s_i - (sum_{j valid} s_j - s_i) / (k - 1), k = valid samples of the group;
     A = return-to-go of s' (and KL penalties)."""
     g, v = _groups(scores, valid, group_size)
@@ -192,7 +192,7 @@ def rloo(scores, mask, *, group_size, kl=None, kl_coef=0.0, gamma=1.0, valid=Non
 
 
 @ADVANTAGE_ESTIMATORS.register("flash_reinforce", needs_critic=False, needs_group=False, forces_gamma1=True)
-def flash_reinforce(scores, mask, *, kl=None, kl_coef=0.0, gamma=1.0, valid=None, clip_range=None, **_):
+def flash_reinforce(scores, mask, *, kl=None, kl_coef=0.0, gamma=1.0, valid=None, clip_range=None):
     """FlashREINFORCE (OpenRLHF 0.11.2, openrlhf/trainer/ppo_utils/experience_maker.py
     ``compute_advantages_and_returns``: ``rewards = rewards - rewards.mean()``): one baseline for the whole rollout
     batch, no prompt group, no std, no whitening:
@@ -210,4 +210,5 @@ def flash_reinforce(scores, mask, *, kl=None, kl_coef=0.0, gamma=1.0, valid=None
 
 
 def compute_advantages(name: str, scores: Tensor, mask: Tensor, **kwargs) -> Tuple[Tensor, Tensor]:
-    return ADVANTAGE_ESTIMATORS.get_fn(name)(scores, mask, **kwargs)
+    """The estimator ``name`` (``--advantage_estimator``) with the keywords it takes; an unknown keyword raises."""
+    return ADVANTAGE_ESTIMATORS.call(name, scores, mask, **kwargs)

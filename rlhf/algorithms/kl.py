@@ -77,22 +77,18 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     return (pos * (mask > 0)).max(dim=1).values
 
 
-def fold_kl_into_rewards(scores: torch.Tensor, kl: Optional[torch.Tensor], kl_coef: float, mask: torch.Tensor,
-                         kl_clamp: Optional[float] = None) -> torch.Tensor:
+def fold_kl_into_rewards(scores: torch.Tensor, kl: Optional[torch.Tensor], kl_coef: float,
+                         mask: torch.Tensor) -> torch.Tensor:
     """Per-token reward  r_t = -max(kl_coef, 0) * kl_t * m_t  +  score * [t == last action token].
 
-    kl may be None (KL used as a loss instead).  kl_clamp bounds |kl_coef * kl_t|.  A negative coefficient
-    counts as 0 (OpenRLHF).
+    kl may be None (KL used as a loss instead).  A negative coefficient counts as 0 (OpenRLHF).
     """
     kl_coef = max(float(kl_coef), 0.0)
     mask = mask.to(torch.float32)
     if kl is None:
         rewards = torch.zeros_like(mask)
     else:
-        pen = -kl_coef * kl.float()
-        if kl_clamp is not None:
-            pen = pen.clamp(-kl_clamp, kl_clamp)
-        rewards = pen * mask
+        rewards = -kl_coef * kl.float() * mask
     idx = last_token_index(mask)
     rewards = rewards.clone()
     rewards[torch.arange(mask.size(0), device=mask.device), idx] += scores.float() * (mask.sum(1) > 0)

@@ -32,7 +32,7 @@ def _finish(loss, mask, agg_mode, norm_const, totals, is_weights):
 def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_eps_low: float = 0.2,
                   clip_eps_high: float = 0.2, dual_clip: Optional[float] = None, agg_mode: str = "token-mean",
                   norm_const: Optional[float] = None, is_weights: Optional[Tensor] = None,
-                  totals: Optional[LossTotals] = None, **_) -> Tuple[Tensor, Dict]:
+                  totals: Optional[LossTotals] = None) -> Tuple[Tensor, Dict]:
     """rho = exp(logp - old_logp);  l = -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A).
 
     Dual clip (Ye et al. 2020), for A < 0 only:  l = min(l, -c A).
@@ -59,11 +59,11 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, 
 
 @POLICY_LOSSES.register("gspo", forced_agg="seq-mean-token-mean")
 def gspo_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_eps_low: float = 3e-4,
-              clip_eps_high: float = 4e-4, norm_const: Optional[float] = None,
-              is_weights: Optional[Tensor] = None, totals: Optional[LossTotals] = None, **_) -> Tuple[Tensor, Dict]:
+              clip_eps_high: float = 4e-4, agg_mode: str = "seq-mean-token-mean", norm_const: Optional[float] = None,
+              is_weights: Optional[Tensor] = None, totals: Optional[LossTotals] = None) -> Tuple[Tensor, Dict]:
     """GSPO (Zheng et al. 2025): s_i = exp(mean_t (logp - old_logp)) (gradient through every token's logp);
     l = -min(s_i A, clip(s_i, 1-eps_low, 1+eps_high) A), aggregated seq-mean-token-mean whatever
-    --loss_agg_mode says (OpenRLHF forces sequence-level aggregation for GSPO)."""
+    --loss_agg_mode (``agg_mode``) says (OpenRLHF forces sequence-level aggregation for GSPO: ``forced_agg``)."""
     mask_f = mask.to(logp.dtype)
     seq_log_ratio = ((logp - old_logp) * mask_f).sum(1) / mask_f.sum(1).clamp(min=1.0)
     ratio = torch.exp(seq_log_ratio.clamp(max=10.0)).unsqueeze(1) * mask_f
@@ -81,7 +81,7 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip
 @POLICY_LOSSES.register("cispo", forced_agg=None)
 def cispo_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_eps_low: float = 0.2,
                clip_eps_high: float = 0.2, agg_mode: str = "token-mean", norm_const: Optional[float] = None,
-               is_weights: Optional[Tensor] = None, totals: Optional[LossTotals] = None, **_) -> Tuple[Tensor, Dict]:
+               is_weights: Optional[Tensor] = None, totals: Optional[LossTotals] = None) -> Tuple[Tensor, Dict]:
     """CISPO (MiniMax-M1, veRL ``cispo``): l = -sg(clip(rho, 1-eps_low, 1+eps_high)) * A * logp.
 
     The clipped ratio is a detached weight, so every token keeps a gradient A * grad(logp) scaled by it."""
@@ -98,11 +98,12 @@ def cispo_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, cli
 
 @POLICY_LOSSES.register("sapo", forced_agg="seq-mean-token-mean")
 def sapo_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, sapo_tau_pos: float = 1.0,
-              sapo_tau_neg: float = 1.05, norm_const: Optional[float] = None, is_weights: Optional[Tensor] = None,
-              totals: Optional[LossTotals] = None, **_) -> Tuple[Tensor, Dict]:
+              sapo_tau_neg: float = 1.05, agg_mode: str = "seq-mean-token-mean", norm_const: Optional[float] = None,
+              is_weights: Optional[Tensor] = None, totals: Optional[LossTotals] = None) -> Tuple[Tensor, Dict]:
     """SAPO (arXiv 2511.20347, veRL ``sapo``): a soft gate instead of a hard clip,
     f(rho) = sigmoid(tau (rho - 1)) * 4 / tau,  tau = tau_pos if A > 0 else tau_neg;  l = -f(rho) A,
-    aggregated seq-mean-token-mean (as veRL).  At rho = 1 the gradient equals PPO's: f'(1) = 1."""
+    aggregated seq-mean-token-mean whatever ``agg_mode`` says (as veRL; ``forced_agg``).  At rho = 1 the gradient
+    equals PPO's: f'(1) = 1."""
     log_ratio, ratio = _ratio(logp, old_logp)
     tau = torch.where(adv > 0, torch.as_tensor(sapo_tau_pos, dtype=ratio.dtype),
                       torch.as_tensor(sapo_tau_neg, dtype=ratio.dtype))

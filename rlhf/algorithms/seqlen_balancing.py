@@ -228,9 +228,3 @@ def _count_over_budget(items, micro, budget: int, packed: bool) -> None:
                       f"--ring_attn_size): each runs alone, as OpenRLHF does; counted in the metric "
                       f"over_budget_micro_batches (raise the budget if such a forward runs out of memory)",
                       UserWarning, stacklevel=3)
-
-
-def padding_stats(batches: Sequence[Sequence[Item]]) -> Tuple[int, int]:
-    """(real tokens, token slots a padded forward computes) over micro-batches of items:
-    padding waste = 1 - real / slots."""
-    return sum(it.tokens for b in batches for it in b), sum(padded_cost(b) for b in batches)

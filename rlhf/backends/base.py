@@ -150,20 +150,3 @@ class TrainEngine(abc.ABC):
     def wake(self, tags=None) -> None:
         """Bring back what sleep released, as far as a forward needs it: an engine may leave its optimizer state on
         the host until ``step`` (FSDP2 does)."""
-
-
-def make_engine(backend: str, model: torch.nn.Module, spec: EngineSpec, mesh=None, device=None) -> TrainEngine:
-    """The engine over ``mesh`` (a role's ``rlhf.distributed.mesh.RoleMesh``; default every rank); ``model`` as
-    built by ``reads_weights`` (real weights or the meta device)."""
-    from rlhf.distributed.mesh import world_mesh
-
-    mesh = mesh if mesh is not None else world_mesh()
-    if backend == "fsdp2":
-        from .fsdp2 import FSDP2Engine
-
-        return FSDP2Engine(model, spec, mesh=mesh, device=device, load_on_first=loads_on_first(backend, mesh.group))
-    if backend == "deepspeed":
-        from .deepspeed_engine import DeepSpeedEngine
-
-        return DeepSpeedEngine(model, spec, device=device, mesh=mesh)
-    raise ValueError(f"unknown --backend {backend!r}; choose fsdp2 or deepspeed")

@@ -2,7 +2,7 @@
 process group.  Called from validate._validate_rl; each failure names the flag and a value that works."""
 from __future__ import annotations
 
-from .validate import ConfigError
+from rlhf.errors import ConfigError
 
 
 def validate_algorithm(cfg) -> None:

@@ -2,7 +2,7 @@
 process group.  Called from validate.validate; each failure names the flag and a value that works."""
 from __future__ import annotations
 
-from .validate import ConfigError
+from rlhf.errors import ConfigError
 
 RL_KINDS = ("ppo", "grpo")
 
@@ -17,7 +17,7 @@ def row_budgets(cfg) -> tuple:
     return train * sp, (cfg.rollout.rollout_max_tokens_per_gpu or train) * sp
 
 
-def validate_batching(cfg, kind: str) -> None:
+def validate_batching(cfg) -> None:
     """A token budget smaller than the longest sequence is not refused: such a sequence gets a micro-batch of its
     own, as in OpenRLHF (openrlhf/utils/seqlen_balancing.py ``get_minimum_num_micro_batch_size``: first fit opens
     a bin for it), counted in the metric over_budget_micro_batches (rlhf.algorithms.seqlen_balancing)."""

@@ -16,6 +16,8 @@ import click
 import yaml
 from click.core import ParameterSource
 
+from rlhf.console import is_rank0, print0
+
 from . import openrlhf_compat
 from .hierarchical import HierarchicalError, flatten_yaml, translate_argv, translate_yaml
 from .schema import GROUPS, TrainConfig, flag_index
@@ -227,9 +229,8 @@ def build_config(values: dict, kind: str, trainer_defaults: Optional[dict] = Non
     compat = openrlhf_compat.active(index)
     values = {k: _coerce_compat(k, compat[k], v) if k in compat else v for k, v in values.items()}
     values, notices = openrlhf_compat.translate(values, index)
-    if os.environ.get("RANK", "0") == "0":
-        for n in notices:
-            print(n, file=sys.stderr, flush=True)
+    for n in notices:
+        print0(n, file=sys.stderr)
     merged = dict(trainer_defaults or {})
     merged.update(values)
     cfg = TrainConfig()
@@ -316,7 +317,7 @@ def main_entry(kind: str, run: Callable[[TrainConfig], None], trainer_defaults: 
     try:
         cmd.main(sys.argv[1:], prog_name=f"rlhf.{kind}", standalone_mode=False)
     except click.ClickException as e:  # bad input: every rank parses the same argv; the message once, from rank 0
-        if os.environ.get("RANK", "0") == "0":
+        if is_rank0():
             e.show()
         sys.exit(e.exit_code)
     except click.Abort:
@@ -327,9 +328,9 @@ def main_entry(kind: str, run: Callable[[TrainConfig], None], trainer_defaults: 
 
 
 def refuse_one_line(e: BaseException) -> None:
-    """A refusal (a bad-input error: failfast.INPUT_ERRORS) as the one line ``error: <message>`` and exit 2 before
-    any process group (1 after), as ``failfast.guarded`` does on more ranks; anything else returns (and its
-    traceback follows)."""
+    """A refusal (``failfast.is_input_error``: an ``rlhf.errors.Refusal`` or a click usage error) as the one line
+    ``error: <message>`` and exit 2 before any process group (1 after), as ``failfast.guarded`` does on more ranks;
+    anything else returns (and its traceback follows)."""
     from rlhf.distributed import failfast
 
     if not failfast.is_input_error(e):

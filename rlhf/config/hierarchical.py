@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from rlhf.errors import HierarchicalError
+
 
 @dataclass(frozen=True)
 class Split:
@@ -187,10 +189,6 @@ _SWITCHES = {k for k in HIERARCHICAL if k.endswith(("_enable", ".nesterov", ".no
     "ds.use_universal_ckpt", "ref.offload", "reward.offload", "data.apply_chat_template", "data.multiturn",
     "actor.freeze_visual_encoder"}
 _LISTS = {"ds.lora.target_modules"}
-
-
-class HierarchicalError(ValueError):
-    pass
 
 
 def is_dotted(name: str) -> bool:

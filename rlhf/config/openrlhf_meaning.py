@@ -21,18 +21,17 @@ each change it makes is said in one line on stderr (rank 0), never silently.
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import Iterable
 
-from .validate import ConfigError
+from rlhf.console import print0
+from rlhf.errors import ConfigError
 
 RL_KINDS = ("ppo", "grpo")
 
 
 def notice(msg: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        print(f"[openrlhf] {msg}", file=sys.stderr, flush=True)
+    print0(f"[openrlhf] {msg}", file=sys.stderr)
 
 
 def resolve_given(cfg, kind: str, given: Iterable[str]) -> None:

@@ -11,6 +11,8 @@ import os
 import tempfile
 from typing import List, Optional
 
+from rlhf.console import print0
+
 from .validate import ConfigError
 
 RL_KINDS = ("ppo", "grpo")
@@ -22,15 +24,14 @@ def preflight(cfg, kind: str, world_size: Optional[int] = None) -> List[str]:
     notices: List[str] = []
     check_models(cfg, kind)
     check_flash_attn(cfg)
-    check_writable(cfg, kind)
+    check_writable(cfg)
     notices += check_resume(cfg, world)
     notices += check_lock(cfg)
     check_batch_world(cfg, kind, world)
     check_sequence_parallel(cfg, kind, world)
     notices += check_memory(cfg, kind, world)  # last: the layout it plans has passed the other checks
-    if os.environ.get("RANK", "0") == "0":
-        for n in notices:
-            print(n, flush=True)
+    for n in notices:
+        print0(n)
     return notices
 
 
@@ -148,7 +149,7 @@ def writable_problem(path: str, need_dir_itself: bool = True) -> Optional[str]:
     return None
 
 
-def check_writable(cfg, kind: str) -> None:
+def check_writable(cfg) -> None:
     c, lg = cfg.checkpoint, cfg.logging
     # save_path is replaced by a sibling save_path.tmp: its parent must be writable
     for flag, path, itself in (("save_path", c.save_path, False), ("ckpt_path", c.ckpt_path, True),

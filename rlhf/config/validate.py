@@ -6,12 +6,11 @@ world size (topology) live in ``rlhf.distributed.plan`` and also run before
 """
 from __future__ import annotations
 
+from rlhf.errors import ConfigError
 
-class ConfigError(ValueError):
-    def __init__(self, flag: str, message: str):
-        self.flag = flag
-        super().__init__(message)
-
+from .algorithm_checks import validate_algorithm
+from .batching_checks import validate_batching  # --use_dynamic_batch budgets, --adam_offload
+from .openrlhf_meaning import resolve_async_colocate  # OpenRLHF: colocates the training models only
 
 RL_KINDS = ("ppo", "grpo")
 
@@ -56,9 +55,7 @@ def validate(cfg, kind: str) -> None:
     _validate_sp(cfg, kind)
     if kind in RL_KINDS:
         _validate_rl(cfg)
-    from .batching_checks import validate_batching  # --use_dynamic_batch budgets, --adam_offload
-
-    validate_batching(cfg, kind)
+    validate_batching(cfg)
     if kind in ("sft", "rm", "dpo"):
         _check(d.max_len > 8, "max_len", "--max_len must be > 8")
     for flag, on in (("multiturn", d.multiturn), ("pretrain_mode", m.pretrain_mode)):  # rlhf.data.sft_modes
@@ -93,8 +90,6 @@ def _validate_sp(cfg, kind: str) -> None:
 
 def _validate_rl(cfg) -> None:
     from rlhf.algorithms import ADVANTAGE_ESTIMATORS
-
-    from .algorithm_checks import validate_algorithm
 
     o, r, a, d, t, m = cfg.optim, cfg.rollout, cfg.algorithm, cfg.data, cfg.topology, cfg.model
     resolve_is_correction(a)
@@ -139,8 +134,6 @@ def _validate_rl(cfg) -> None:
                "--dynamic_filtering drops groups of equal scores: it needs --n_samples_per_prompt > 1")
     if a.kl_target is not None:
         _check(a.kl_target > 0 and a.kl_horizon > 0, "kl_target", "--kl_target and --kl_horizon must be > 0")
-    from .openrlhf_meaning import resolve_async_colocate  # OpenRLHF: colocates the training models only
-
     resolve_async_colocate(cfg)
     _validate_async(cfg)
     _check(r.temperature >= 0, "temperature", "--temperature must be >= 0")

@@ -1,11 +1,12 @@
 """Turn rows into prompt text and tokenized SFT / preference samples."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
+
+from rlhf.console import is_rank0
 
 
 def format_prompt(raw, tokenizer, apply_chat_template: bool, input_template: Optional[str] = None) -> str:
@@ -142,7 +143,7 @@ def build_prompts(rows: List[Dict], tokenizer, cfg_data) -> List[PromptItem]:
 
         raise DataError(f"all {len(rows)} prompts are empty (no tokens in --input_key {cfg_data.input_key!r}): check "
                         f"--input_key names the column that holds the prompts, or use --apply_chat_template")
-    say = os.environ.get("RANK", "0") == "0"
+    say = is_rank0()
     if empty and say:
         print(f"[data] {empty} of {len(rows)} prompts are empty (no tokens in --input_key {cfg_data.input_key!r}) "
               f"and are left out", flush=True)

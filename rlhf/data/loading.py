@@ -30,6 +30,9 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from rlhf.console import print0
+from rlhf.errors import DataError
+
 EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 STDLIB_EXT = (".jsonl", ".json")
 # datasets' split keywords in file names (datasets/data_files.py SPLIT_KEYWORDS): a flat folder whose file names
@@ -38,10 +41,6 @@ SPLIT_KEYWORDS = ("train", "training", "validation", "valid", "dev", "val", "tes
 _SPLIT_IN_NAME = re.compile(r"(^|[-._ 0-9])(" + "|".join(SPLIT_KEYWORDS) + r")[-._ 0-9]")
 # what `@` meant before it named a data_dir: a split, possibly sliced (train[:100])
 OLD_SPLIT_SPELLING = re.compile(r"^(" + "|".join(SPLIT_KEYWORDS) + r")(\[.*\])?$")
-
-
-class DataError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -375,8 +374,8 @@ def load_train_eval(cfg_data, keys: Dict[str, Optional[str]], train: Optional[st
         if d.eval_dataset:
             return rows, load_rows(d.eval_dataset, keys, None, d.max_samples, seed, d.eval_split, "--eval_split")
         kept, ev = split_eval(rows, d.eval_holdout, seed)
-        if ev and os.environ.get("RANK", "0") == "0":
-            print(holdout_note(prompts, len(ev), len(rows), d.eval_holdout), flush=True)
+        if ev:
+            print0(holdout_note(prompts, len(ev), len(rows), d.eval_holdout))
         return kept, ev
     if kit_files is None:
         raise DataError(missing)

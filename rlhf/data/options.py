@@ -12,15 +12,11 @@
 """
 from __future__ import annotations
 
-import os
 import sys
 
+from rlhf.console import print0
+
 BUILTIN_LABEL_KEY = "label"
-
-
-def _say(msg: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        print(msg, file=sys.stderr, flush=True)
 
 
 def _number(value):
@@ -39,9 +35,9 @@ def settle_eval_split(d, error) -> None:
                                       f"names the split of --eval_dataset (OpenRLHF's meaning); give the hold-out "
                                       f"fraction once, as --eval_holdout")
         if frac:  # 0 is the default now: nothing changes, nothing to say
-            _say(f"[config] --eval_split {d.eval_split}: a number is read as --eval_holdout {frac:g} (the fraction of "
-                 f"training rows held out for eval); --eval_split now names the split of --eval_dataset, as in "
-                 f"OpenRLHF")
+            print0(f"[config] --eval_split {d.eval_split}: a number is read as --eval_holdout {frac:g} (the fraction "
+                   f"of training rows held out for eval); --eval_split now names the split of --eval_dataset, as in "
+                   f"OpenRLHF", file=sys.stderr)
         d.eval_holdout, d.eval_split = frac, "train"
     if not 0.0 <= d.eval_holdout < 1.0:
         raise error("eval_holdout", f"--eval_holdout must lie in [0, 1), got {d.eval_holdout}; e.g. --eval_holdout "
@@ -52,11 +48,12 @@ def settle_input_template(d) -> None:
     """OpenRLHF: a template without ``{}`` is set to None (with a warning); a literal backslash-n is warned about."""
     t = d.input_template
     if t and "{}" not in t:
-        _say(f"[config] --input_template {t!r} has no '{{}}' for the input: it is not used (as OpenRLHF: set to None)")
+        print0(f"[config] --input_template {t!r} has no '{{}}' for the input: it is not used (as OpenRLHF: set to "
+               f"None)", file=sys.stderr)
         d.input_template = None
     elif t and "\\n" in t:
-        _say("[config] --input_template contains the two characters \\n instead of a newline; you likely want "
-             "$'...\\n...' in Bash (OpenRLHF warns the same)")
+        print0("[config] --input_template contains the two characters \\n instead of a newline; you likely want "
+               "$'...\\n...' in Bash (OpenRLHF warns the same)", file=sys.stderr)
 
 
 def uses_builtin_reward(rollout, reward_pretrain) -> bool:

@@ -8,9 +8,10 @@ only a response that alone fills ``--max_len`` is cut at its end.  No row trains
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
+
+from rlhf.console import print0
 
 from .formatting import format_prompt, format_response, has_prompt, pair_texts, tokenize_pair
 
@@ -53,8 +54,8 @@ class DataReport:
 
     def announce(self) -> None:
         msg = self.message()
-        if msg and os.environ.get("RANK", "0") == "0":
-            print(msg, flush=True)
+        if msg:
+            print0(msg)
 
 
 def screen_rows(rows: List[Dict], tokenizer, data, kind: str, split: str = "train",
@@ -94,10 +95,9 @@ def screen_rows(rows: List[Dict], tokenizer, data, kind: str, split: str = "trai
                 break
         kept.append(row)
     rep.kept = len(kept)
-    if whole and os.environ.get("RANK", "0") == "0":
-        print(f"[data] {split}: {whole} of {len(rows)} rows have no --input_key {d.input_key!r} column: chosen and "
-              f"rejected are read as whole conversations (OpenRLHF's preference format without --prompt_key)",
-              flush=True)
+    if whole:
+        print0(f"[data] {split}: {whole} of {len(rows)} rows have no --input_key {d.input_key!r} column: chosen and "
+               f"rejected are read as whole conversations (OpenRLHF's preference format without --prompt_key)")
     rep.announce()
     if rows and not kept:
         raise ValueError(f"{split} data: all {len(rows)} rows were dropped: {rep.message()}")

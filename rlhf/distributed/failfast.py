@@ -38,18 +38,15 @@ import time
 import traceback
 from typing import Callable, Dict, List, Optional
 
+import click
+
+from rlhf.console import process_rank as _rank
+from rlhf.errors import Refusal
+
 ABORT_KEY = "rlhf/abort"
 PHASE_KEY = "rlhf/phase/{}"
 EXIT_FAILED = 1
 EXIT_PREEMPTED = 75  # a stop request checkpointed an incomplete run (rlhf.config.cli.EXIT_PREEMPTED)
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
 
 
 def _world() -> int:
@@ -297,16 +294,14 @@ def orphaned(agent_pid: int) -> None:
 
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
 
-# Errors whose message already says what to change (bad input, checked before any process group exists) or
-# already carries the user code's traceback (a reward function that raised): our traceback would only bury it.
-# Classes are matched by name so this module imports nothing of the rest of the library.
-INPUT_ERRORS = ("ConfigError", "TopologyError", "InputError", "DataError", "RewardError", "UsageError",
-                "ModelKindError", "MemoryPlanError")
-EXIT_INPUT = 2  # bad input refused before any process group (click's usage-error code)
-
-
 def is_input_error(e: BaseException) -> bool:
-    return bool({c.__name__ for c in type(e).__mro__} & set(INPUT_ERRORS))
+    """A refusal: bad input whose message already says what to change (checked before any process group exists),
+    or a reward function's failure that already carries the user code's traceback; our traceback would only bury
+    it.  ``rlhf.errors.Refusal`` and click's usage errors (``ConfigUsageError``)."""
+    return isinstance(e, (Refusal, click.UsageError))
+
+
+EXIT_INPUT = 2  # bad input refused before any process group (click's usage-error code)
 
 
 def refusal_code() -> int:
@@ -383,10 +378,6 @@ def _guarded(main: Callable[[], object]):
         if any(p in str(e) for p in PEER_LOST):  # not this rank's fault: its traceback would mislead
             die(describe(e), f"{describe(e)} (in {type(e).__name__})")
         die(describe(e), traceback.format_exc())
-
-
-class PhaseTimeout(RuntimeError):
-    pass
 
 
 GRACE_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun's --shutdown_timeout (torch/distributed/launcher/api.py)

@@ -11,12 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from rlhf.errors import TopologyError
+
 ROLES = ("actor", "ref", "critic", "reward", "rollout")
 SP_ROLES = ("actor", "ref", "critic", "reward")  # roles whose forwards split a sequence over --ring_attn_size ranks
-
-
-class TopologyError(ValueError):
-    pass
 
 
 @dataclass

@@ -16,15 +16,12 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
+from rlhf.errors import WeightSyncTimeout
 from rlhf.rollout import vllm_worker as transfer  # the weight-transfer group and its wire format
 
 from . import comm
 
 Meta = Tuple[str, Tuple[int, ...], torch.dtype]
-
-
-class WeightSyncTimeout(RuntimeError):
-    pass
 
 
 def zero3_param(p: torch.Tensor) -> bool:

@@ -7,6 +7,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from rlhf.console import print0
 from rlhf.distributed.sequence_parallel import sp_of
 
 from .forward import position_ids_from_mask, sp_values
@@ -45,9 +46,9 @@ class CriticModel(nn.Module):
         else:  # a causal LM's lm_head is "unexpected" here by design: report only what would start random
             backbone, info = from_pretrained_or_meta(AutoModel, path, report=False, output_loading_info=True, **kw)
             missing = sorted(info.get("missing_keys") or [])
-            if missing and os.environ.get("RANK", "0") == "0":
-                print(f"[critic] {path}: {len(missing)} backbone weights are not in the checkpoint and start at "
-                      f"random: {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}", flush=True)
+            if missing:
+                print0(f"[critic] {path}: {len(missing)} backbone weights are not in the checkpoint and start at "
+                       f"random: {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
         if gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if on_meta:  # value head and backbone shards arrive from rank 0 (FSDP2Engine load_on_first)
@@ -59,12 +60,12 @@ class CriticModel(nn.Module):
             model.value_head.load_state_dict(torch.load(head, map_location="cpu"))
         elif is_reward_model(backbone.config):
             model.init_from_reward_head(reward_head_weight(path, value_head_prefix), reward_stats)
-            _say(f"[critic] value head from the reward model's score head in {path} (normalised by mean "
-                 f"{reward_stats[0]:g}, std {reward_stats[1]:g}): at step 1 the critic's value at a sequence's last "
-                 f"token is the reward model's score")
+            print0(f"[critic] value head from the reward model's score head in {path} (normalised by mean "
+                   f"{reward_stats[0]:g}, std {reward_stats[1]:g}): at step 1 the critic's value at a sequence's last "
+                   f"token is the reward model's score")
         else:
-            _say(f"[critic] value head starts at random (normal, std 1/(hidden+1), OpenRLHF's init_value_head): "
-                 f"{path} is not a reward model (a reward model as --critic_pretrain starts it from its score head)")
+            print0(f"[critic] value head starts at random (normal, std 1/(hidden+1), OpenRLHF's init_value_head): "
+                   f"{path} is not a reward model (a reward model as --critic_pretrain starts it from its score head)")
         return model
 
     @torch.no_grad()
@@ -92,7 +93,7 @@ class CriticModel(nn.Module):
 
         tmp = begin_export(path)
         backbone = {k[len("backbone."):]: v for k, v in state_dict.items() if k.startswith("backbone.")}
-        from .load import quiet_save
+        from rlhf.utils.quiet import quiet_save
 
         with quiet_save():
             self.backbone.save_pretrained(tmp, state_dict=backbone, safe_serialization=True)
@@ -101,11 +102,6 @@ class CriticModel(nn.Module):
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         install_export(tmp, path)
-
-
-def _say(msg: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        print(msg, flush=True)
 
 
 def is_reward_model(config) -> bool:

@@ -227,8 +227,6 @@ def sp_scores(model, sequences: torch.Tensor, attention_mask: torch.Tensor) -> t
     """The SP form of rlhf.rewards.reward_model.scores_at_positions on a padded batch: the score head's output at
     each sequence's last real token (score_positions' rule: packed, ``cumsum(lengths) - 1``), (B,) float32.  The
     reward model runs on this rank's slice of the packed row; one sum over the group."""
-    from rlhf.rewards.reward_model import per_token_scores
-
     sp = sp_of(model)
     ids, pos, lengths = pack(sequences, attention_mask)
     rows = lengths.cumsum(0) - 1
@@ -236,3 +234,20 @@ def sp_scores(model, sequences: torch.Tensor, attention_mask: torch.Tensor) -> t
     i, j = positions_in(rows, a, b)
     v = z[rows[i:j] - a].float() if j > i else z[:0].float()
     return collect(v, i, j, rows.numel(), sp)
+
+
+def per_token_scores(model, **inputs) -> torch.Tensor:
+    """The score head's output at every position, (B, T).
+
+    Read with a forward hook during the model's own (root) forward, so an FSDP-sharded
+    reward model gathers its parameters as usual, and the pooling transformers does
+    (last non-pad token by pad id) is not relied on.
+    """
+    head = getattr(model, "score", None) or model.get_submodule("base_model.model.score")
+    caught = {}
+    handle = head.register_forward_hook(lambda mod, inp, out: caught.__setitem__("z", out))
+    try:
+        model(**inputs, use_cache=False)
+    finally:
+        handle.remove()
+    return caught["z"][..., 0]

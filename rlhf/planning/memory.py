@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Dict, List, Optional, Tuple
 
+from rlhf.errors import MemoryPlanError
+
 from . import terms
 from .dims import ModelDims
 from .terms import GiB, States
@@ -635,10 +637,6 @@ def _gib(x: float) -> str:
 
 
 # ---- the trainers' start-up check ------------------------------------------------------------------------------
-class MemoryPlanError(ValueError):
-    pass
-
-
 def free_device_bytes() -> Tuple[float, float, int]:
     """(free bytes, total bytes, index) of this rank's GPU (LOCAL_RANK, as comm picks it) at start-up:
     ``torch.cuda.mem_get_info``, which creates this process's CUDA context on that device first, so the context

@@ -32,9 +32,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-
-class RewardError(RuntimeError):
-    pass
+from rlhf.errors import RewardError, RewardTimeout
 
 
 def resolve_reward_path(path: str) -> str:
@@ -127,10 +125,6 @@ def _extra_log(v, n: int, key: str, where: str) -> torch.Tensor:
         return _as_tensor(v, n, f"extra_logs[{key}]", where)
     except RewardError as e:
         raise RewardError(f"{e}: give one value per query, or one value for the batch") from None
-
-
-class RewardTimeout(Exception):
-    pass
 
 
 class _DeadlinePassed(BaseException):

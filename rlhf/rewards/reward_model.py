@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from rlhf.distributed.sequence_parallel import sp_of
-from rlhf.models.forward import position_ids_from_mask, sp_scores
+from rlhf.models.forward import per_token_scores, position_ids_from_mask, sp_scores
 
 
 def score_positions(attention_mask: Optional[torch.Tensor] = None, seq_lens=None) -> torch.Tensor:
@@ -60,20 +60,3 @@ def score_sequences(model, sequences: torch.Tensor, attention_mask: torch.Tensor
         out.append((sp_scores(model, ids, att) if sp else scores_at_positions(model, ids, att)).cpu())
     mean, std = stats
     return (torch.cat(out) - mean) / std
-
-
-def per_token_scores(model, **inputs) -> torch.Tensor:
-    """The score head's output at every position, (B, T).
-
-    Read with a forward hook during the model's own (root) forward, so an FSDP-sharded
-    reward model gathers its parameters as usual, and the pooling transformers does
-    (last non-pad token by pad id) is not relied on.
-    """
-    head = getattr(model, "score", None) or model.get_submodule("base_model.model.score")
-    caught = {}
-    handle = head.register_forward_hook(lambda mod, inp, out: caught.__setitem__("z", out))
-    try:
-        model(**inputs, use_cache=False)
-    finally:
-        handle.remove()
-    return caught["z"][..., 0]

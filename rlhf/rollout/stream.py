@@ -113,9 +113,6 @@ class RolloutStream:
         self.spares: List[Group] = []
 
     # ---- state ---------------------------------------------------------------------------------------------------
-    def in_flight_tokens(self) -> int:
-        return sum(len(s.tokens) for g in self.flight for s in g.samples)
-
     def _left(self, g: Group, s: Sample) -> int:
         """New tokens ``s`` may still take: --generate_max_len, and the engine's context (a continuation prompt is
         prompt + tokens so far; vLLM refuses a prompt of max_model_len tokens and stops a generation there)."""

@@ -32,6 +32,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist  # a world of its own (see the module docstring), not comm's groups
 
+from rlhf.errors import WeightTransferError
+
 # the in-place reloader warns once per layer that a bucket did not contain: expected with bucketed loading
 _NOISY_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
                   "vllm.model_executor.model_loader.reload.inplace")
@@ -41,10 +43,6 @@ STORE_PREFIX = "rlhf_weight_sync"
 
 # One piece of the wire: (dtype name, [(engine name, shape), ...]); its tensors travel as one flat broadcast.
 Piece = Tuple[str, List[Tuple[str, List[int]]]]
-
-
-class WeightTransferError(RuntimeError):
-    pass
 
 
 # ---- the group ----------------------------------------------------------------------------------------------------

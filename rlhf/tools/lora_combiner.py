@@ -38,13 +38,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from rlhf.errors import CombineError
 from rlhf.utils.checkpoint import CheckpointError, begin_export, check_export_target, install_export
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-class CombineError(ValueError):
-    pass
 
 
 def check_paths(model_path: str, lora_path: str, output_path: str) -> None:
@@ -226,7 +223,8 @@ def load_base(model_path: str, is_rm: bool, dtype: torch.dtype, lora_path: Optio
     a head (a causal LM) is taken only when the adapter brings the head (its copy replaces the random one)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from rlhf.models.load import ModelKindError, _head_key, quiet_progress, weight_index
+    from rlhf.models.load import ModelKindError, _head_key, weight_index
+    from rlhf.utils.quiet import quiet_progress
 
     with quiet_progress():
         if not is_rm:
@@ -276,7 +274,7 @@ def apply_lora(model_path: str, lora_path: str, output_path: str, is_rm: bool = 
         tmp = begin_export(output_path)
     except CheckpointError as e:
         raise CombineError(str(e)) from None
-    from rlhf.models.load import quiet_save
+    from rlhf.utils.quiet import quiet_save
 
     with quiet_save():  # no DeepSpeed import ("Setting accelerator to CPU") or shard bars
         merged.save_pretrained(tmp, safe_serialization=True)

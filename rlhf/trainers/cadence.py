@@ -12,7 +12,7 @@ import warnings
 from typing import Callable, Dict, Optional, Protocol
 
 from rlhf.config.schema import CheckpointConfig, LoggingConfig
-from rlhf.distributed import comm
+from rlhf.console import print0 as log0  # the trainers' name for it
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
@@ -42,11 +42,6 @@ def planned_steps(per_pass: int, passes: int, max_global_steps: int, pass_flag: 
     return total, (f"[data] --max_global_steps {max_global_steps} asks for more than the data gives: {per_pass} steps "
                    f"per pass x {pass_flag} {passes} = {total}; running {total} (e.g. {pass_flag} {need} runs "
                    f"{max_global_steps})")
-
-
-def log0(msg: str) -> None:
-    if comm.rank() == 0:
-        print(msg, flush=True)
 
 
 class StreakGuard:

@@ -172,7 +172,7 @@ def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_se
     dev = engine.compute_device  # not the parameters' device: --adam_offload keeps FSDP2's shards on the host
     group, replicas = engine.mesh.group, engine.mesh.sp.size  # the role's ranks; an SP group holds the same rows
     temp = r.temperature if r.temperature > 0 else 1.0
-    loss_fn = POLICY_LOSSES.get_fn(a.policy_loss_type)
+    loss_fn = POLICY_LOSSES.bound(a.policy_loss_type)  # each loss takes the keywords it names
     kl_coef = max(float(kl_coef), 0.0)
     scale = engine.accum_steps * world  # undoes the engine's 1/accum and the DP gradient average
     norm_const = float(cfg.data.generate_max_len)

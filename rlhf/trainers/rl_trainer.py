@@ -23,6 +23,7 @@ from rlhf.data.loading import load_train_eval
 from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, make_placement, nnodes_from_env, role_needs
 from rlhf.distributed.failfast import Watchdog, guarded, refill_deadlines
 from rlhf.distributed.sharding import all_gather_objects
+from rlhf.errors import InputError
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.rewards.reward_func import builtin_reward_source, make_reward_source
 from rlhf.rollout.base import SamplingParams
@@ -35,11 +36,6 @@ from .async_rollout import AsyncRollout
 from .cadence import Cadence, log0, planned_steps
 from .experience import Stage, StepState, decode_queries, gathered_rollout, rl_stages, score_batch
 from .roles import build_roles
-
-
-class InputError(ValueError):
-    """Bad input found before any process group exists: the message names the flag and the fix."""
-
 
 # Phases a pending stop cuts a step after: long, and before anything of the run's state changes (the update,
 # reward normalisation and the KL controller come later), so the last completed step is a consistent checkpoint.
@@ -163,7 +159,7 @@ class RLTrainer:
         check_backend_placement(cfg, self.plan)
         self.agent_mode = bool(r.agent_func_path)
         if self.agent_mode:
-            from rlhf.agents.base import load_agent
+            from rlhf.agents.load import load_agent
 
             load_agent(r.agent_func_path)  # fail on a bad file before any process group
         self.reward_source = make_reward_source(r.remote_rm_url, r.reward_timeout_s, log0, r.remote_rm_retries)

@@ -18,7 +18,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from rlhf.backends.base import TrainEngine, make_engine, reads_weights, spec_from_config
+from rlhf.backends.base import TrainEngine, reads_weights, spec_from_config
+from rlhf.backends.factory import make_engine
 from rlhf.distributed import Groups, RoleMesh
 from rlhf.distributed.sequence_parallel import SP, attach
 from rlhf.distributed.sharding import gather_max, gather_rows, micro_plan, run_micro, shard_rows
@@ -311,7 +312,7 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     if rollout.is_member:
         rollout.engine = build_rollout_engine(cfg, path, groups, device)
         if cfg.rollout.agent_func_path:
-            from rlhf.agents.base import load_agent
+            from rlhf.agents.load import load_agent
 
             inst, exe = load_agent(cfg.rollout.agent_func_path)
             rollout.agent = exe(inst, cfg.rollout.max_steps, cfg.data.generate_max_len * cfg.rollout.max_steps,

@@ -12,7 +12,8 @@ from typing import Dict, List, Optional
 import torch
 
 from rlhf.algorithms.seqlen_balancing import OVER_BUDGET, Item, plan_step
-from rlhf.backends.base import EngineSpec, make_engine, reads_weights, spec_from_config
+from rlhf.backends.base import EngineSpec, reads_weights, spec_from_config
+from rlhf.backends.factory import make_engine
 from rlhf.config.batching_checks import row_budgets
 from rlhf.config.preflight import preflight
 from rlhf.data.loading import load_train_eval

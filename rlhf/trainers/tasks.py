@@ -217,7 +217,7 @@ class DPOTask(Task):
     def setup(self, trainer, spec):
         from dataclasses import replace
 
-        from rlhf.backends.base import make_engine
+        from rlhf.backends.factory import make_engine
 
         self.ref = None
         if all(s[2] is not None for s in trainer.train_samples + trainer.eval_samples):

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from rlhf.distributed import comm
+from rlhf.errors import CheckpointError, ExportError
 
 STEP_RE = re.compile(r"^global_step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -62,11 +63,6 @@ def step_dirs(root: str):
         return []
     return sorted((int(m.group(1)), os.path.join(root, n)) for n in os.listdir(root)
                   for m in [STEP_RE.match(n)] if m and os.path.isdir(os.path.join(root, n)))
-
-
-def latest_checkpoint(root: str) -> Optional[str]:
-    cks = list_checkpoints(root)
-    return cks[-1][1] if cks else None
 
 
 def rng_state() -> dict:
@@ -257,10 +253,6 @@ def pick_checkpoint(root: str, strict: bool = False, hashes: bool = True,
         raise CheckpointError(f"no intact checkpoint in --ckpt_path {root}: {'; '.join(notices)}. Move the damaged "
                               f"checkpoints away (or give another --ckpt_path) to start from step 0")
     return None, notices
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used (damaged, or saved by a different run); the message names it and a fix."""
 
 
 # ---------------------------------------------------------------- the run's identity
@@ -580,7 +572,7 @@ def save_hf(model_state: Optional[dict], model, tokenizer, path: str) -> None:
     if model_state is None:
         return
     tmp = begin_export(path)
-    from rlhf.models.load import quiet_save
+    from .quiet import quiet_save
 
     base = getattr(model, "module", model)  # a peft model saves its adapter from the full state dict
     with quiet_save():  # no DeepSpeed import (and its "Setting accelerator to CPU") under --backend fsdp2
@@ -606,10 +598,6 @@ EXPORT_PATTERNS = ("config.json", "generation_config.json", "*.safetensors", "*.
                    "*.bin.index.json", "*.pt", "adapter_config.json", "tokenizer*", "special_tokens_map.json",
                    "added_tokens.json", "vocab.*", "merges.txt", "spiece.model", "chat_template.*", "README.md",
                    "preprocessor_config.json", "processor_config.json")
-
-
-class ExportError(CheckpointError):
-    """The export cannot go where it was asked without overwriting files this project did not write."""
 
 
 def export_record(path: str) -> Optional[List[str]]:
