@@ -292,7 +292,8 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     reward = model_role("reward", frozen, load_rm)
     rollout = RolloutRole("rollout", plan.ranks["rollout"], groups.group("rollout"), rank, plan.engine_ranks)
     if rollout.is_member:
-        rollout.engine = build_rollout_engine(cfg, path, groups, device)
+        rollout.engine = build_rollout_engine(cfg.rollout, cfg.topology, path, groups, device, bf16=m.bf16,
+                                              seed=cfg.optim.seed, max_model_len=rl_max_len(cfg))
         if cfg.rollout.agent_func_path:
             from rlhf.agents.base import load_agent
 
@@ -328,10 +329,10 @@ def rl_max_len(cfg) -> int:
     return min(d.prompt_max_len + d.generate_max_len, d.max_len)
 
 
-def build_rollout_engine(cfg, path: str, groups: Groups, device):
+def build_rollout_engine(r, t, path: str, groups: Groups, device, *, bf16: bool, seed: int, max_model_len: int):
     """The rollout engine of this rank, from the registry (rlhf.rollout.registry): --rollout_engine, or what
-    ``auto`` picks (said once, by rank 0), built from the engine's flags and its place in the placement."""
-    r, t = cfg.rollout, cfg.topology
+    ``auto`` picks (said once, by rank 0), built from the engine's flags (``r`` the rollout config, ``t`` the
+    topology; ``seed`` --seed: engine i gets seed + i) and its place in the placement."""
     kind = r.rollout_engine
     if kind == "auto":
         kind, why = auto_engine(path, torch.cuda.is_available())
@@ -343,7 +344,7 @@ def build_rollout_engine(cfg, path: str, groups: Groups, device):
                         # in-process vLLM takes the whole default group as its world: only when every rank holds one
                         separate=plan.ranks["rollout"] != list(range(plan.world_size)),
                         gpus_per_node=plan.gpus_per_node)
-    args = EngineArgs(path, device, rl_max_len(cfg), seed=cfg.optim.seed + index, bf16=cfg.model.bf16,
+    args = EngineArgs(path, device, max_model_len, seed=seed + index, bf16=bf16,
                       micro_batch_size=r.micro_rollout_batch_size, tp_size=t.vllm_tensor_parallel_size,
                       gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep=t.vllm_enable_sleep,
                       sleep_level=r.vllm_sleep_level, enforce_eager=r.enforce_eager, place=place)
