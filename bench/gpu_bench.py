@@ -214,7 +214,11 @@ def sync_and_sleep(path):
     actor.wake()
     woke = allocated()
 
-    class Sink:
+    from rlhf.rollout.base import RolloutEngine
+
+    class Sink(RolloutEngine):
+        """Receives the sync only (the rollout engine's weight contract, no generation)."""
+
         def __init__(self):
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV)
             self.params = dict(self.model.named_parameters())
@@ -225,6 +229,18 @@ def sync_and_sleep(path):
 
         def reset_prefix_cache(self):
             pass
+
+        def generate(self, prompt_ids, params):
+            raise NotImplementedError("the sink only receives weights")
+
+        def sleep(self):
+            pass
+
+        def wake(self, tags=None):
+            pass
+
+        def memory_state(self):
+            return "full"
 
     plan = make_placement(TopologyConfig(colocate_all_models=True), 1)
     sink = Sink()

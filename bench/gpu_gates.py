@@ -51,7 +51,7 @@ def gate_imports() -> int:
 
     mods = ["torch", "transformers", "rlhf.config", "rlhf.trainers.rl_trainer", "rlhf.trainers.supervised",
             "rlhf.backends.fsdp2", "rlhf.distributed.sequence_parallel", "rlhf.planning.memory",
-            "rlhf.rollout.vllm_worker", "rlhf.models.lm_head", "peft"]
+            "rlhf.rollout.vllm_worker", "rlhf.distributed.transport", "rlhf.models.lm_head", "peft"]
     for m in mods:
         importlib.import_module(m)
     loaded = sorted(m for m in BLOCKED if m in sys.modules and sys.modules[m] is not None)
@@ -145,9 +145,9 @@ def gate_weight_receiver() -> int:
     import torch
     from mp import spawn
 
-    from rlhf.rollout import vllm_worker
+    from rlhf.distributed import transport
 
-    os.environ.setdefault(getattr(vllm_worker, "BACKEND_ENV", "RLHF_WEIGHT_SYNC_BACKEND"), "gloo")
+    os.environ.setdefault(transport.BACKEND_ENV, "gloo")
     with tempfile.TemporaryDirectory() as d:
         try:
             spawn(_direct_on_device, 3, d)

@@ -7,6 +7,7 @@ import types
 
 import pytest
 import torch
+from engine_standin import StandInEngine
 
 from rlhf.agents.load import load_agent
 from rlhf.agents.openrlhf_agent import ExecuteAdapter, openrlhf_names, result_to_row
@@ -16,7 +17,7 @@ from rlhf.rollout.base import RolloutBatch, SamplingParams
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "agent_openrlhf.py")
 
 
-class TurnEngine:
+class TurnEngine(StandInEngine):
     """This project's engine contract (generate(list of prompt ids, SamplingParams) -> RolloutBatch, prompts
     left-padded, actions right-padded): call k answers every row with turns[k][row]; log-prob -0.5 per action."""
 

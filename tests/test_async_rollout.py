@@ -3,6 +3,7 @@ rollout (continued samples equal one-shot ones, token by token, with each token'
 streaming rewards with dynamic filtering, bounded staleness, and the age metrics; against hand computations."""
 import pytest
 import torch
+from engine_standin import StandInEngine
 
 from rlhf.config import TrainConfig
 from rlhf.config.validate import ConfigError, default_staleness
@@ -12,7 +13,7 @@ from rlhf.rollout.stream import RolloutStream, age_metrics, groups_to_batch, sam
 STOP = 2
 
 
-class ScriptedEngine:
+class ScriptedEngine(StandInEngine):
     """rlhf.rollout.base.RolloutEngine.generate's contract (prompts in, left-padded prompt | right-padded response,
     action mask on the generated tokens incl. the stop token, ``truncated`` when no stop token came within
     max_new_tokens, per-token log-probs), with a scripted policy: a context whose first id is L continues with

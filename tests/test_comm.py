@@ -10,8 +10,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into
                "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "barrier",
                "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv", "gather", "scatter",
                "reduce", "new_group", "init_process_group", "destroy_process_group")
-# vLLM's worker process is a process world of its own (its weight-receive group is not the trainer's)
-ALLOWED = {"rlhf/distributed/comm.py", "rlhf/rollout/vllm_worker.py"}
+# the weight-transfer group is a process world of its own (vLLM's workers + the sending rank, not the trainer's)
+ALLOWED = {"rlhf/distributed/comm.py", "rlhf/distributed/transport.py"}
 
 
 def _callers():

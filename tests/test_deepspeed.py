@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from engine_standin import StandInEngine
 from mp import spawn, train_side_by_side
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -47,7 +48,7 @@ def _ds_worker(rank, world, kit, out_dir, stage):
         _check_sub_group_refused(kit, spec)
 
 
-class _Recorder:
+class _Recorder(StandInEngine):
     """The rollout side of a colocated sync: HFEngine's ``load_weights`` / ``reset_prefix_cache`` contract."""
 
     def __init__(self):

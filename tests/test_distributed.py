@@ -3,6 +3,7 @@ import os
 
 import pytest
 import torch
+from engine_standin import StandInEngine
 from mp import spawn, train_side_by_side
 
 from rlhf.config import TopologyConfig
@@ -15,7 +16,7 @@ def _topo(**kw):
     return t
 
 
-class RecordingEngine:
+class RecordingEngine(StandInEngine):
     def __init__(self, model):
         self.model = model
         self.loads = 0
@@ -98,7 +99,7 @@ def _topology_worker(rank, world, out_dir):
 
     from vllm_fake import FakeDevice, SleepModeLLM
 
-    from rlhf.rollout.vllm_engine import EngineMemory
+    from rlhf.rollout.vllm_memory import EngineMemory
 
     class Role:
         """A role with vLLM's sleep contract: the engine's EngineMemory over the fake of tests/vllm_fake.py, which

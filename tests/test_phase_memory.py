@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from conftest import tiny_llama
+from engine_standin import StandInEngine
 
 
 def _train_step(eng):
@@ -97,7 +98,7 @@ def test_colocated_sync_gathers_in_the_engine_dtype(one_rank_gloo, monkeypatch):
 
     monkeypatch.setattr(DTensor, "full_tensor", full_tensor)
 
-    class Engine:
+    class Engine(StandInEngine):
         got = {}
 
         def load_weights(self, batch):

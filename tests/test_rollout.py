@@ -1,5 +1,6 @@
 """HF engine contract, packed vs padded log-probs, agent episodes' token masks."""
 import torch
+from engine_standin import StandInEngine
 
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
 from rlhf.models.load import load_causal_lm, load_tokenizer
@@ -60,7 +61,7 @@ def test_temperature_logprobs_consistent(tiny_kit):
     assert torch.allclose(lp * b.action_mask, b.rollout_logprobs, atol=1e-4)
 
 
-class ScriptedEngine:
+class ScriptedEngine(StandInEngine):
     """Returns scripted action tokens per call, shaped like a real engine's output."""
 
     def __init__(self, turns, eos):

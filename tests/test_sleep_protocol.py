@@ -142,10 +142,18 @@ def test_scheduler_asks_the_engine_state(fake_engine):
     eng, dev, llm = fake_engine
 
     class Actor:
+        state = "full"
+
         def sleep(self):
-            pass
+            self.state = "asleep"
 
         def wake(self, tags=None):
+            self.state = "full"
+
+        def memory_state(self):
+            return self.state
+
+        def sync_follows(self):
             pass
 
     sched = PhaseScheduler(0, {"rollout": eng, "actor": Actor()}, ledger=Ledger(0), barrier=False)
@@ -267,7 +275,7 @@ def test_rl_refill_rounds_keep_weights_against_the_fake(tiny_kit, tmp_path, monk
 
 # ---- pure helpers ---------------------------------------------------------------------------------------------------
 def test_visible_devices_index_the_parent_mask():
-    from rlhf.rollout.vllm_engine import visible_devices
+    from rlhf.rollout.vllm_launch import visible_devices
 
     assert visible_devices([0, 1], "4,5,6,7") == "4,5"
     assert visible_devices([2, 3], "4,5,6,7") == "6,7"
@@ -277,7 +285,7 @@ def test_visible_devices_index_the_parent_mask():
 
 
 def test_free_memory_check_names_a_utilization_that_fits():
-    from rlhf.rollout.vllm_engine import check_free_memory
+    from rlhf.rollout.vllm_launch import check_free_memory
 
     g = 2**30
     check_free_memory(0.5, 60 * g, 100 * g)
@@ -286,7 +294,7 @@ def test_free_memory_check_names_a_utilization_that_fits():
 
 
 def test_engine_arguments_and_dtype():
-    from rlhf.rollout.vllm_engine import MAX_NUM_BATCHED_TOKENS, default_dtype, engine_kwargs
+    from rlhf.rollout.vllm_launch import MAX_NUM_BATCHED_TOKENS, default_dtype, engine_kwargs
 
     common = dict(tp_size=1, max_model_len=1024, seed=5, dtype="bfloat16", enforce_eager=False, enable_sleep=True,
                   gpu_memory_utilization=0.4, kv_cache_memory_bytes=None)

@@ -80,7 +80,8 @@ def test_version_range_is_checked(monkeypatch):
 
 def test_buckets_never_split_a_decoder_layer():
     """vLLM's in-place reload fuses q/k/v and gate/up: a layer cut between two loads would be half garbage."""
-    from rlhf.rollout.vllm_engine import EngineMemory, VLLMEngine
+    from rlhf.rollout.vllm_engine import VLLMEngine
+    from rlhf.rollout.vllm_memory import EngineMemory
 
     eng = VLLMEngine.__new__(VLLMEngine)
     eng.driver, eng._pending, sent = True, [], []
@@ -106,7 +107,7 @@ def test_contract_samples_logprobs_stop_and_greedy_n(engine, vllm_kit):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(vllm_kit)
-    from rlhf.rollout.vllm_engine import sleep_available
+    from rlhf.rollout.vllm_compat import sleep_available
 
     if not sleep_available():  # CPU: one notice, then sleep / wake are no-ops
         assert any("sleep mode is not available" in n for n in engine.notes) and not engine.enable_sleep
@@ -310,7 +311,8 @@ def test_auto_engine_choice_follows_the_measured_rule(tiny_kit, vllm_kit, tmp_pa
     """--rollout_engine auto on CPU: HF for the built-in kit (head_dim 16) and tiny models, vLLM for larger ones."""
     from transformers import LlamaConfig
 
-    from rlhf.rollout.vllm_engine import CPU_VLLM_MIN_PARAMS, auto_engine, estimate_params
+    from rlhf.rollout.registry import auto_engine
+    from rlhf.rollout.vllm_compat import CPU_VLLM_MIN_PARAMS, estimate_params
 
     kind, why = auto_engine(tiny_kit, cuda=False)
     assert kind == "hf" and "head_dim 16" in why

@@ -11,7 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from engine_standin import StandInEngine
 
+from rlhf.distributed import transport
 from rlhf.rollout import vllm_worker
 
 TP = 2
@@ -46,7 +48,7 @@ class FakeWorker(vllm_worker.WorkerExtension):
         self.model_runner = SimpleNamespace(get_model=lambda: model)
 
 
-class ThreadedEngine:
+class ThreadedEngine(StandInEngine):
     """A separate-mode engine's trainer-side surface (``VLLMEngine``'s weights section), its RPC fanned out to
     TP threads; ``driver`` False is an engine's other TP rank (builds nothing, receives nothing)."""
 
@@ -130,13 +132,13 @@ def test_direct_weight_sync_to_every_tp_worker(tmp_path):
 
 def test_transfer_group_missing_peer_fails_within_timeout():
     """A worker that never joins: the sending rank stops after --dist_timeout_s with the flag in the message."""
-    store, port = vllm_worker.open_store("127.0.0.1", 2)
+    store, port = transport.open_store("127.0.0.1", 2)
     t0 = time.perf_counter()
-    with pytest.raises(vllm_worker.WeightTransferError, match=r"could not form.*--dist_timeout_s"):
-        vllm_worker.TransferGroup(store, 0, 2, "gloo", 2, torch.device("cpu"))
+    with pytest.raises(transport.WeightTransferError, match=r"could not form.*--dist_timeout_s"):
+        transport.TransferGroup(store, 0, 2, "gloo", 2, torch.device("cpu"))
     assert time.perf_counter() - t0 < 20
-    with pytest.raises(vllm_worker.WeightTransferError, match="RLHF_WEIGHT_SYNC_BACKEND=gloo"):
-        vllm_worker.TransferGroup(store, 0, 2, "nccl", 2, torch.device("cpu"))
+    with pytest.raises(transport.WeightTransferError, match="RLHF_WEIGHT_SYNC_BACKEND=gloo"):
+        transport.TransferGroup(store, 0, 2, "nccl", 2, torch.device("cpu"))
 
 
 # ---- tied weights (issue 26 items 1 and 10) -------------------------------------------------------------------------

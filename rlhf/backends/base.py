@@ -150,3 +150,10 @@ class TrainEngine(abc.ABC):
     def wake(self, tags=None) -> None:
         """Bring back what sleep released, as far as a forward needs it: an engine may leave its optimizer state on
         the host until ``step`` (FSDP2 does)."""
+
+    _offloaded: bool = False  # True from sleep to wake (on CPU too, where nothing moves)
+
+    def memory_state(self) -> str:
+        """``full`` | ``asleep``, what the phase scheduler asks (rlhf.distributed.phases): a train engine has no
+        partial state (its optimizer state coming back in ``step`` is not one a phase asks for)."""
+        return "asleep" if self._offloaded else "full"

@@ -1,17 +1,16 @@
 """Phase scheduler for colocated roles: wake role -> work -> (next phase sleeps it), ordered by barriers.
 
-Every memory-heavy role on a rank implements ``Sleepable``.  ``phase(name)``
-first waits for all ranks of the group to finish the previous phase, then puts
-every other awake role on this rank to sleep, then wakes ``name``.  A phase may
-``share`` a role that stays awake beside it (weight sync: actor parameters and
-the engine's weights, not its KV cache).  The ledger records each transition so
-tests can assert the protocol.
+Every memory-heavy role on a rank is ``Sleepable``.  ``phase(name)`` first waits for all ranks of the group to
+finish the previous phase, then puts every other awake role on this rank to sleep, then wakes ``name``.  A phase
+may ``share`` a role that stays awake beside it (weight sync: actor parameters and the engine's weights, not its
+KV cache).  The ledger records each transition so tests can assert the protocol.
 
-What is mapped *inside* a role (vLLM: weights only, or weights and KV cache) is the
-role's own state (``rlhf.rollout.vllm_engine.EngineMemory``): the scheduler asks it
-(``memory_state``) and never keeps a copy; it only knows which roles hold memory.
-``sync_follows(role)`` passes on that a weight sync comes before the role's next
-generate, so its next sleep may discard its weights (vLLM sleep level 2).
+What a role holds (``memory_state``: ``full``, ``weights`` for a vLLM engine whose KV cache sleeps, ``asleep``) is
+the role's own answer, backed by its engine (vLLM: ``rlhf.rollout.vllm_memory.EngineMemory``; the HF engine and
+the train engines: resident or offloaded).  The scheduler keeps no copy: "awake" means a state other than
+``asleep``, asked each time.  ``sync_follows(role)`` passes on that a weight sync comes before the role's next
+generate, so its next sleep may discard its weights (vLLM sleep level 2).  veRL's rollout contract names the same
+moves ``resume(tags)`` / ``release`` (verl/workers/rollout/base.py ``BaseRollout``).
 """
 from __future__ import annotations
 
@@ -21,14 +20,21 @@ from typing import Dict, Iterable, List, Optional, Protocol, Tuple
 
 from . import comm
 
+MEMORY_STATES = ("full", "weights", "asleep")
+
 
 class Sleepable(Protocol):
-    """A role holding memory.  Optional: ``memory_state() -> "full" | "weights" | "asleep"`` (None: no
-    partial states) and ``sync_follows()``."""
+    """A role holding memory (rlhf.trainers.roles.Role)."""
 
     def sleep(self) -> None: ...
 
     def wake(self, tags: Optional[List[str]] = None) -> None: ...
+
+    def memory_state(self) -> str:
+        """One of ``MEMORY_STATES``."""
+
+    def sync_follows(self) -> None:
+        """A weight sync comes before the next use (a role that keeps its weights ignores it)."""
 
 
 class Ledger:
@@ -65,48 +71,49 @@ class PhaseScheduler:
         self.group = group            # barrier group (all ranks sharing these roles)
         self.enabled = enabled        # False: roles stay resident (no offload)
         self.use_barrier = barrier    # separate-role placement: phases on different ranks must not wait on each other
-        self.awake = set(roles)       # roles holding memory (everything starts resident)
         self.ledger = ledger or Ledger(rank)
         for r in roles:
             self.ledger.record("init", r, self.awake)
+
+    @property
+    def awake(self) -> List[str]:
+        """The roles holding memory on this rank, in the roles' order, asked of each role (everything starts
+        resident)."""
+        return [r for r, obj in self.roles.items() if obj.memory_state() != "asleep"]
 
     def _barrier(self):
         if self.use_barrier:
             comm.barrier(self.group)
 
     def sleep(self, role: str) -> None:
-        if role in self.awake and role in self.roles:
+        if role in self.roles and self.memory_state(role) != "asleep":
             self.roles[role].sleep()
-            self.awake.discard(role)
             self.ledger.record("sleep", role, self.awake)
 
     def memory_state(self, role: str) -> str:
-        """The role's own answer where it has partial states, else ``full`` / ``asleep`` from ``awake``."""
-        ask = getattr(self.roles[role], "memory_state", None)
-        state = ask() if ask is not None else None
-        return state or ("full" if role in self.awake else "asleep")
+        """The role's own answer: one of ``MEMORY_STATES``."""
+        state = self.roles[role].memory_state()
+        if state not in MEMORY_STATES:
+            raise ValueError(f"role {role!r} reports memory state {state!r}; one of {MEMORY_STATES}")
+        return state
 
     def wake(self, role: str, tags: Optional[List[str]] = None) -> None:
         """Wake fully (tags None) or only the given parts; the role maps what is missing, each part once (a
         partial role woken with None maps the rest)."""
-        if role not in self.roles:
-            return
-        if role in self.awake and self.memory_state(role) == "full":
+        if role not in self.roles or self.memory_state(role) == "full":
             return
         self.roles[role].wake(tags)
-        self.awake.add(role)
         self.ledger.record("wake" if not tags else f"wake:{','.join(tags)}", role, self.awake)
 
     def sync_follows(self, role: str) -> None:
         """A weight sync comes before ``role``'s next generate (the step's rollout is done): its next sleep may
-        discard its weights.  No-op while the scheduler is off or the role has no such notion."""
-        hint = getattr(self.roles.get(role), "sync_follows", None)
-        if self.enabled and hint is not None:
-            hint()
+        discard its weights.  No-op while the scheduler is off or the role is not on this rank."""
+        if self.enabled and role in self.roles:
+            self.roles[role].sync_follows()
 
     def put_all_to_sleep(self) -> None:
         if self.enabled:
-            for r in list(self.awake):
+            for r in self.awake:
                 self.sleep(r)
 
     @contextlib.contextmanager
@@ -116,7 +123,7 @@ class PhaseScheduler:
         role = role or name
         self._barrier()
         if self.enabled:
-            for other in list(self.awake):
+            for other in self.awake:
                 if other not in (role, share):
                     self.sleep(other)
             self.wake(role, tags)

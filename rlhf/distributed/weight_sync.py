@@ -5,7 +5,7 @@ them into its own engine, bucket by bucket (no extra copy of the whole model).
 Separate rollout ranks: actor rank 0 packs each bucket into one flat tensor per
 dtype and broadcasts it.  vLLM engines in their own processes receive it in their
 workers, straight onto the workers' devices, over a weight-transfer group of their
-own (NCCL on CUDA, gloo on CPU; ``rlhf.rollout.vllm_worker``); engines in the
+own (NCCL on CUDA, gloo on CPU; ``rlhf.distributed.transport``); engines in the
 trainer's process (HF) over the sync group (actor rank 0 + rollout ranks).  Both
 sides derive the same bucket plan from the parameter metadata, which is broadcast
 once.  Every wait has a timeout (``--dist_timeout_s``).
@@ -17,9 +17,9 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 
 from rlhf.errors import WeightSyncTimeout
-from rlhf.rollout import vllm_worker as transfer  # the weight-transfer group and its wire format
 
 from . import comm
+from . import transport as transfer  # the weight-transfer group and its wire format
 
 Meta = Tuple[str, Tuple[int, ...], torch.dtype]
 
@@ -117,7 +117,7 @@ def _export(model, materialize: bool, aliases: bool = False, dtype: Optional[tor
     that share the tensor (the HF engine) take the first name only.  The other weights vLLM keeps in another
     form, Llama's / Qwen2's fused ``qkv_proj`` and ``gate_up_proj`` (``stacked_params_mapping`` in their
     ``load_weights``), are rebuilt from q/k/v and gate/up only when a reload gets all of a layer's tensors at
-    once: the loaders hold a decoder layer back until it is complete (``vllm_worker.split_last_layer``).
+    once: the loaders hold a decoder layer back until it is complete (``transport.split_last_layer``).
     """
     scal = _lora_scalings(model)
     tied = tied_aliases(model) if aliases else {}
@@ -151,18 +151,9 @@ def param_meta(model: torch.nn.Module, aliases: bool = False) -> List[Meta]:
 
 
 def wants_tied_aliases(engine) -> bool:
-    """Does this engine need a tied weight under each of its names?  An engine says so with
-    ``tied_weights_apart = True`` (vLLM: see ``_export``); the HF engine shares the tensor and takes one name."""
-    return bool(getattr(engine, "tied_weights_apart", False))
-
-
-def _alias_names(engine) -> set:
-    """The tied names an in-process engine's model shares with another name (it loads the first name only);
-    empty where the engine exposes no ``model``."""
-    model = getattr(engine, "model", None)
-    if model is None:
-        return set()
-    return {_engine_name(n) for names in tied_aliases(model).values() for n in names}
+    """Does this rank's engine (None: none here) need a tied weight under each of its names?  An engine says so
+    with ``tied_weights_apart`` (vLLM: see ``_export``); the HF engine shares the tensor and takes one name."""
+    return engine is not None and engine.tied_weights_apart
 
 
 def bucket_plan(meta: List[Meta], bucket_bytes: int, dtype: Optional[torch.dtype] = None) -> List[List[int]]:
@@ -273,7 +264,7 @@ class WeightSync:
         rank makes its workers join at ``rank_offset`` = 1 + the workers before it, while actor rank 0 joins as
         rank 0.  Both joins block until the group is complete, at most ``timeout_s``."""
         eng = self.engine
-        direct = bool(getattr(eng, "direct_weights", False))
+        direct = eng is not None and eng.direct_weights
         workers = eng.weight_workers() if direct else 0
         info = comm.all_gather_object((direct, workers, wants_tied_aliases(eng)), group=self.groups.group("sync"))
         aliases = any(a for _, _, a in info)  # tied weights under every name if any engine needs them
@@ -327,7 +318,9 @@ class WeightSync:
         loads it (tied aliases only where its engine wants them, ``wants_tied_aliases``)."""
         rank, is_actor = self.groups.rank, model is not None
         it = self._named_full(model, aliases) if is_actor else None
-        skip = set() if wants_tied_aliases(self.engine) or not aliases else _alias_names(self.engine)
+        # another engine wants tied weights under every name; this one loads the first name only
+        skip = set() if self.engine is None or not aliases or wants_tied_aliases(self.engine) \
+            else self.engine.shared_weight_names()
         total = 0
         for bucket in wire:
             tensors = dict(next(it) for _ in range(sum(len(entries) for _, entries in bucket))) if is_actor else {}

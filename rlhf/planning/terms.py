@@ -264,7 +264,7 @@ def sync_buffer_bytes(side: str, bucket: float, layer: float, copies: bool, vllm
                    the previous bucket's dict while the next is gathered, plus the packed piece in flight, then
                    the next bucket, the piece in flight and the one being packed: 3 B (no copies: 2 B, the packed
                    pieces only).
-        receiver   vLLM's workers (``vllm_worker.receive_and_load``): the piece being loaded, the next one posted,
+        receiver   vLLM's workers (``transport.receive_and_load``): the piece being loaded, the next one posted,
                    and the pieces the held-back last layer still views (at most Ly + B): Ly + 3 B.
                    The HF engine in the trainer's process (``_sync_in_process``): the bucket's pieces while the
                    last piece of the previous bucket is still bound: 2 B."""
@@ -329,7 +329,7 @@ def kv_cache_bytes(d: ModelDims, seqs: int, tokens: int, c: int) -> float:
 
 def vllm_share_bytes(utilization: float, device_bytes: float) -> float:
     """vLLM v1 takes ``gpu_memory_utilization x total`` for weights, activations and KV cache
-    (vllm/v1/worker/gpu_worker.py ``determine_available_memory``; rlhf/rollout/vllm_engine.py
+    (vllm/v1/worker/gpu_worker.py ``determine_available_memory``; rlhf/rollout/vllm_launch.py
     ``check_free_memory`` refuses less free memory at start)."""
     return utilization * device_bytes
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -49,13 +49,38 @@ class RolloutBatch:
 
 
 class RolloutEngine(abc.ABC):
-    """What the rollout role needs of an engine.  An abstract base: an engine missing a method fails when built."""
+    """Everything the trainer asks of a rollout engine; nothing else is probed.  An abstract base: an engine missing
+    an abstract method fails when it is built.  The other members have a documented default that means "not
+    supported" (an engine that overrides nothing generates, loads weights in its trainer process, has no partial
+    memory states, serves no TP peers and has no context limit).
 
+    veRL's contract is the model (verl/workers/rollout/base.py ``BaseRollout``: ``resume(tags)`` /
+    ``update_weights`` / ``release``, read at volcengine/verl b178a3c): ``wake(tags)`` is its ``resume(tags)``,
+    ``sleep`` its ``release``, ``load_weights`` + ``reset_prefix_cache`` its ``update_weights``.  Engines come from
+    ``rlhf.rollout.registry`` (veRL's ``_ROLLOUT_REGISTRY``).
+
+    Memory states (``memory_state``): ``full`` (ready to generate), ``weights`` (weights only: a weight sync may
+    load), ``asleep`` (woken before its next use).  The phase scheduler keeps no copy: it asks the role, which asks
+    its engine (rlhf.distributed.phases)."""
+
+    # the longest sequence (prompt + response tokens) the engine takes; None: no limit but --generate_max_len
+    max_model_len: Optional[int] = None
+
+    # ---- generation ----------------------------------------------------------------------------------------------
     @abc.abstractmethod
     def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Optional[RolloutBatch]:
         """params.n samples per prompt, rows prompt-major; None on a rank that reports no rows (non-first TP rank
         of an engine in its own processes)."""
 
+    def serve(self) -> None:
+        """On a non-first TP rank while the first rank runs an agent (a data-dependent number of generate calls):
+        take part in each of its calls until it calls ``end_requests``.  Default: return at once (the engine's
+        other ranks have nothing to do)."""
+
+    def end_requests(self) -> None:
+        """On the first TP rank, after its agent: release the ranks in ``serve``.  Default: nothing to release."""
+
+    # ---- weights -------------------------------------------------------------------------------------------------
     @abc.abstractmethod
     def load_weights(self, named_tensors) -> None:
         """Load (engine name, full tensor) pairs, one bucket at a time."""
@@ -64,13 +89,60 @@ class RolloutEngine(abc.ABC):
     def reset_prefix_cache(self) -> None:
         """After the last bucket: cached prompts' KV came from the old weights."""
 
+    @property
+    def needs_weights(self) -> bool:
+        """Built without real weights (vLLM's dummy start): the trainer syncs before the first generate.
+        Default: False (the engine read the checkpoint)."""
+        return False
+
+    @property
+    def tied_weights_apart(self) -> bool:
+        """Does a tied weight (``lm_head.weight`` = ``embed_tokens.weight``) have to arrive under each of its names
+        (``rlhf.distributed.weight_sync._export``)?  Default: False, the first name sets both."""
+        return False
+
+    def shared_weight_names(self) -> Set[str]:
+        """The names under which this engine's model holds a weight it also holds under another name (tied): when
+        the sync sends every name for another engine, this one skips these.  Default: none."""
+        return set()
+
+    @property
+    def direct_weights(self) -> bool:
+        """Do the engine's own workers receive the weights over a weight-transfer group
+        (``rlhf.distributed.transport``), instead of ``load_weights`` in this process?  Default: False."""
+        return False
+
+    def weight_workers(self) -> int:
+        """Ranks this trainer rank speaks for in the weight-transfer group (``direct_weights``).  Default: 0."""
+        return 0
+
+    def join_weight_group(self, host: str, port: int, rank_offset: int, world: int, backend: str,
+                          timeout_s: float) -> List[int]:
+        """Make the engine's workers join the weight-transfer group at ``rank_offset``; only where
+        ``direct_weights``."""
+        raise NotImplementedError(f"{type(self).__name__} loads weights in this process (direct_weights is False)")
+
+    def receive_weights(self, pieces) -> int:
+        """One weight sync received by the engine's workers (``transport.Piece`` list); only where
+        ``direct_weights``."""
+        raise NotImplementedError(f"{type(self).__name__} loads weights in this process (direct_weights is False)")
+
+    # ---- memory --------------------------------------------------------------------------------------------------
     @abc.abstractmethod
     def sleep(self) -> None:
-        """Release device memory until wake (a no-op where the platform cannot)."""
+        """Release device memory until wake (where the platform cannot, ``memory_state`` still says asleep)."""
 
     @abc.abstractmethod
     def wake(self, tags=None) -> None:
         """Bring back weights (tags ["weights"]) or everything (None)."""
+
+    @abc.abstractmethod
+    def memory_state(self) -> str:
+        """``full`` | ``weights`` | ``asleep``."""
+
+    def sync_follows(self) -> None:
+        """A weight sync comes before the next generate: the next sleep may discard the weights.  Default: ignored
+        (an engine that keeps its weights when it sleeps)."""
 
     def close(self) -> None:
         """Stop processes the engine started (default: none)."""

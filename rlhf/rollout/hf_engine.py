@@ -6,8 +6,11 @@ from typing import List, Optional, Sequence
 import torch
 
 from rlhf.data.formatting import pad_batch
+from rlhf.distributed.weight_sync import tied_aliases
+from rlhf.models.load import load_causal_lm, load_tokenizer
 
 from .base import RolloutBatch, RolloutEngine, SamplingParams, merge_batches, response_mask
+from .registry import EngineArgs
 from .sampling import decode_with_head, logits_head
 
 
@@ -86,6 +89,11 @@ class HFEngine(RolloutEngine):
     def reset_prefix_cache(self) -> None:
         return None  # the decode loop keeps no cache across calls
 
+    def shared_weight_names(self) -> set:
+        """Tied weights (``lm_head.weight`` is ``embed_tokens.weight``): the model shares the tensor, loading the
+        first name sets both."""
+        return {n for names in tied_aliases(self.model).values() for n in names}
+
     def sleep(self) -> None:
         if self.device.type != "cpu":
             self.model.to("cpu")
@@ -96,3 +104,15 @@ class HFEngine(RolloutEngine):
         if self.device.type != "cpu" and self._offloaded:
             self.model.to(self.device)
         self._offloaded = False
+
+    def memory_state(self) -> str:
+        """``full`` | ``asleep`` (no partial state: the model moves as one)."""
+        return "asleep" if self._offloaded else "full"
+
+
+def build_hf_engine(args: EngineArgs) -> HFEngine:
+    """The registry's ``hf`` engine: the policy loaded for generation only (bf16 under --bf16)."""
+    model = load_causal_lm(args.model_path, args.bf16, trainable=False)
+    model.config.use_cache = True
+    return HFEngine(model, load_tokenizer(args.model_path), args.device, micro_batch_size=args.micro_batch_size,
+                    max_model_len=args.max_model_len)

@@ -107,7 +107,7 @@ class RolloutStream:
         self.max_staleness, self.score, self.keep = max_staleness, score, keep
         self.max_draws = max_draws if max_draws is not None else 8 * max(quota, 1)
         self.pad_id, self.episodes = pad_id, episodes
-        self.max_len = getattr(engine, "max_model_len", None)  # prompt + response limit of the engine (vLLM)
+        self.max_len = engine.max_model_len  # prompt + response limit of the engine (None: none)
         self.flight: List[Group] = []
         self.buffer: List[Group] = []
         self.spares: List[Group] = []

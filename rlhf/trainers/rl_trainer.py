@@ -356,8 +356,8 @@ class RLTrainer:
         """Colocated vLLM starts on dummy weights (VLLMEngine ``dummy_weights``) and takes the actor's here, before
         the first generate, unless a resume synced already.  Collective: every rank learns whether any engine
         needs it (ranks without a rollout engine take part in the sync as actor ranks)."""
-        engine = self.roles.rollout.engine
-        need = torch.tensor([1.0 if getattr(engine, "needs_weights", False) else 0.0])
+        engine = self.roles.rollout.engine  # None on ranks without a rollout engine
+        need = torch.tensor([1.0 if engine is not None and engine.needs_weights else 0.0])
         if float(comm.all_reduce(need, "max")) > 0:
             with self.phase(self.stage_named("weight_sync")):
                 self.sync_weights()

@@ -28,7 +28,7 @@ from rlhf.models.lm_head import use_fp32_head
 from rlhf.models.load import load_causal_lm, load_reward_model, load_tokenizer, resolve_pretrain
 from rlhf.rewards.reward_model import score_sequences
 from rlhf.rollout.base import RolloutBatch, SamplingParams
-from rlhf.rollout.hf_engine import HFEngine
+from rlhf.rollout.registry import EngineArgs, EnginePlace, auto_engine, build_engine
 
 
 class Role:
@@ -91,16 +91,14 @@ class Role:
         if self.engine is not None:
             self.engine.wake(tags)
 
-    def memory_state(self) -> Optional[str]:
-        """The engine's own memory state where it has partial ones (vLLM: full | weights | asleep), else None."""
-        ask = getattr(self.engine, "memory_state", None)
-        return ask() if ask is not None else None
+    def memory_state(self) -> str:
+        """What this rank holds of the role (the phase scheduler asks, and keeps no copy): its engine's answer,
+        ``full`` | ``weights`` (vLLM: weights only) | ``asleep``; ``asleep`` without an engine here."""
+        return self.engine.memory_state() if self.engine is not None else "asleep"
 
     def sync_follows(self) -> None:
-        """A weight sync comes before this role's next generate: its engine may discard weights when it sleeps."""
-        hint = getattr(self.engine, "sync_follows", None)
-        if hint is not None:
-            hint()
+        """A weight sync comes before this role's next use.  Only a rollout engine may act on it (discard its
+        weights when it sleeps): a model role keeps its weights."""
 
     def __repr__(self):
         return f"{type(self).__name__}({self.name}, members={self.members})"
@@ -171,6 +169,11 @@ class RolloutRole(Role):
                 return i
         return None
 
+    def sync_follows(self) -> None:
+        """A weight sync comes before the next generate: the engine's next sleep may discard its weights."""
+        if self.engine is not None:
+            self.engine.sync_follows()
+
     def prompt_rows(self, n_prompts: int, engine: int) -> slice:
         return shard_rows(n_prompts, engine, len(self.engine_ranks))
 
@@ -194,16 +197,12 @@ class RolloutRole(Role):
         other TP ranks take part in each of its generate calls (colocated: vLLM's TP ranks run in lock-step) or,
         with vLLM in its own processes, have nothing to do."""
         if not first:
-            serve = getattr(self.engine, "serve", None)
-            if serve is not None:
-                serve()
+            self.engine.serve()
             return None
         try:
             return self.agent.run([p.ids for p in mine], [p.prompt for p in mine], [p.label for p in mine], params)
         finally:
-            end = getattr(self.engine, "end_requests", None)
-            if end is not None:
-                end()
+            self.engine.end_requests()
 
     def gather(self, local: Optional[RolloutBatch], n_prompts: int, n_samples: int, pad_id: int,
                with_rewards: bool = False) -> RolloutBatch:
@@ -310,7 +309,8 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     reward = model_role("reward", frozen, load_rm)
     rollout = RolloutRole("rollout", groups.mesh("rollout"))
     if rollout.is_member:
-        rollout.engine = build_rollout_engine(cfg, path, groups, device)
+        rollout.engine = build_rollout_engine(cfg.rollout, cfg.topology, path, groups, device, bf16=m.bf16,
+                                              seed=cfg.optim.seed, max_model_len=rl_max_len(cfg))
         if cfg.rollout.agent_func_path:
             from rlhf.agents.load import load_agent
 
@@ -346,39 +346,23 @@ def rl_max_len(cfg) -> int:
     return min(d.prompt_max_len + d.generate_max_len, d.max_len)
 
 
-def build_rollout_engine(cfg, path: str, groups: Groups, device):
-    """The rollout engine of this rank.  vLLM: inside the trainer's process when every rank of the job holds an
-    engine (hybrid engine), else (rollout ranks of their own, or other roles on ranks of their own) in vLLM's own
-    processes, started by each engine's first rank (its other ranks lend their devices and build nothing)."""
-    r, t = cfg.rollout, cfg.topology
+def build_rollout_engine(r, t, path: str, groups: Groups, device, *, bf16: bool, seed: int, max_model_len: int):
+    """The rollout engine of this rank, from the registry (rlhf.rollout.registry): --rollout_engine, or what
+    ``auto`` picks (said once, by rank 0), built from the engine's flags (``r`` the rollout config, ``t`` the
+    topology; ``seed`` --seed: engine i gets seed + i) and its place in the placement."""
     kind = r.rollout_engine
     if kind == "auto":
-        from rlhf.rollout.vllm_engine import auto_engine
-
         kind, why = auto_engine(path, torch.cuda.is_available())
         if groups.rank == 0:
             print(f"[rollout] --rollout_engine auto -> {kind} ({why})", flush=True)
-    tok = load_tokenizer(path)
-    if kind == "vllm":
-        from rlhf.rollout.vllm_engine import VLLMEngine
-
-        plan = groups.plan
-        ranks = plan.engine_ranks[plan.engine_of(groups.rank)]
-        # in-process vLLM takes the whole default group as its world: only when every rank holds an engine
-        separate = plan.ranks["rollout"] != list(range(plan.world_size))
-        # one seed per engine (OpenRLHF: seed + engine index); bf16 on CUDA whatever --bf16 says (vLLM's
-        # flash-attention backends take no fp32), fp32 on CPU unless --bf16
-        return VLLMEngine(path, t.vllm_tensor_parallel_size, mode="separate" if separate else "colocated",
-                          max_model_len=rl_max_len(cfg),
-                          seed=cfg.optim.seed + plan.engine_of(groups.rank),
-                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                          dtype="bfloat16" if cfg.model.bf16 or device.type == "cuda" else "float32",
-                          gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep=t.vllm_enable_sleep,
-                          sleep_level=r.vllm_sleep_level, enforce_eager=r.enforce_eager or device.type == "cpu",
-                          tp_group=groups.mesh("rollout").group_of("tp"), tp_src=ranks[0], driver=groups.rank == ranks[0],
-                          device_ids=[k % plan.gpus_per_node for k in ranks],
-                          dummy_weights=not separate,  # colocated: the actor's weights arrive at the first sync
-                          log=print if groups.rank == ranks[0] else (lambda *_: None))
-    model = load_causal_lm(path, cfg.model.bf16, trainable=False)  # generation only: bf16 under --bf16
-    model.config.use_cache = True
-    return HFEngine(model, tok, device, micro_batch_size=r.micro_rollout_batch_size, max_model_len=rl_max_len(cfg))
+    plan = groups.plan
+    index = plan.engine_of(groups.rank)
+    place = EnginePlace(groups.rank, plan.engine_ranks[index], tp_group=groups.mesh("rollout").group_of("tp"),
+                        # in-process vLLM takes the whole default group as its world: only when every rank holds one
+                        separate=plan.ranks["rollout"] != list(range(plan.world_size)),
+                        gpus_per_node=plan.gpus_per_node)
+    args = EngineArgs(path, device, max_model_len, seed=seed + index, bf16=bf16,
+                      micro_batch_size=r.micro_rollout_batch_size, tp_size=t.vllm_tensor_parallel_size,
+                      gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep=t.vllm_enable_sleep,
+                      sleep_level=r.vllm_sleep_level, enforce_eager=r.enforce_eager, place=place)
+    return build_engine(kind, args)
