@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from rlhf import checkpoint as ckpt
 from rlhf.algorithms.seqlen_balancing import OVER_BUDGET, Item, plan_step
 from rlhf.backends.base import EngineSpec, make_engine, reads_weights, spec_from_config
 from rlhf.config.batching_checks import row_budgets
@@ -22,7 +23,6 @@ from rlhf.distributed.failfast import Watchdog, guarded
 from rlhf.distributed.groups import build_sp, nnodes_from_env
 from rlhf.distributed.sequence_parallel import SP, attach, dp_coords
 from rlhf.models.load import load_tokenizer, resolve_pretrain
-from rlhf.utils import checkpoint as ckpt
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
