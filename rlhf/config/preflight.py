@@ -53,7 +53,7 @@ def check_sequence_parallel(cfg, kind: str, world: int) -> None:
 def check_memory(cfg, kind: str, world: int) -> List[str]:
     """The memory plan (rlhf/planning): refuse a layout with a stage that cannot fit the device, naming the stage,
     the numbers and flags that fit (--skip_memory_check starts anyway).  Without CUDA only with --gpu_memory_gb."""
-    from rlhf.planning.memory import MemoryPlanError
+    from rlhf.planning import MemoryPlanError
 
     try:
         return memory_notices(cfg, kind, world)
@@ -63,10 +63,10 @@ def check_memory(cfg, kind: str, world: int) -> List[str]:
 
 def memory_notices(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
                    device_bytes: Optional[float] = None) -> List[str]:
-    """The planner's start-up check (``rlhf.planning.memory.startup_check``, which raises MemoryPlanError) built
+    """The planner's start-up check (``rlhf.planning.startup.startup_check``, which raises MemoryPlanError) built
     from the config here, at the top: the job from its five flag groups, and in RL the placement (a topology the
     placement rejects is left to the checks that report it: no plan)."""
-    from rlhf.planning.memory import job_from_flags, startup_check
+    from rlhf.planning import job_from_flags, startup_check
 
     placement = None
     if kind in RL_KINDS:
