@@ -14,7 +14,6 @@ from .report import _gib
 from .terms import GiB
 
 
-# ---- the trainers' start-up check ------------------------------------------------------------------------------
 class MemoryPlanError(ValueError):
     pass
 
