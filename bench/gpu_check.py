@@ -185,7 +185,7 @@ def planned(cfg, kind: str, placement, world: int, device_bytes: float, cuda: bo
     """The memory planner's peak per stage for rank 0 of this job (rlhf/planning), in bytes; {} when it cannot
     plan (a model it cannot read)."""
     try:
-        from rlhf.planning.memory import job_from_flags, plan_with_fixes, role_dims
+        from rlhf.planning import job_from_flags, plan_with_fixes, role_dims
 
         job = job_from_flags(kind, cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim)
         plan, _ = plan_with_fixes(job, role_dims(cfg.model), placement, world, device_bytes, cuda, False)

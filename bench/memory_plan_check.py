@@ -35,9 +35,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rlhf.planning import terms  # noqa: E402
+from rlhf.planning import Job, RoleModel, terms  # noqa: E402
 from rlhf.planning.dims import ModelDims, write_config  # noqa: E402
-from rlhf.planning.memory import Job, RoleModel, group_stages  # noqa: E402
+from rlhf.planning.memory import group_stages  # noqa: E402
 
 GiB = terms.GiB
 

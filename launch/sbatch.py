@@ -35,7 +35,7 @@ FS_WRITE_GBPS = 1.0           # GB/s one node sustains to the shared checkpoint 
 RL_TFLOPS_PER_GPU = 50.0      # effective TFLOP/s of an RL step with generation (~5% of an H100/H200's bf16 peak)
 TRAIN_TFLOPS_PER_GPU = 200.0  # effective TFLOP/s of a supervised step (~20% of the bf16 peak, gradient checkpointing)
 # After writing, every rank reads its share of the checkpoint back to hash it into manifest.json
-# (rlhf/utils/checkpoint.py save_checkpoint): a save costs the write and that read-back; a resume's verification
+# (rlhf/checkpoint/save.py save_checkpoint): a save costs the write and that read-back; a resume's verification
 # (pick_checkpoint) has rank 0 hash the whole checkpoint.
 HASH_GBPS = 1.0               # GB/s of the read-back + hash (blake2b ~1 GB/s on one core; xxh3 is faster, the FS not)
 FS_READ_GBPS = 1.0            # GB/s one node reads from the shared filesystem (weights at start-up, a resume)

@@ -42,9 +42,9 @@ KINDS = ("ppo", "grpo", "sft", "rm", "dpo")
 
 
 def memory_report(job, model, gpu_memory_gb: Optional[float], placement, world: int) -> str:
-    """The memory plan's table, its overflows and the flag sets that fit (rlhf.planning.memory): ``job`` from
+    """The memory plan's table, its overflows and the flag sets that fit (rlhf.planning): ``job`` from
     ``job_from_flags``, the models' paths in ``model`` (the --model flag group), against --gpu_memory_gb."""
-    from rlhf.planning.memory import device_budget, plan_with_fixes, report, role_dims
+    from rlhf.planning import device_budget, plan_with_fixes, report, role_dims
 
     try:
         plan, fits = plan_with_fixes(job, role_dims(model), placement, world, device_budget(gpu_memory_gb))
@@ -75,7 +75,7 @@ def main(argv=None):
             raise SystemExit(f"rlhf.plan: --kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
     def run(cfg):
-        from rlhf.planning.memory import job_from_flags
+        from rlhf.planning import job_from_flags
 
         job = job_from_flags(kind, cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim)
         gb = cfg.topology.gpu_memory_gb

@@ -296,7 +296,7 @@ def drop_last_checkpoint(ckpt: str, save: str, step: int) -> None:
 
 def queue_places(ckpt: str) -> dict:
     """{step: prompts drawn over the engines} of each checkpoint's async queue state (trainer state)."""
-    from rlhf.utils.checkpoint import load_trainer_state
+    from rlhf.checkpoint import load_trainer_state
 
     out = {}
     if os.path.isdir(ckpt):

@@ -8,10 +8,11 @@ import warnings
 
 import pytest
 
+from rlhf import checkpoint as ckpt
+from rlhf.checkpoint import save as ckpt_save
 from rlhf.config import ConfigError, build_config
 from rlhf.config.preflight import preflight
 from rlhf.trainers.cadence import NonFiniteGuard
-from rlhf.utils import checkpoint as ckpt
 
 SHARD = "model/shard_0.bin"
 
@@ -95,7 +96,7 @@ def test_resume_path_fallback_one_rank(tmp_path, capsys):
 
 def _holder(root):
     """A separate process that takes the lock and sleeps; returns it once the lock is held."""
-    code = (f"import time; from rlhf.utils import checkpoint as c; c.acquire_lock({str(root)!r}); "
+    code = (f"import time; from rlhf import checkpoint as c; c.acquire_lock({str(root)!r}); "
             f"print('held', flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "held"
@@ -130,9 +131,9 @@ def test_stale_lock_of_dead_process_is_taken_over(tmp_path):
 
 def test_temporary_names_are_unique_per_run(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(ckpt.os, "getpid", lambda: 4242)
+    monkeypatch.setattr(ckpt_save.os, "getpid", lambda: 4242)
     ckpt.save_checkpoint(str(tmp_path), 3, lambda tmp: seen.append(os.path.basename(tmp)), {"step": 3})
-    assert seen == [f".tmp-global_step_3-{ckpt.socket.gethostname()}-4242"], seen
+    assert seen == [f".tmp-global_step_3-{ckpt_save.socket.gethostname()}-4242"], seen
 
 
 def _ident_cfg(tmp_path, tiny_kit, **kw):
@@ -356,7 +357,7 @@ def test_dead_runs_cut_short_save_is_cleared_before_the_first_save(tmp_path):
     left = [e for e in os.listdir(root) if e.startswith(".tmp-global_step_7-")]
     assert left, os.listdir(root)
     # what run 1 leaves in the lock file when it dies (its flock went with it)
-    (root / ckpt.LOCK_FILE).write_text(f"host={ckpt.socket.gethostname()} pid=999999999 job=41")
+    (root / ckpt.LOCK_FILE).write_text(f"host={ckpt_save.socket.gethostname()} pid=999999999 job=41")
     try:
         notices = ckpt.acquire_lock(str(root))
         assert not [e for e in os.listdir(root) if e.startswith(".tmp-")], "the dead run's save is still there"

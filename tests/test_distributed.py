@@ -185,7 +185,7 @@ def _fsdp_worker(rank, world, kit, out_dir):
 
     from rlhf.backends.base import EngineSpec
     from rlhf.backends.fsdp2 import FSDP2Engine
-    from rlhf.utils.checkpoint import save_hf
+    from rlhf.checkpoint import save_hf
 
     torch.manual_seed(0)
     ids = torch.randint(3, 100, (4, 12))
@@ -272,7 +272,7 @@ def test_fsdp2_engine_matches_single_process_and_checkpoints(tiny_kit, tmp_path)
 
 
 def test_half_written_checkpoint_ignored(tmp_path):
-    from rlhf.utils.checkpoint import list_checkpoints, save_checkpoint
+    from rlhf.checkpoint import list_checkpoints, save_checkpoint
 
     save_checkpoint(str(tmp_path), 2, lambda d: None, {"step": 2})
     (tmp_path / ".tmp-global_step_4").mkdir()          # crash mid-save

@@ -15,10 +15,10 @@ REFUSALS = {"ConfigError", "InputError", "DataError", "ModelKindError", "Topolog
 HOMES = {"ConfigError": "rlhf.config.validate", "HierarchicalError": "rlhf.config.hierarchical",
          "InputError": "rlhf.trainers.rl_trainer", "DataError": "rlhf.data.loading",
          "ModelKindError": "rlhf.models.load", "TopologyError": "rlhf.distributed.placement",
-         "MemoryPlanError": "rlhf.planning.memory", "CombineError": "rlhf.tools.lora_combiner",
+         "MemoryPlanError": "rlhf.planning", "CombineError": "rlhf.tools.lora_combiner",
          "AgentContractError": "rlhf.agents.base", "RewardError": "rlhf.rewards.reward_func",
-         "RewardTimeout": "rlhf.rewards.reward_func", "CheckpointError": "rlhf.utils.checkpoint",
-         "ExportError": "rlhf.utils.checkpoint", "WeightTransferError": "rlhf.rollout.vllm_worker",
+         "RewardTimeout": "rlhf.rewards.reward_func", "CheckpointError": "rlhf.checkpoint",
+         "ExportError": "rlhf.checkpoint", "WeightTransferError": "rlhf.distributed.transport",
          "WeightSyncTimeout": "rlhf.distributed.weight_sync"}
 
 

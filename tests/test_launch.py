@@ -94,7 +94,7 @@ def test_signal_lead_time_follows_model_size_nodes_and_override():
     lead70, why = signal_lead_s("rlhf.train_ppo", ppo70, 4, 8)
     lead8, _ = signal_lead_s("rlhf.train_ppo", ["--config", "configs/ppo_llama3_8b.yaml"], 1, 8)
     # 70B PPO: actor + critic, 2 x 70e9 x 14 B = 1960 GB over 4 nodes at 1 GB/s = 490 s of writing, and as long
-    # again to read it back for the manifest's hashes (rlhf/utils/checkpoint.py save_checkpoint): 980 s of saving
+    # again to read it back for the manifest's hashes (rlhf/checkpoint/save.py save_checkpoint): 980 s of saving
     assert "save ~980s" in why and lead70 >= 1.5 * 980 and lead70 % 60 == 0, why
     assert lead70 > lead8 > LEAD_FLOOR_S
     assert signal_lead_s("rlhf.train_ppo", ppo70, 8, 8)[0] < lead70          # more nodes: smaller shards, faster
@@ -295,7 +295,7 @@ def test_sbatch_scripts_give_torchrun_the_grace_a_save_needs():
 
 def test_load_and_save_deadlines_scale_with_the_bytes_they_move():
     """70B PPO (actor + critic) on 4 nodes: a save writes 1960 GB (490 s per node at 1 GB/s) and reads it back for
-    the manifest's hashes (rlhf/utils/checkpoint.py save_checkpoint: every rank hashes its share), a resume has
+    the manifest's hashes (rlhf/checkpoint/save.py save_checkpoint: every rank hashes its share), a resume has
     rank 0 hash the whole checkpoint (pick_checkpoint): the watchdog's load/save deadlines follow, far above the
     fixed --watchdog_slow_timeout_s (1200 s) that would have ended the job mid-save; a tiny model keeps the floor."""
     import types

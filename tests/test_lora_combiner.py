@@ -209,7 +209,7 @@ def test_output_path_holding_the_inputs_keeps_them(tiny_kit, tmp_path):
     Contract: OpenRLHF's openrlhf/cli/lora_combiner.py saves with save_pretrained into the folder (no deletion)."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf.utils.checkpoint import EXPORT_RECORD, export_record
+    from rlhf.checkpoint import EXPORT_RECORD, export_record
 
     models = tmp_path / "models"
     shutil.copytree(tiny_kit, models / "base", ignore=shutil.ignore_patterns("data", "reward"))

@@ -8,9 +8,8 @@ import pytest
 from rlhf.config import ConfigError, build_config, load_yaml
 from rlhf.config.preflight import memory_notices
 from rlhf.plan import main as plan_main
-from rlhf.planning import terms
+from rlhf.planning import Job, MemoryPlanError, plan_memory, suggest, terms
 from rlhf.planning.dims import KNOWN, ModelDims, write_config
-from rlhf.planning.memory import Job, MemoryPlanError, plan_memory, suggest
 
 GiB = terms.GiB
 # h 8, 2 heads of 4, 1 kv head, MLP 16, vocabulary 50, 3 layers, untied
@@ -131,7 +130,7 @@ def test_job_from_flags_reads_every_planner_flag_from_its_group():
     silently plan with its default), each flag's value arrives, and ``Job.on`` decides --rollout_engine auto."""
     from dataclasses import fields
 
-    from rlhf.planning.memory import job_from_flags
+    from rlhf.planning import job_from_flags
 
     cfg = _cfg(micro_train_batch_size=2, generate_max_len=77, zero_stage=2, vllm_gpu_memory_utilization=0.3,
                lora_rank=4, max_len=999)

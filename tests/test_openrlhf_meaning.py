@@ -72,7 +72,7 @@ def test_max_len_alone_gives_each_response_what_its_prompt_leaves(tiny_kit):
 
 
 def test_memory_plan_sequence_is_the_rl_budget():
-    from rlhf.planning.memory import job_from_flags
+    from rlhf.planning import job_from_flags
 
     def job_from_config(c, kind):
         return job_from_flags(kind, c.model, c.data, c.topology, c.rollout, c.optim)

@@ -1,4 +1,4 @@
-"""Resume verification in shares (rlhf/utils/checkpoint.py ``resume_path``): every rank hashes part of the
+"""Resume verification in shares (rlhf/checkpoint/resume.py ``resume_path``): every rank hashes part of the
 checkpoint, as the save already does, and every rank learns which file is damaged.
 
 Before, rank 0 hashed the whole checkpoint while the other ranks waited in a broadcast bounded by
@@ -10,7 +10,8 @@ import os
 import threading
 from collections import defaultdict
 
-from rlhf.utils import checkpoint as ckpt
+from rlhf import checkpoint as ckpt
+from rlhf.checkpoint import manifest, resume
 
 # a model folder of shards of unequal sizes, as a sharded engine checkpoint has
 SHARDS = {"model/shard_0.bin": 96 << 10, "model/shard_1.bin": 64 << 10, "model/shard_2.bin": 48 << 10,
@@ -90,7 +91,7 @@ def _count_reads(monkeypatch, world):
         read[world.rank()][path] = os.path.getsize(path)
         return real(path, *a, **kw)
 
-    monkeypatch.setattr(ckpt, "file_digest", counting)
+    monkeypatch.setattr(manifest, "file_digest", counting)
     return read
 
 
@@ -103,7 +104,7 @@ def test_each_rank_hashes_only_its_share_and_every_rank_names_a_damaged_file(tmp
     files = ckpt.read_manifest(p2)["files"]
     total = sum(f["size"] for f in files.values())
     world = ThreadWorld(2)
-    monkeypatch.setattr(ckpt, "comm", world)
+    monkeypatch.setattr(resume, "comm", world)
     read = _count_reads(monkeypatch, world)
 
     got = world.run(lambda: ckpt.resume_path(str(root)))
@@ -154,7 +155,7 @@ def test_shares_balance_bytes_and_a_size_damage_is_found_before_hashing(tmp_path
     with open(os.path.join(p2, "model/shard_3.bin"), "r+b") as fh:
         fh.truncate(100)
     world = ThreadWorld(3)
-    monkeypatch.setattr(ckpt, "comm", world)
+    monkeypatch.setattr(resume, "comm", world)
     read = _count_reads(monkeypatch, world)
     got = world.run(lambda: ckpt.resume_path(str(root)))
     assert got == {r: ("ok", p1) for r in range(3)}, got

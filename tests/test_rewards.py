@@ -12,7 +12,10 @@ import time
 import pytest
 import torch
 
-from rlhf.rewards.reward_func import RewardError, RewardSource, http_reward_func, load_reward_func, make_reward_source
+from rlhf.rewards.remote import http_reward_func
+from rlhf.rewards.result import RewardError
+from rlhf.rewards.reward_file import load_reward_func
+from rlhf.rewards.reward_func import RewardSource, make_reward_source
 
 
 def _write(tmp_path, body, name="rf.py"):

@@ -14,8 +14,11 @@ import pytest
 import torch
 from conftest import post_json
 
-from rlhf.rewards.reward_func import RewardError, RewardSource, http_reward_func, make_reward_source
-from rlhf.serve_rm import Limits, RewardApp, RewardServer
+from rlhf.rewards.remote import http_reward_func
+from rlhf.rewards.result import RewardError
+from rlhf.rewards.reward_func import RewardSource, make_reward_source
+from rlhf.rm_server.app import Limits, RewardApp
+from rlhf.rm_server.server import RewardServer
 
 
 class FakeScorer:
@@ -208,7 +211,7 @@ def test_api_key(monkeypatch):
 def test_long_query_keeps_its_response(tiny_kit):
     """Two answers to one prompt longer than --max_len: truncating from the right (the tokenizer's default, and
     OpenRLHF's serve_rm) cut both answers off and gave them the same reward; from the left each keeps its answer."""
-    from rlhf.serve_rm import RewardScorer, encode_left_truncated
+    from rlhf.rm_server.scoring import RewardScorer, encode_left_truncated
 
     scorer = RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2, max_len=24)
     prompt = "1+2=3, " * 20
@@ -228,7 +231,9 @@ def test_long_query_keeps_its_response(tiny_kit):
 # ---- routes, validation, the real reward model ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def rm_server(tiny_kit):
-    from rlhf.serve_rm import Limits, RewardApp, RewardScorer, RewardServer
+    from rlhf.rm_server.app import Limits, RewardApp
+    from rlhf.rm_server.scoring import RewardScorer
+    from rlhf.rm_server.server import RewardServer
 
     server = RewardServer(RewardApp(RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2),
                                     Limits(request_timeout_s=0.5)), "127.0.0.1", 0)
@@ -296,7 +301,9 @@ def test_serve_rm_accepts_openrlhf_query_key(rm_server):
 
 
 def test_rm_server_over_http(tiny_kit):
-    from rlhf.serve_rm import Limits, RewardApp, RewardScorer, RewardServer
+    from rlhf.rm_server.app import Limits, RewardApp
+    from rlhf.rm_server.scoring import RewardScorer
+    from rlhf.rm_server.server import RewardServer
 
     scorer = RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2)
     server = RewardServer(RewardApp(scorer, Limits(request_timeout_s=30.0)), "127.0.0.1", 0)
@@ -414,7 +421,7 @@ def test_openrlhf_serve_remote_rm_script_runs_with_openrlhf_meaning(tiny_kit, tm
 
 
 def RewardScorerFor(path, **kw):
-    from rlhf.serve_rm import RewardScorer
+    from rlhf.rm_server.scoring import RewardScorer
 
     return RewardScorer(path, batch_size=2, **kw)
 
@@ -441,7 +448,7 @@ def test_placement_puts_the_model_on_cuda_when_there_is_one(tiny_kit, monkeypatc
     RewardModelProxy; openrlhf/models/model.py get_llm_for_sequence_regression, param_dtype default bf16): with
     CUDA visible, from_pretrained must get device_map="auto" and bf16 (before: always the CPU, fp32)."""
     from rlhf.models import load
-    from rlhf.serve_rm import RewardScorer, resolve_placement
+    from rlhf.rm_server.scoring import RewardScorer, resolve_placement
 
     gpu = resolve_placement("auto", "auto", "auto", cuda_available=True, flash_available=False)
     assert gpu.device_map == "auto" and gpu.dtype == torch.bfloat16 and gpu.attn_implementation == "sdpa"
@@ -482,7 +489,7 @@ def test_long_query_is_cut_in_characters_before_tokenizing(tiny_kit):
     """Issue 42 item 9: a 10 MB single-string query was tokenized whole (24 s on the model thread) before the cut to
     --max_len; now at most a few times max_len * 8 characters reach the tokenizer, and the kept tokens are those of
     the whole text."""
-    from rlhf.serve_rm import RewardScorer, tokenize_tails
+    from rlhf.rm_server.scoring import RewardScorer, tokenize_tails
 
     scorer = RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2, max_len=32)
     longest = []
@@ -555,7 +562,7 @@ def test_serve_rm_scores_on_cuda_in_bf16(tiny_kit):
     uvicorn needed: the GPU image has none)."""
     import asyncio
 
-    from rlhf.serve_rm import RewardScorer, resolve_placement
+    from rlhf.rm_server.scoring import RewardScorer, resolve_placement
 
     texts = ["1+2=3", "1+2=4", "5+5=10" * 20]
     gpu = RewardScorer(os.path.join(tiny_kit, "reward"), batch_size=2, placement=resolve_placement("auto"))

@@ -157,11 +157,12 @@ def test_rank_state_missing_rank_file_derived_and_said(tmp_path, capsys, monkeyp
 
     import torch
 
-    from rlhf.utils import checkpoint as ckpt
+    from rlhf import checkpoint as ckpt
+    from rlhf.checkpoint import resume
 
     d = ckpt.save_checkpoint(str(tmp_path), 5, lambda tmp: None, {"step": 5})
     assert ckpt.load_trainer_state(d)["world_size"] == 1 and ckpt.saved_world_size(d) == 1
-    monkeypatch.setattr(ckpt, "_rank", lambda: 3)  # a rank the 1-rank run never saved
+    monkeypatch.setattr(resume, "_rank", lambda: 3)  # a rank the 1-rank run never saved
     s1 = ckpt.load_rank_state(d)
     a = (torch.rand(2).tolist(), random.random())
     s2 = ckpt.load_rank_state(d)

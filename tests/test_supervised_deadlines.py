@@ -34,10 +34,10 @@ def test_sft_deadlines_scale_resume_is_watched_and_sigterm_is_said_at_once(tiny_
     the fixed --watchdog_slow_timeout_s); ``resume_path`` (which hashes the checkpoint) runs inside "load"; a
     SIGTERM during step 1's forward is announced while that forward still runs, then step 1 is saved and the run
     stops preempted (before: no notice at all on SFT/RM/DPO)."""
+    from rlhf import checkpoint as ckpt
     from rlhf.config import parse
     from rlhf.distributed import comm
     from rlhf.trainers.tasks import SFTTask
-    from rlhf.utils import checkpoint as ckpt
 
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "RLHF_STOP_FILE",
               "SLURM_NNODES", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):

@@ -169,7 +169,7 @@ def test_save_hf_stores_a_tied_matrix_once_and_reloads_identical(tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from rlhf.utils.checkpoint import save_hf
+    from rlhf.checkpoint import save_hf
 
     m = _tied_model(tmp_path)
     full = {k: v.detach().clone() for k, v in m.state_dict().items()}  # distinct tensors, as gathered

@@ -54,7 +54,7 @@ def check_sequence_parallel(cfg, kind: str, world: int) -> None:
 def check_memory(cfg, kind: str, world: int) -> List[str]:
     """The memory plan (rlhf/planning): refuse a layout with a stage that cannot fit the device, naming the stage,
     the numbers and flags that fit (--skip_memory_check starts anyway).  Without CUDA only with --gpu_memory_gb."""
-    from rlhf.planning.memory import MemoryPlanError
+    from rlhf.planning import MemoryPlanError
 
     try:
         return memory_notices(cfg, kind, world)
@@ -64,10 +64,10 @@ def check_memory(cfg, kind: str, world: int) -> List[str]:
 
 def memory_notices(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
                    device_bytes: Optional[float] = None) -> List[str]:
-    """The planner's start-up check (``rlhf.planning.memory.startup_check``, which raises MemoryPlanError) built
+    """The planner's start-up check (``rlhf.planning.startup.startup_check``, which raises MemoryPlanError) built
     from the config here, at the top: the job from its five flag groups, and in RL the placement (a topology the
     placement rejects is left to the checks that report it: no plan)."""
-    from rlhf.planning.memory import job_from_flags, startup_check
+    from rlhf.planning import job_from_flags, startup_check
 
     placement = None
     if kind in RL_KINDS:
@@ -165,7 +165,7 @@ def check_export_targets(cfg) -> None:
     """--save_path (and <save_path>_critic with --save_value_network) may hold anything (OpenRLHF's scripts put
     --ckpt_path and logs under it); the export replaces only an earlier export's files, so files it would overwrite
     that no export wrote are refused now, not after training (``checkpoint.check_export_target``)."""
-    from rlhf.utils import checkpoint as ckpt
+    from rlhf import checkpoint as ckpt
 
     c = cfg.checkpoint
     targets = [c.save_path] + ([c.save_path.rstrip("/") + "_critic"] if c.save_value_network else [])
@@ -177,7 +177,7 @@ def check_export_targets(cfg) -> None:
 
 
 def check_resume(cfg, world: int) -> List[str]:
-    from rlhf.utils import checkpoint as ckpt
+    from rlhf import checkpoint as ckpt
 
     c = cfg.checkpoint
     if not c.load_checkpoint:
@@ -222,7 +222,7 @@ def check_resume(cfg, world: int) -> List[str]:
 def check_lock(cfg) -> List[str]:
     """Rank 0 of a run that saves or resumes holds --ckpt_path's lock for its whole life (see
     ``checkpoint.acquire_lock``); a folder held by another live run is refused naming the holder."""
-    from rlhf.utils import checkpoint as ckpt
+    from rlhf import checkpoint as ckpt
 
     c = cfg.checkpoint
     if os.environ.get("RANK", "0") != "0" or not (c.save_steps > 0 or c.load_checkpoint):

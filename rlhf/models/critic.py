@@ -89,7 +89,7 @@ class CriticModel(nn.Module):
         """Write the backbone (HF safetensors) and ``value_head.pt`` beside ``path``, then put them in place
         (``checkpoint.install_export``: only an earlier export's files are replaced): the directory
         ``from_pretrained`` (and ``--critic_pretrain``) reads back.  ``state_dict``: the full weights."""
-        from rlhf.utils.checkpoint import begin_export, install_export
+        from rlhf.checkpoint import begin_export, install_export
 
         tmp = begin_export(path)
         backbone = {k[len("backbone."):]: v for k, v in state_dict.items() if k.startswith("backbone.")}

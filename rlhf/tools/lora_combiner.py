@@ -25,7 +25,7 @@ Checked before anything loads: the adapter was trained on --model_path (peft rec
 ``base_model_name_or_path`` in adapter_config.json: the same folder, a copy whose weights match, or the same hub
 name; ``--allow_base_mismatch`` merges anyway) and every LoRA pair fits its base weight's shape; --output_path may
 be an existing folder (even the one holding the inputs): only an earlier export's files there are replaced
-(``rlhf.utils.checkpoint.install_export``), and files the merge would overwrite that no export wrote are refused.
+(``rlhf.checkpoint.install_export``), and files the merge would overwrite that no export wrote are refused.
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from rlhf.checkpoint import CheckpointError, begin_export, check_export_target, install_export
 from rlhf.errors import CombineError
-from rlhf.utils.checkpoint import CheckpointError, begin_export, check_export_target, install_export
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

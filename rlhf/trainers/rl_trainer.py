@@ -14,6 +14,7 @@ from typing import List, Optional
 
 import torch
 
+from rlhf import checkpoint as ckpt
 from rlhf.algorithms import make_kl_controller
 from rlhf.algorithms.eval_metrics import pass_at_n
 from rlhf.algorithms.seqlen_balancing import OVER_BUDGET
@@ -27,7 +28,6 @@ from rlhf.errors import InputError
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.rewards.reward_func import builtin_reward_source, make_reward_source
 from rlhf.rollout.base import SamplingParams
-from rlhf.utils import checkpoint as ckpt
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 

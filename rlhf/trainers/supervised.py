@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from rlhf import checkpoint as ckpt
 from rlhf.algorithms.seqlen_balancing import OVER_BUDGET, Item, plan_step
 from rlhf.backends.base import EngineSpec, reads_weights, spec_from_config
 from rlhf.backends.factory import make_engine
@@ -23,7 +24,6 @@ from rlhf.distributed.failfast import Watchdog, guarded
 from rlhf.distributed.groups import nnodes_from_env, supervised_mesh
 from rlhf.distributed.sequence_parallel import SP, attach
 from rlhf.models.load import load_tokenizer, resolve_pretrain
-from rlhf.utils import checkpoint as ckpt
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
