@@ -273,8 +273,8 @@ def check_rewards_ahead(trainer) -> list:
 
     def checked(st):
         batch = take(st)
-        again = score_batch(trainer, batch, st.labels)["rewards"]
-        diffs.append(float((again - st.rewards["rewards"]).abs().max()))
+        again = score_batch(trainer, batch, st.labels).rewards
+        diffs.append(float((again - st.rewards).abs().max()))
         return batch
 
     ar.take = checked

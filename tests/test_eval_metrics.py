@@ -108,8 +108,8 @@ class _FakeTrainer:
 def test_logprob_gap_measured_on_the_first_and_every_nth_step_without_touching_training():
     import click
 
-    from rlhf.rollout.base import RolloutBatch
-    from rlhf.trainers.experience import StepState, gap_due, logprob_gap_stage, measures_gap_only, rl_stages
+    from rlhf.trainers.batch import Batch
+    from rlhf.trainers.experience import gap_due, logprob_gap_stage, measures_gap_only, rl_stages
 
     cfg = _grpo_cfg("--logprob_gap_interval", "3")
     # 0-based steps 0 (first), 2, 5 (1-based 3, 6: the ones --logging_steps 3 logs)
@@ -128,10 +128,11 @@ def test_logprob_gap_measured_on_the_first_and_every_nth_step_without_touching_t
     rollout = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
     trainer_lp = torch.tensor([[-1.1, -2.0, -2.7], [-0.5, -0.3, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    batch = RolloutBatch(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.long), mask, rollout, 2)
+    rows = dict(sequences=torch.zeros(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 5, dtype=torch.long),
+                action_mask=mask, rollout_logprobs=rollout, prompt_len=2)
     tr = _FakeTrainer(cfg, trainer_lp)
     for step in range(3):
-        st = StepState(step, [], 2, batch=batch)
+        st = Batch(step=step, prompts=[], n_samples=2, **rows)
         logprob_gap_stage(tr, st)
         if step in (0, 2):
             # |diff| on the 5 action tokens: 0.1, 0, 0.3, 0, 0.2 -> 0.6 / 5

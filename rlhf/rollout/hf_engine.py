@@ -6,8 +6,9 @@ from typing import List, Optional, Sequence
 import torch
 
 from rlhf.data.formatting import pad_batch
+from rlhf.trainers.batch import Batch, cat
 
-from .base import RolloutBatch, RolloutEngine, SamplingParams, merge_batches, response_mask
+from .base import RolloutEngine, SamplingParams, response_mask
 from .sampling import decode_with_head, logits_head
 
 
@@ -42,7 +43,7 @@ class HFEngine(RolloutEngine):
         self._offloaded = False
 
     @torch.no_grad()
-    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> RolloutBatch:
+    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Batch:
         stop = stop_ids(params.stop_token_ids, self.tokenizer.eos_token_id, getattr(self.model, "generation_config", None))
         per = max(1, self.micro_batch_size // max(params.n, 1))
         outs = []
@@ -52,9 +53,9 @@ class HFEngine(RolloutEngine):
         with logits_head(self.model) as head:  # one head copy for every chunk of this call
             for s in range(0, len(prompt_ids), per):
                 outs.append(self._generate_chunk(prompt_ids[s:s + per], params, stop, gen, head))
-        return merge_batches(outs, self.tokenizer.pad_token_id)
+        return cat(outs, self.tokenizer.pad_token_id)
 
-    def _generate_chunk(self, prompts, params: SamplingParams, stop, gen, head) -> RolloutBatch:
+    def _generate_chunk(self, prompts, params: SamplingParams, stop, gen, head) -> Batch:
         pad = self.tokenizer.pad_token_id
         ids, att = pad_batch(prompts, pad, side="left")
         ids, att = ids.to(self.device), att.to(self.device)
@@ -74,7 +75,8 @@ class HFEngine(RolloutEngine):
         truncated = ~is_stop.any(1)
         seqs = torch.cat([ids, resp], 1)
         full_att = torch.cat([att, am], 1)
-        return RolloutBatch(seqs.cpu(), full_att.cpu(), am.cpu(), (lp * am).cpu(), ids.size(1), truncated.cpu())
+        return Batch(sequences=seqs.cpu(), attention_mask=full_att.cpu(), action_mask=am.cpu(),
+                     rollout_logprobs=(lp * am).cpu(), prompt_len=ids.size(1), truncated=truncated.cpu())
 
     def load_weights(self, named_tensors) -> None:
         params = dict(self.model.named_parameters())

@@ -27,10 +27,10 @@ from typing import List, Optional
 import torch
 
 from rlhf.algorithms import dynamic_filter_mask
-from rlhf.distributed.sharding import all_gather_objects, gather_max, gather_rows, shard_rows
-from rlhf.rollout.base import RolloutBatch
+from rlhf.distributed.sharding import all_gather_objects, gather_rows, shard_rows
 from rlhf.rollout.stream import Group, RolloutStream, age_metrics, groups_to_batch, sample_ages
 
+from .batch import Batch, gather_batch, row_fields
 from .cadence import log0
 
 
@@ -113,9 +113,9 @@ class AsyncRollout:
             res = tr.reward_source(queries, prompts, labels)
         for i, g in enumerate(groups):
             rows = slice(i * self.n, (i + 1) * self.n)
-            g.reward = {"rewards": res["rewards"][rows].float(), "scores": res["scores"][rows].float(),
-                        "valid": res["valid"][rows].bool(),
-                        "extra_logs": {k: v[rows].float() for k, v in res["extra_logs"].items()}}
+            g.reward = Batch(rewards=res["rewards"][rows].float(), scores=res["scores"][rows].float(),
+                             valid=res["valid"][rows].bool(),
+                             extra_logs={k: v[rows].float() for k, v in res["extra_logs"].items()})
 
     def _episodes(self, groups: List[Group], params) -> None:
         """--agent_func_path: the agent runs these groups' episodes whole on this engine (``RolloutRole.run_agent``,
@@ -136,13 +136,13 @@ class AsyncRollout:
         scores = b.scores if b.scores is not None else b.rewards
         for j, g in enumerate(groups):
             r = b.rewards[j * self.n:(j + 1) * self.n].float()
-            g.reward = {"rewards": r, "scores": scores[j * self.n:(j + 1) * self.n].float(),
-                        "valid": torch.isfinite(r), "extra_logs": {}}
+            g.reward = Batch(rewards=r, scores=scores[j * self.n:(j + 1) * self.n].float(), valid=torch.isfinite(r),
+                             extra_logs={})
 
     def _keep(self, g: Group) -> bool:
         a = self.tr.cfg.algorithm
-        return bool(dynamic_filter_mask(g.reward["scores"], self.n, a.dynamic_filtering_reward_range,
-                                        g.reward["valid"])[0])
+        return bool(dynamic_filter_mask(g.reward.scores, self.n, a.dynamic_filtering_reward_range,
+                                        g.reward.valid)[0])
 
     # ---- produce / take ------------------------------------------------------------------------------------------
     def produce(self, version: int, train_at: int) -> None:
@@ -190,7 +190,7 @@ class AsyncRollout:
                         b, micro, tr.roles.reward_stats, over=reward.group))
                 self.scored.append((batch.group_index, batch.sequences, s))
 
-    def take_scores(self, batch: RolloutBatch, step: int) -> dict:
+    def take_scores(self, batch: Batch, step: int) -> Batch:
         """Collective (every rank): the reward model's scores of this step's batch (``score_ahead``), from the
         reward model's first rank; each reward rank checks that its scores were computed for this very batch."""
         tr = self.tr
@@ -206,20 +206,18 @@ class AsyncRollout:
             local = scores if owner else None
         rows = batch.sequences.size(0)
         r = gather_rows(local, slice(0, rows) if owner else None, rows, 1).squeeze(1)
-        return {"rewards": r, "scores": r, "valid": torch.ones_like(r, dtype=torch.bool), "extra_logs": {}}
+        return Batch(rewards=r, scores=r, valid=torch.ones_like(r, dtype=torch.bool), extra_logs={})
 
-    def take(self, st) -> RolloutBatch:
-        """Collective: the batch of this step on every rank; sets ``st.prompts``, ``st.rewards`` (streamed) and the
-        queue's metrics."""
+    def take(self, st: Batch) -> Batch:
+        """Collective: this step's rows on every rank, into ``st`` (with the streamed or ahead-scored rewards),
+        and ``st.prompts`` and the queue's metrics; returns ``st``."""
         tr = self.tr
         local, m = self.produced.popleft() if self.produced else (None, {})
-        batch = self.gather(local)
+        batch = st.fill(self.gather(local))
         index = batch.group_index.view(-1, self.n)[:, 0].tolist()
         st.prompts = [self.prompt_at(i) for i in index]
-        if batch.stream_reward is not None:
-            st.rewards = batch.stream_reward
         if self.ahead:
-            st.rewards = self.take_scores(batch, st.step)
+            st.fill(self.take_scores(batch, st.step), row_fields("reward"))
         ages = sample_ages(batch.versions, batch.action_mask, st.step)
         too_old = ages > tr.cfg.rollout.max_staleness  # by construction none: the stream restarts such groups
         if bool(too_old.any()):
@@ -229,53 +227,18 @@ class AsyncRollout:
         st.metrics.update(m)  # the engines' first ranks report their stream's counts (mean over those ranks)
         return batch
 
-    def gather(self, local: Optional[RolloutBatch], group=None) -> RolloutBatch:
+    def gather(self, local: Optional[Batch], group=None) -> Batch:
         """Every engine's rows (its share of the prompts, prompt-major) on every rank of ``group`` (default the
-        world), with the weight versions, stream places and streamed rewards.  Collectives, the same on every rank
-        of the group: one max of the widths, one gather of the extra-log names when rewards are streamed, one
-        gather of the integer and one of the float columns."""
-        n, B, pad_id = self.n, self.batch, self.tr.tokenizer.pad_token_id
-        rows = B * n
+        world), with the weight versions, stream places and streamed rewards (``gather_batch``: the same
+        collectives on every rank of the group: one max of the widths, one gather of the extra-log names when
+        rewards are streamed, one gather of the int and one of the float fields)."""
         owned = None
         if local is not None:
-            owned = slice(self.quota.start * n, self.quota.stop * n)
+            owned = slice(self.quota.start * self.n, self.quota.stop * self.n)
             assert local.sequences.size(0) == owned.stop - owned.start, \
                 f"engine {self.engine_index} produced {local.sequences.size(0)} rows for {owned.stop - owned.start}"
-        P, R = gather_max([local.prompt_len if local is not None else 0, local.num_actions if local is not None else 0],
-                          group)
-        keys = []
-        if self.streamed:
-            own = sorted(local.stream_reward["extra_logs"]) if local is not None else None
-            every = [k for k in all_gather_objects(own, group) if k is not None]
-            keys = sorted(set.intersection(*map(set, every))) if every else []
-        ints = floats = None
-        if local is not None:
-            pad = torch.nn.functional.pad
-            lp, rp = P - local.prompt_len, R - local.num_actions
-            cols_i = [pad(local.sequences, (lp, rp), value=pad_id), pad(local.attention_mask, (lp, rp)),
-                      pad(local.action_mask, (0, rp)), pad(local.versions, (0, rp), value=-1),
-                      local.truncated.long().unsqueeze(1), local.group_index.unsqueeze(1)]
-            cols_f = [pad(local.rollout_logprobs.float(), (0, rp))]
-            if self.streamed:
-                sr = local.stream_reward
-                cols_i.append(sr["valid"].long().unsqueeze(1))
-                cols_f += [sr["rewards"].unsqueeze(1), sr["scores"].unsqueeze(1)]
-                cols_f += [sr["extra_logs"][k].unsqueeze(1) for k in keys]
-            ints, floats = torch.cat(cols_i, 1), torch.cat(cols_f, 1)
-        wi = 2 * (P + R) + 2 * R + 2 + (1 if self.streamed else 0)
-        wf = R + ((2 + len(keys)) if self.streamed else 0)
-        ints = gather_rows(ints, owned, rows, wi, torch.long, group)
-        floats = gather_rows(floats, owned, rows, wf, torch.float32, group)
-        seq, att = ints[:, :P + R], ints[:, P + R:2 * (P + R)]
-        seq = torch.where(att.bool(), seq, torch.full_like(seq, pad_id))
-        o = 2 * (P + R)
-        am, versions = ints[:, o:o + R], ints[:, o + R:o + 2 * R]
-        truncated, gidx = ints[:, o + 2 * R].bool(), ints[:, o + 2 * R + 1]
-        batch = RolloutBatch(seq, att, am, floats[:, :R], P, truncated, versions=versions, group_index=gidx)
-        if self.streamed:
-            batch.stream_reward = {"rewards": floats[:, R], "scores": floats[:, R + 1], "valid": ints[:, -1].bool(),
-                                   "extra_logs": {k: floats[:, R + 2 + i] for i, k in enumerate(keys)}}
-        return batch
+        names = row_fields("rollout", "async") + (row_fields("reward") if self.streamed else [])
+        return gather_batch(local, owned, self.batch * self.n, names, self.tr.tokenizer.pad_token_id, group)
 
     # ---- checkpoint ----------------------------------------------------------------------------------------------
     def state(self) -> dict:

@@ -10,65 +10,24 @@ place.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, List, Optional
 
 import torch
 
-from rlhf.distributed.sharding import all_gather_objects, gather_rows, shard_rows
-from rlhf.rollout.base import RolloutBatch
+from rlhf.distributed.sharding import shard_rows
 
-from .advantage_stage import StageInputs, _gap_metric, advantage_stage, needs_old_logprobs
+from .advantage_stage import _gap_metric, advantage_stage, needs_old_logprobs
 from .async_rollout import rewards_ahead
+from .batch import Batch, cat, gather_batch, row_fields
 from .cadence import log0
 from .ppo_update import train_actor, train_critic
 
 
 @dataclass
-class Experience:
-    sequences: torch.Tensor
-    attention_mask: torch.Tensor
-    action_mask: torch.Tensor
-    rollout_logprobs: torch.Tensor
-    old_logprobs: Optional[torch.Tensor]
-    ref_logprobs: Optional[torch.Tensor]
-    values: Optional[torch.Tensor]
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    scores: torch.Tensor
-    metrics: Dict[str, float] = field(default_factory=dict)
-
-    def rows(self, idx) -> Experience:
-        pick = lambda t: None if t is None else t[idx]  # noqa: E731
-        return Experience(*(pick(getattr(self, f)) for f in (
-            "sequences", "attention_mask", "action_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs", "values",
-            "advantages", "returns", "scores")), metrics={})
-
-
-@dataclass
-class StepState:
-    """What one step accumulates, stage by stage (identical on every rank after each stage)."""
-    step: int
-    prompts: list
-    n_samples: int
-    kl_coef: float = 0.0
-    batch: Optional[RolloutBatch] = None
-    rewards: Optional[dict] = None
-    ref_logprobs: Optional[torch.Tensor] = None
-    old_logprobs: Optional[torch.Tensor] = None
-    values: Optional[torch.Tensor] = None
-    experience: Optional[Experience] = None
-    metrics: Dict[str, float] = field(default_factory=dict)
-
-    @property
-    def labels(self) -> List:
-        return [p.label for p in self.prompts for _ in range(self.n_samples)]
-
-
-@dataclass
 class Stage:
     name: str
-    run: Callable                     # run(trainer, state)
+    run: Callable                     # run(trainer, batch)
     role: Optional[str] = None        # the role the phase scheduler wakes (None: no model)
     applies: Callable = lambda tr: True  # from shared state only (config, placement)
     share: Optional[str] = None
@@ -97,7 +56,7 @@ class InferencePlan:
     their real tokens; padded ones (values, reward model, unpacked log-probs) every column of the batch's width,
     so there a budget fixes the rows per forward (budget // width), like --micro_rollout_batch_size."""
 
-    def __init__(self, batch: RolloutBatch, size: int, budget: int, packed: bool):
+    def __init__(self, batch: Batch, size: int, budget: int, packed: bool):
         from rlhf.algorithms.seqlen_balancing import Item, plan_step
 
         from .ppo_update import row_items
@@ -126,7 +85,7 @@ class InferencePlan:
         return self._rows[index]
 
 
-def inference_forward(cfg, role, batch: RolloutBatch, call: Callable, packed: bool = False) -> torch.Tensor:
+def inference_forward(cfg, role, batch: Batch, call: Callable, packed: bool = False) -> torch.Tensor:
     """``call(batch, micro)`` (a role's logprobs / values / scores) with fixed micro-batches of
     --micro_rollout_batch_size rows, or under --use_dynamic_batch on the batch reordered by an ``InferencePlan``
     and put back in order.  The plan is a function of the batch, which every rank holds: the same on every rank."""
@@ -153,32 +112,32 @@ def logprob_temperature(cfg) -> float:
 
 
 # ---- stages ------------------------------------------------------------------------------------------------------
-def rollout_stage(tr, st: StepState) -> None:
+def rollout_stage(tr, st: Batch) -> None:
     if tr.async_rollout is not None:  # generated ahead (rlhf.trainers.async_rollout): gathered now
-        st.batch = tr.async_rollout.take(st)
+        tr.async_rollout.take(st)
         return
     local = tr.roles.rollout.generate(st.prompts, tr.sampling(st.step))
-    st.batch = gathered_rollout(tr, local, st.prompts, st.n_samples)
+    st.fill(gathered_rollout(tr, local, st.prompts, st.n_samples))
     tr.scheduler.sync_follows("rollout")  # the step's weight sync comes before the next generate: vLLM sleeps level 2
 
 
-def gathered_rollout(tr, local: Optional[RolloutBatch], prompts: list, n_samples: int) -> RolloutBatch:
+def gathered_rollout(tr, local: Optional[Batch], prompts: list, n_samples: int) -> Batch:
     """The full batch of these prompts' samples on every rank, from this rank's generated rows (collective)."""
     return tr.roles.rollout.gather(local, len(prompts), n_samples, tr.tokenizer.pad_token_id,
                                    with_rewards=tr.agent_mode)
 
 
-def score_batch(tr, batch: RolloutBatch, labels: List) -> dict:
-    """{rewards, scores, valid, extra_logs} for every row, on every rank (collective)."""
+def score_batch(tr, batch: Batch, labels: List) -> Batch:
+    """The reward fields (rewards, scores, valid, extra_logs) of every row, on every rank (collective)."""
     n = batch.sequences.size(0)
     if tr.agent_mode:  # agent rollouts: the environment already scored every row
         r = batch.rewards
-        return {"rewards": r, "scores": batch.scores, "valid": torch.isfinite(r), "extra_logs": {}}
+        return Batch(rewards=r, scores=batch.scores, valid=torch.isfinite(r), extra_logs={})
     if tr.roles.reward is not None:  # gathered over the world: every rank calls this (under --async_train too,
         # where only the eval does: the train batches are scored ahead)
         r = inference_forward(tr.cfg, tr.roles.reward, batch,
                               lambda b, micro: tr.roles.reward.scores(b, micro, tr.roles.reward_stats, over=None))
-        return {"rewards": r, "scores": r, "valid": torch.ones_like(r, dtype=torch.bool), "extra_logs": {}}
+        return Batch(rewards=r, scores=r, valid=torch.ones_like(r, dtype=torch.bool), extra_logs={})
     # a reward function: every rank calls it on its share of the rows (remote servers see parallel requests)
     sl = shard_rows(n, tr.rank, tr.world)
     res = None
@@ -186,33 +145,16 @@ def score_batch(tr, batch: RolloutBatch, labels: List) -> dict:
         queries, prompts = decode_queries(tr.tokenizer, batch, sl)
         with tr.watchdog.phase("reward_function"):  # its own phase: the watchdog report tells it from the gather
             res = tr.reward_source(queries, prompts, labels[sl])
-    ints = gather_rows(None if res is None else res["valid"].long(), sl, n, 1, torch.long)
-    cols = gather_rows(None if res is None else torch.stack([res["rewards"], res["scores"]], 1), sl, n, 2)
-    keys = sorted({k for ks in all_gather_objects(sorted(res["extra_logs"]) if res else []) for k in ks})
-    extra = {}
-    for k in keys:
-        v = None if res is None or k not in res["extra_logs"] else res["extra_logs"][k].float()
-        extra[k] = gather_rows(v, sl, n, 1).squeeze(1)
-    return {"rewards": cols[:, 0], "scores": cols[:, 1], "valid": ints[:, 0].bool(), "extra_logs": extra}
+    local = None if res is None else Batch(rewards=res["rewards"], scores=res["scores"], valid=res["valid"],
+                                           extra_logs=res["extra_logs"])
+    return gather_batch(local, sl, n, row_fields("reward"), tr.tokenizer.pad_token_id)
 
 
-def reward_stage(tr, st: StepState) -> None:
-    st.rewards = score_batch(tr, st.batch, st.labels)
+def reward_stage(tr, st: Batch) -> None:
+    st.fill(score_batch(tr, st, st.labels), row_fields("reward"))
 
 
-def _take(res: dict, rows: torch.Tensor) -> dict:
-    return {"rewards": res["rewards"][rows], "scores": res["scores"][rows], "valid": res["valid"][rows],
-            "extra_logs": {k: v[rows] for k, v in res["extra_logs"].items()}}
-
-
-def _cat(parts: List[dict]) -> dict:
-    keys = set.intersection(*(set(p["extra_logs"]) for p in parts))
-    return {"rewards": torch.cat([p["rewards"] for p in parts]), "scores": torch.cat([p["scores"] for p in parts]),
-            "valid": torch.cat([p["valid"] for p in parts]),
-            "extra_logs": {k: torch.cat([p["extra_logs"][k] for p in parts]) for k in sorted(keys)}}
-
-
-def refill_rollout_stage(tr, st: StepState) -> None:
+def refill_rollout_stage(tr, st: Batch) -> None:
     """Dynamic sampling with refill (DAPO / OpenRLHF): generate and score; keep the prompt groups whose mean score
     lies inside --dynamic_filtering_reward_range; while fewer than --rollout_batch_size groups passed, generate for
     more prompts (as many as the observed pass rate says are needed), up to --dynamic_filtering_max_rounds extra
@@ -221,11 +163,10 @@ def refill_rollout_stage(tr, st: StepState) -> None:
 
     Every decision reads gathered scores, the same on every rank, so every rank runs the same rounds."""
     from rlhf.algorithms import dynamic_filter_mask, dynamic_filter_refill
-    from rlhf.rollout.base import merge_batches
 
     a, n, target = tr.cfg.algorithm, st.n_samples, len(st.prompts)
     pad = tr.tokenizer.pad_token_id
-    prompts, kept, spare = st.prompts, [], []   # (prompts, batch, rewards) pieces, one group each
+    prompts, kept, spare = st.prompts, [], []   # (prompt, its rows with their rewards) pieces, one group each
     rounds = seen = passed = 0
     while True:
         # each round its own deadline (generation + scoring); the stage's deadline is the sum over the rounds
@@ -240,11 +181,10 @@ def refill_rollout_stage(tr, st: StepState) -> None:
             if rm_here and rounds + 1 > a.dynamic_filtering_max_rounds:
                 tr.scheduler.sync_follows("rollout")
             with tr.scheduler.phase("reward", role="reward", share=None if rm_here else "rollout"):
-                res = score_batch(tr, batch, [p.label for p in prompts for _ in range(n)])
-        keep = dynamic_filter_mask(res["scores"], n, a.dynamic_filtering_reward_range, res["valid"]).view(-1, n)[:, 0]
+                batch.fill(score_batch(tr, batch, [p.label for p in prompts for _ in range(n)]), row_fields("reward"))
+        keep = dynamic_filter_mask(batch.scores, n, a.dynamic_filtering_reward_range, batch.valid).view(-1, n)[:, 0]
         for g, ok in enumerate(keep.tolist()):
-            rows = torch.arange(g * n, (g + 1) * n)
-            piece = (prompts[g], batch.select(rows), _take(res, rows))
+            piece = (prompts[g], batch.select(torch.arange(g * n, (g + 1) * n)))
             (kept if ok else spare).append(piece)
         seen, passed, rounds = seen + len(prompts), passed + int(keep.sum()), rounds + 1
         if len(kept) >= target or rounds > a.dynamic_filtering_max_rounds:
@@ -259,25 +199,24 @@ def refill_rollout_stage(tr, st: StepState) -> None:
                f"range or raise --dynamic_filtering_max_rounds")
     chosen = (kept + spare)[:target]
     st.prompts = [c[0] for c in chosen]
-    st.batch = merge_batches([c[1] for c in chosen], pad)
-    st.rewards = _cat([c[2] for c in chosen])
+    st.fill(cat([c[1] for c in chosen], pad))
     st.metrics.update({"dynamic_filter_rounds": float(rounds), "dynamic_filter_pass_rate": passed / seen,
                        "dynamic_filter_generated_prompts": float(seen)})
 
 
-def ref_stage(tr, st: StepState) -> None:
+def ref_stage(tr, st: Batch) -> None:
     m = tr.cfg.model
-    st.ref_logprobs = inference_forward(tr.cfg, tr.roles.ref, st.batch, lambda b, micro: tr.roles.ref.logprobs(
+    st.ref_logprobs = inference_forward(tr.cfg, tr.roles.ref, st, lambda b, micro: tr.roles.ref.logprobs(
         b, logprob_temperature(tr.cfg), micro, m.logprob_chunk_size, m.packing_samples), m.packing_samples)
 
 
-def values_stage(tr, st: StepState) -> None:
-    st.values = inference_forward(tr.cfg, tr.roles.critic, st.batch, tr.roles.critic.values)
+def values_stage(tr, st: Batch) -> None:
+    st.values = inference_forward(tr.cfg, tr.roles.critic, st, tr.roles.critic.values)
 
 
-def old_logprobs_stage(tr, st: StepState) -> None:
+def old_logprobs_stage(tr, st: Batch) -> None:
     m = tr.cfg.model
-    st.old_logprobs = inference_forward(tr.cfg, tr.roles.actor, st.batch, lambda b, micro: tr.roles.actor.logprobs(
+    st.old_logprobs = inference_forward(tr.cfg, tr.roles.actor, st, lambda b, micro: tr.roles.actor.logprobs(
         b, logprob_temperature(tr.cfg), micro, m.logprob_chunk_size, m.packing_samples), m.packing_samples)
 
 
@@ -296,7 +235,7 @@ def measures_gap_only(tr) -> bool:
             and not needs_old_logprobs(tr.cfg, on_policy_single_update(tr.cfg)))
 
 
-def logprob_gap_stage(tr, st: StepState) -> None:
+def logprob_gap_stage(tr, st: Batch) -> None:
     """issue 26 item 4: on-policy single-update steps skip the trainer's own log-prob forward, so nothing compares
     the rollout engine's log-probs with the trainer's (a stale vLLM LM head went unseen).  On the steps ``gap_due``
     names, the actor group runs that forward on the rollout batch (every member, SPMD; the other ranks take the
@@ -307,29 +246,25 @@ def logprob_gap_stage(tr, st: StepState) -> None:
         return
     m = tr.cfg.model
     with tr.scheduler.phase("logprob_gap", role="actor"):
-        lp = inference_forward(tr.cfg, tr.roles.actor, st.batch, lambda b, micro: tr.roles.actor.logprobs(
+        lp = inference_forward(tr.cfg, tr.roles.actor, st, lambda b, micro: tr.roles.actor.logprobs(
             b, logprob_temperature(tr.cfg), micro, m.logprob_chunk_size, m.packing_samples), m.packing_samples)
-    st.metrics.update(_gap_metric(lp, st.batch.rollout_logprobs, st.batch.action_mask.float()))
+    st.metrics.update(_gap_metric(lp, st.rollout_logprobs, st.action_mask.float()))
 
 
-def advantages_stage(tr, st: StepState) -> None:
-    b, res = st.batch, st.rewards
-    out = advantage_stage(tr.cfg, StageInputs(res["rewards"], res["scores"], res["valid"], b.action_mask, b.truncated,
-                                              b.rollout_logprobs, st.old_logprobs, st.ref_logprobs, st.values,
-                                              res["extra_logs"]), st.kl_coef, tr.reward_norm, tr.invalid_rewards)
-    st.experience = Experience(b.sequences, b.attention_mask, out.train_mask, b.rollout_logprobs, st.old_logprobs,
-                               st.ref_logprobs, st.values, out.advantages, out.returns, res["scores"], out.metrics)
+def advantages_stage(tr, st: Batch) -> None:
+    out = advantage_stage(tr.cfg, st, st.kl_coef, tr.reward_norm, tr.invalid_rewards)
+    st.fill(out, ["action_mask", "advantages", "returns"])
     st.metrics.update(out.metrics)
 
 
-def produce_stage(tr, st: StepState) -> None:
+def produce_stage(tr, st: Batch) -> None:
     """Async: the rollout ranks generate the batch of step t + K now, with this step's weights, while the actor
     ranks train on this one (no collective: the batch is gathered when its step comes)."""
     if st.step + tr.cfg.rollout.async_queue_size < tr.total_steps:
         tr.async_rollout.produce(st.step, st.step + tr.cfg.rollout.async_queue_size)
 
 
-def reward_ahead_stage(tr, st: StepState) -> None:
+def reward_ahead_stage(tr, st: Batch) -> None:
     """Async with a reward model: the batch ``produce`` just made goes to the reward model's ranks and is scored
     there (``AsyncRollout.score_ahead``), after the updates: a reward model on ranks of its own (or the critic's)
     scores while the actor trains, one on the actor's ranks scores while the actor would wait for the engines at
@@ -338,22 +273,22 @@ def reward_ahead_stage(tr, st: StepState) -> None:
         tr.async_rollout.score_ahead(1)
 
 
-def critic_update_stage(tr, st: StepState) -> None:
+def critic_update_stage(tr, st: Batch) -> None:
     c = tr.roles.critic
     if c.is_member:
-        st.metrics.update(train_critic(tr.cfg, c.engine, st.experience, c.dp_index, c.dp_size, st.step))
+        st.metrics.update(train_critic(tr.cfg, c.engine, st, c.dp_index, c.dp_size, st.step))
 
 
-def actor_update_stage(tr, st: StepState) -> None:
+def actor_update_stage(tr, st: Batch) -> None:
     a = tr.roles.actor
     if st.step < tr.cfg.optim.freezing_actor_steps:  # the step counter is shared: every rank skips alike
         return
     if a.is_member:
-        st.metrics.update(train_actor(tr.cfg, a.engine, st.experience, a.dp_index, a.dp_size, st.kl_coef,
+        st.metrics.update(train_actor(tr.cfg, a.engine, st, a.dp_index, a.dp_size, st.kl_coef,
                                                     st.step))
 
 
-def weight_sync_stage(tr, st: StepState) -> None:
+def weight_sync_stage(tr, st: Batch) -> None:
     tr.sync_weights()
 
 
@@ -389,7 +324,7 @@ def rl_stages() -> List[Stage]:
     ]
 
 
-def decode_queries(tokenizer, batch: RolloutBatch, sl: slice):
+def decode_queries(tokenizer, batch: Batch, sl: slice):
     """(query = prompt + response text, prompt text) for rows sl, decoded in one batch call each."""
     P = batch.prompt_len
     seq, att, am = batch.sequences[sl].tolist(), batch.attention_mask[sl, :P].tolist(), batch.action_mask[sl].tolist()

@@ -32,8 +32,9 @@ from rlhf.utils.preempt import StopSignal
 
 from .advantage_stage import InvalidRewardGuard, running_reward_norm
 from .async_rollout import AsyncRollout
+from .batch import Batch
 from .cadence import Cadence, log0, planned_steps
-from .experience import Stage, StepState, decode_queries, gathered_rollout, rl_stages, score_batch
+from .experience import Stage, decode_queries, gathered_rollout, rl_stages, score_batch
 from .roles import build_roles
 
 
@@ -71,7 +72,7 @@ def datasources(rows, tokenizer, d) -> dict:
             for r in rows if r.get("datasource") is not None}
 
 
-def generation_rows(tokenizer, batch, res: dict, labels: List, k: int) -> List[dict]:
+def generation_rows(tokenizer, batch: Batch, res: Batch, labels: List, k: int) -> List[dict]:
     """``k`` eval samples as {prompt, response, label, reward} (reward None when invalid): rows drawn with a fixed
     seed, so every eval logs the same prompts' samples (veRL ``_maybe_log_val_generations``: a fixed-seed shuffle,
     then the first N)."""
@@ -80,9 +81,9 @@ def generation_rows(tokenizer, batch, res: dict, labels: List, k: int) -> List[d
     queries, prompts = decode_queries(tokenizer, batch.select(rows), slice(None))
     out = []
     for i, q, p in zip(rows.tolist(), queries, prompts):
-        ok = bool(res["valid"][i]) and bool(torch.isfinite(res["rewards"][i]))
+        ok = bool(res.valid[i]) and bool(torch.isfinite(res.rewards[i]))
         out.append({"prompt": p, "response": q[len(p):], "label": labels[i],
-                    "reward": float(res["rewards"][i]) if ok else None})
+                    "reward": float(res.rewards[i]) if ok else None})
     return out
 
 
@@ -284,7 +285,7 @@ class RLTrainer:
             stack.enter_context(self.scheduler.phase(stage.name, role=stage.role, share=stage.share, tags=stage.tags))
         return stack
 
-    def run_stages(self, st: StepState) -> StepState:
+    def run_stages(self, st: Batch) -> Batch:
         skip = self.async_rollout is not None and self.groups.rollout_only  # they generate meanwhile
         for stage in self.stages:
             if skip and stage.trainers_only:
@@ -401,17 +402,17 @@ class RLTrainer:
         if not self.eval_prompts:  # the same list on every rank
             return {}
         n = self.cfg.rollout.eval_n_samples_per_prompt
-        st = StepState(self.step, self.eval_prompts, n)
+        st = Batch(step=self.step, prompts=self.eval_prompts, n_samples=n)
         with self.watchdog.phase("eval"):
             with self.scheduler.phase("eval_rollout", role="rollout"):
                 local = self.roles.rollout.generate(self.eval_prompts, self.sampling(self.step, eval_mode=True))
                 batch = gathered_rollout(self, local, self.eval_prompts, n)
             with self.scheduler.phase("eval_reward", role="reward"):
                 res = score_batch(self, batch, st.labels)
-        r, valid = res["rewards"], res["valid"]
+        r, valid = res.rewards, res.valid
         out = {"reward": float(r[valid].mean()) if valid.any() else float("nan"),
                "response_len": float(batch.action_mask.sum(1).float().mean()), "samples": float(r.numel())}
-        out.update({f"reward_{k}": float(v.mean()) for k, v in res["extra_logs"].items()})
+        out.update({f"reward_{k}": float(v.mean()) for k, v in res.extra_logs.items()})
         # eval_{datasource}_pass1 / _pass{n}: from the gathered rewards every rank holds (no collective)
         out.update(pass_at_n(r, n, [self.eval_sources.get(p.prompt, "default") for p in self.eval_prompts], valid))
         k = self.cfg.logging.log_val_generations
@@ -434,8 +435,8 @@ class RLTrainer:
                 self.async_rollout.warm_up(self.step, self.total_steps)
         while self.step < self.total_steps:
             t_step = time.perf_counter()
-            st = StepState(self.step, self.prompts_for(self.step), cfg.rollout.n_samples_per_prompt,
-                           kl_coef=self.kl_ctl.value)
+            st = Batch(step=self.step, prompts=self.prompts_for(self.step),
+                       n_samples=cfg.rollout.n_samples_per_prompt, kl_coef=self.kl_ctl.value)
             try:
                 self.run_stages(st)
             except StepCut as cut:
@@ -444,7 +445,7 @@ class RLTrainer:
             st.metrics.update(self.wait_metrics(st.metrics))
             self.step += 1
             dt = time.perf_counter() - t_step
-            st.metrics.update({"time_step": dt, "tokens_per_s": int(st.batch.attention_mask.sum()) / dt})
+            st.metrics.update({"time_step": dt, "tokens_per_s": int(st.attention_mask.sum()) / dt})
             if cfg.optim.use_dynamic_batch:  # sequences over the token budget, each run alone (seqlen_balancing)
                 st.metrics["over_budget_micro_batches"] = float(OVER_BUDGET.take())
             metrics = self.reduce_metrics(st.metrics)
