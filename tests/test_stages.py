@@ -73,3 +73,21 @@ def test_every_stage_declares_fields_of_the_batch_in_the_loop_order(extra):
     for s in st:
         assert set(s.reads) <= known and set(s.writes) <= known, s
         assert type(s).run is not type(s).__mro__[-2].run, f"{s} has no run"
+
+
+def test_the_memory_planner_plans_the_stages_the_loop_runs():
+    """rlhf.planning.memory ``group_stages`` plans the forward and update stages of ``memory_stages`` (the stage
+    classes' own names and roles), in the loop's order, for a job with every role colocated."""
+    from rlhf.config.schema import TopologyConfig
+    from rlhf.distributed.placement import make_placement
+    from rlhf.planning.dims import ModelDims
+    from rlhf.planning.memory import Job, plan_memory
+    from rlhf.trainers.stages import memory_stages
+
+    dims = ModelDims(hidden=8, layers=3, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=50, tied=False)
+    placement = make_placement(TopologyConfig(), 1, need_ref=True, need_critic=True, need_reward_model=True)
+    plan = plan_memory(Job(kind="rl", rollout_engine="hf"), {"actor": dims}, placement, on_cuda=False)
+    planned = [s.name for s in plan.groups[0].stages]
+    declared = memory_stages()
+    want = [name for name, _ in declared["forward"] + declared["update"]]
+    assert [n for n in planned if n in want] == want, planned

@@ -39,6 +39,9 @@ class Stage:
     # over the model roles' ranks only (Groups.trainers); from the placement, so the same on every rank of a kind
     trainers_only: bool = False
     deadline_s: Optional[float] = None
+    # what the memory planner plans for it (rlhf.planning.memory ``group_stages``): "forward" (a no-grad forward
+    # of ``role``), "update" (``role``'s optimizer steps), None (planned there on its own terms, or nothing)
+    memory: Optional[str] = None
 
     def run(self, batch: Batch, roles) -> None:
         raise NotImplementedError
@@ -70,6 +73,7 @@ class RolloutStage(Stage):
 class RewardStage(Stage):
     # async: streamed as the groups completed, or scored ahead (``reward_ahead``): then this stage does not apply
     name, role, reads, writes, trainers_only = "reward", "reward", ("sequences", "prompts"), REWARD, True
+    memory = "forward"  # a reward model's (a reward function holds no device memory)
 
     def __init__(self, scorer: Scorer):
         self.scorer = scorer
@@ -173,15 +177,33 @@ class RewardAheadStage(ProduceStage):
 
 
 class ForwardStage(Stage):
-    """A role's no-grad forward over the batch, gathered to every rank: ``out(forwards, roles, batch)``."""
-    trainers_only = True
+    """``role``'s no-grad forward over the batch, gathered to every rank, into the field it ``writes``."""
+    trainers_only, memory = True, "forward"
     reads = ("sequences", "attention_mask", "action_mask")
 
-    def __init__(self, name: str, role: str, writes: str, out: Callable, forwards: Forwards):
-        self.name, self.role, self.writes, self.out, self.forwards = name, role, (writes,), out, forwards
+    def __init__(self, forwards: Forwards):
+        self.forwards = forwards
 
     def run(self, batch: Batch, roles) -> None:
-        setattr(batch, self.writes[0], self.out(self.forwards, roles, batch))
+        setattr(batch, self.writes[0], self.forward(getattr(roles, self.role), batch))
+
+    def forward(self, role, batch: Batch):
+        return self.forwards.logprobs(role, batch)
+
+
+class RefStage(ForwardStage):
+    name, role, writes = "ref", "ref", ("ref_logprobs",)
+
+
+class ValuesStage(ForwardStage):
+    name, role, writes = "values", "critic", ("values",)
+
+    def forward(self, role, batch: Batch):
+        return self.forwards.run(role, batch, role.values)
+
+
+class OldLogprobsStage(ForwardStage):
+    name, role, writes = "old_logprobs", "actor", ("old_logprobs",)
 
 
 class LogprobGapStage(Stage):
@@ -222,7 +244,7 @@ class AdvantagesStage(Stage):
 class UpdateStage(Stage):
     """The critic's or the actor's optimizer steps on the batch (its members; the others pass).  The actor's
     waits --freezing_actor_steps (the step counter is shared: every rank skips alike)."""
-    trainers_only = True
+    trainers_only, memory = True, "update"
     reads = ("sequences", "attention_mask", "action_mask", "advantages", "returns", "old_logprobs", "ref_logprobs",
              "rollout_logprobs", "values")
 
@@ -302,12 +324,9 @@ def build_stages(cfg, p: StageParts) -> List[Stage]:
                            Refill(tuple(a.dynamic_filtering_reward_range), a.dynamic_filtering_max_rounds,
                                   p.refill_draw, round_s), refill_s) if refill else None,
         ProduceStage(p.queue, r.async_queue_size, p.total_steps, slow_s) if r.async_train else None,
-        ForwardStage("ref", "ref", "ref_logprobs", lambda f, roles, b: f.logprobs(roles.ref, b), p.forwards)
-        if p.has["ref"] else None,
-        ForwardStage("values", "critic", "values", lambda f, roles, b: f.run(roles.critic, b, roles.critic.values),
-                     p.forwards) if p.has["critic"] else None,
-        ForwardStage("old_logprobs", "actor", "old_logprobs", lambda f, roles, b: f.logprobs(roles.actor, b),
-                     p.forwards) if needs_old_logprobs(cfg, on_policy_single_update(cfg)) else None,
+        RefStage(p.forwards) if p.has["ref"] else None,
+        ValuesStage(p.forwards) if p.has["critic"] else None,
+        OldLogprobsStage(p.forwards) if needs_old_logprobs(cfg, on_policy_single_update(cfg)) else None,
         LogprobGapStage(p.forwards, p.scheduler, cfg.logging.logprob_gap_interval) if measures_gap_only(cfg)
         else None,
         AdvantagesStage(cfg, p.reward_norm, p.guard),
@@ -323,3 +342,14 @@ def build_stages(cfg, p: StageParts) -> List[Stage]:
 def stage_deadlines(stages: Sequence[Stage]) -> Dict[str, float]:
     """The watchdog's deadline per stage name, from the stages that declare one."""
     return {s.name: s.deadline_s for s in stages if s.deadline_s is not None}
+
+
+def memory_stages() -> Dict[str, List[Tuple[str, str]]]:
+    """(stage name, role) of the stages the memory planner plans by kind ("forward", "update"), in the loop's
+    order: every one that may apply (the planner keeps those whose role the job has)."""
+    every = [RewardStage, RefStage, ValuesStage, OldLogprobsStage, UpdateStage(None, "critic"),
+             UpdateStage(None, "actor")]
+    out: Dict[str, List[Tuple[str, str]]] = {"forward": [], "update": []}
+    for s in every:
+        out[s.memory].append((s.name, s.role))
+    return out
