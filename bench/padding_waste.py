@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def skewed_batch(rows: int, P: int, R: int, seed: int):
-    from rlhf.trainers.experience import Experience
+    from rlhf.trainers.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
     plen = torch.randint(64, P + 1, (rows,), generator=g)
@@ -32,7 +32,8 @@ def skewed_batch(rows: int, P: int, R: int, seed: int):
         att[i, P - int(plen[i]):P + int(rlen[i])] = 1
         am[i, :int(rlen[i])] = 1
     z = torch.zeros(rows, R)
-    return Experience(att.clone(), att, am, z, None, None, None, z, z, torch.zeros(rows))
+    return Batch(sequences=att.clone(), attention_mask=att, action_mask=am, rollout_logprobs=z, advantages=z, returns=z,
+                 scores=torch.zeros(rows), prompt_len=P)
 
 
 def measure(exp, world: int, tbs: int, micro: int, budget: int, mode: str) -> dict:

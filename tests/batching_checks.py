@@ -13,10 +13,10 @@ import torch
 
 
 def skewed_experience(P: int = 6, R: int = 12, seed: int = 0):
-    """An Experience of 8 rows with left-padded prompts and right-padded responses: one row fills the whole width
+    """A Batch of 8 rows with left-padded prompts and right-padded responses: one row fills the whole width
     (6 + 12 = 18 tokens), the other seven hold 2-3 tokens each (19 together); random advantages / log-probs.
     Under an 18-token budget the long row is a rank's only row while the other rank needs two micro-batches."""
-    from rlhf.trainers.experience import Experience
+    from rlhf.trainers.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
     shapes = [(P, R), (1, 2), (2, 1), (1, 2), (2, 1), (1, 2), (1, 1), (1, 1)]
@@ -29,7 +29,8 @@ def skewed_experience(P: int = 6, R: int = 12, seed: int = 0):
         am[i, :r] = 1
     seq = torch.where(att.bool(), seq, torch.zeros_like(seq))
     f = lambda: torch.randn(n, R, generator=g) * am  # noqa: E731
-    return Experience(seq, att, am, f() - 2.0, f() - 2.0, f() - 2.0, f(), f(), f(), torch.zeros(n))
+    return Batch(sequences=seq, attention_mask=att, action_mask=am, rollout_logprobs=f() - 2.0, old_logprobs=f() - 2.0,
+                 ref_logprobs=f() - 2.0, values=f(), advantages=f(), returns=f(), scores=torch.zeros(n), prompt_len=P)
 
 
 def _config(packing: bool, dynamic: bool, budget: int):

@@ -264,8 +264,6 @@ def check_rewards_ahead(trainer) -> list:
     """Under --async_train with a reward model, each batch's scores are computed ahead, on the reward model's ranks
     (rlhf.trainers.async_rollout.AsyncRollout.score_ahead): wrap ``take`` to score the taken batch anew, the
     synchronous way (every rank), and record the largest difference per step."""
-    from rlhf.trainers.experience import score_batch
-
     ar, diffs = trainer.async_rollout, []
     if ar is None or not ar.ahead:
         return diffs
@@ -273,8 +271,8 @@ def check_rewards_ahead(trainer) -> list:
 
     def checked(st):
         batch = take(st)
-        again = score_batch(trainer, batch, st.labels)["rewards"]
-        diffs.append(float((again - st.rewards["rewards"]).abs().max()))
+        again = trainer.scorer.score(batch, trainer.roles, st.labels).rewards
+        diffs.append(float((again - st.rewards).abs().max()))
         return batch
 
     ar.take = checked

@@ -12,13 +12,13 @@ from engine_standin import StandInEngine
 from rlhf.agents.load import load_agent
 from rlhf.agents.openrlhf_agent import ExecuteAdapter, openrlhf_names, result_to_row
 from rlhf.models.load import load_tokenizer
-from rlhf.rollout.base import RolloutBatch, SamplingParams
+from rlhf.rollout.base import Batch, SamplingParams
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "agent_openrlhf.py")
 
 
 class TurnEngine(StandInEngine):
-    """This project's engine contract (generate(list of prompt ids, SamplingParams) -> RolloutBatch, prompts
+    """This project's engine contract (generate(list of prompt ids, SamplingParams) -> Batch, prompts
     left-padded, actions right-padded): call k answers every row with turns[k][row]; log-prob -0.5 per action."""
 
     def __init__(self, turns):
@@ -35,7 +35,8 @@ class TurnEngine(StandInEngine):
             seq[i, P - len(p):P] = torch.tensor(p)
             seq[i, P:P + len(a)] = torch.tensor(a)
             am[i, :len(a)] = 1
-        return RolloutBatch(seq, (seq != 0).long(), am, -0.5 * am.float(), P, torch.zeros(B, dtype=torch.bool))
+        return Batch(sequences=seq, attention_mask=(seq != 0).long(), action_mask=am, rollout_logprobs=-0.5 * am.float(),
+                     prompt_len=P, truncated=torch.zeros(B, dtype=torch.bool))
 
 
 def test_openrlhf_names_exist_only_while_the_file_loads():

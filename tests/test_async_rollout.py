@@ -7,7 +7,7 @@ from engine_standin import StandInEngine
 
 from rlhf.config import TrainConfig
 from rlhf.config.validate import ConfigError, default_staleness
-from rlhf.rollout.base import RolloutBatch, SamplingParams, batch_from_rows
+from rlhf.rollout.base import Batch, SamplingParams, batch_from_rows
 from rlhf.rollout.stream import RolloutStream, age_metrics, groups_to_batch, sample_ages
 
 STOP = 2
@@ -24,7 +24,7 @@ class ScriptedEngine(StandInEngine):
     def __init__(self):
         self.version, self.calls = 0, []
 
-    def generate(self, prompt_ids, params: SamplingParams) -> RolloutBatch:
+    def generate(self, prompt_ids, params: SamplingParams) -> Batch:
         assert params.n == 1
         self.calls.append((len(prompt_ids), params.max_new_tokens))
         resps, lps, trunc = [], [], []
@@ -143,13 +143,13 @@ def test_streaming_rewards_filter_groups_as_they_complete():
         scored.append([g.index for g in groups])
         for g in groups:
             r = torch.full((len(g.samples),), float(g.index % 2))
-            g.reward = {"rewards": r, "scores": r, "valid": torch.ones_like(r, dtype=torch.bool), "extra_logs": {}}
+            g.reward = Batch(rewards=r, scores=r, valid=torch.ones_like(r, dtype=torch.bool), extra_logs={})
 
     s, _ = stream([5, 6], capacity=2, quota=2, score=score, keep=lambda g: g.index % 2 == 1)
     groups, stats = s.produce(version=0, train_at=1, params=PARAMS)
     assert [g.index for g in groups] == [1, 3] and stats.filtered_groups == 2 and scored[0] == [0, 1]
     b = groups_to_batch(groups, 0)
-    assert b.stream_reward["rewards"].tolist() == [1.0] * 4 and b.group_index.tolist() == [1, 1, 3, 3]
+    assert b.rewards.tolist() == [1.0] * 4 and b.group_index.tolist() == [1, 1, 3, 3]
     s2, _ = stream([5], capacity=1, quota=1, score=score, keep=lambda g: False, max_draws=3)
     groups, stats = s2.produce(version=0, train_at=1, params=PARAMS)
     assert [g.index for g in groups] == [0] and stats.drawn_prompts == 3 and len(s2.spares) == 2
@@ -166,7 +166,7 @@ def agent_episodes(calls):
                 s.tokens, s.mask = [11, 12, 99] + [13] * (1 + j), [1, 1, 0] + [1] * (1 + j)
                 s.logprobs = [-0.1, -0.2, 0.0] + [-0.3] * (1 + j)
             r = torch.full((len(g.samples),), float(g.index % 2))
-            g.reward = {"rewards": r, "scores": r, "valid": torch.ones_like(r, dtype=torch.bool), "extra_logs": {}}
+            g.reward = Batch(rewards=r, scores=r, valid=torch.ones_like(r, dtype=torch.bool), extra_logs={})
     return episodes
 
 
@@ -185,7 +185,7 @@ def test_agent_episodes_run_whole_oversampled_and_filtered():
     b = groups_to_batch(groups, 0)
     assert b.action_mask.tolist() == [[1, 1, 0, 1, 0], [1, 1, 0, 1, 1]] * 2, b.action_mask
     assert b.versions.tolist() == [[0, 0, 0, 0, -1], [0, 0, 0, 0, 0]] * 2, b.versions
-    assert b.stream_reward["rewards"].tolist() == [1.0] * 4 and b.truncated.tolist() == [False] * 4
+    assert b.rewards.tolist() == [1.0] * 4 and b.truncated.tolist() == [False] * 4
     # the next batch, with the weights of step 1: the buffered group 5 (generated at version 0) and a new one
     groups, st = s.produce(1, 3, PARAMS)
     b = groups_to_batch(groups, 0)

@@ -130,10 +130,10 @@ def _role(name, engine):
 
 
 def _batch(exp):
-    from rlhf.rollout.base import RolloutBatch
+    from rlhf.trainers.batch import Batch
 
-    return RolloutBatch(exp.sequences, exp.attention_mask, exp.action_mask, exp.rollout_logprobs,
-                        exp.sequences.size(1) - exp.action_mask.size(1))
+    return Batch(sequences=exp.sequences, attention_mask=exp.attention_mask, action_mask=exp.action_mask,
+                 rollout_logprobs=exp.rollout_logprobs, prompt_len=exp.sequences.size(1) - exp.action_mask.size(1))
 
 
 @pytest.mark.parametrize("packing", [False, True])

@@ -191,11 +191,12 @@ def test_inference_plan_reorders_and_restores(packed):
     micro-batches stay within the budget."""
     from batching_checks import skewed_experience
 
-    from rlhf.rollout.base import RolloutBatch
+    from rlhf.trainers.batch import Batch
     from rlhf.trainers.experience import InferencePlan
 
     e = skewed_experience()
-    batch = RolloutBatch(e.sequences, e.attention_mask, e.action_mask, e.rollout_logprobs, 6)
+    batch = Batch(sequences=e.sequences, attention_mask=e.attention_mask, action_mask=e.action_mask,
+                  rollout_logprobs=e.rollout_logprobs, prompt_len=6)
     plan = InferencePlan(batch, 2, 18, packed)
     assert sorted(plan.perm.tolist()) == list(range(8)) and torch.equal(plan.perm[plan.inverse], torch.arange(8))
     out = torch.zeros(8, dtype=torch.long)

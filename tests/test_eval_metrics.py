@@ -108,31 +108,34 @@ class _FakeTrainer:
 def test_logprob_gap_measured_on_the_first_and_every_nth_step_without_touching_training():
     import click
 
-    from rlhf.rollout.base import RolloutBatch
-    from rlhf.trainers.experience import StepState, gap_due, logprob_gap_stage, measures_gap_only, rl_stages
+    from rlhf.trainers.batch import Batch
+    from rlhf.trainers.experience import Forwards, gap_due, measures_gap_only
+    from rlhf.trainers.stages import LogprobGapStage
 
     cfg = _grpo_cfg("--logprob_gap_interval", "3")
     # 0-based steps 0 (first), 2, 5 (1-based 3, 6: the ones --logging_steps 3 logs)
-    assert [s for s in range(8) if gap_due(cfg, s)] == [0, 2, 5]
-    assert not any(gap_due(_grpo_cfg("--logprob_gap_interval", "0"), s) for s in range(8))
-    tr = _FakeTrainer(cfg, None)
-    assert measures_gap_only(tr), "on-policy single update: the old log-prob forward is skipped, the gap stage runs"
+    assert [s for s in range(8) if gap_due(cfg.logging.logprob_gap_interval, s)] == [0, 2, 5]
+    assert not any(gap_due(_grpo_cfg("--logprob_gap_interval", "0").logging.logprob_gap_interval, s)
+                   for s in range(8))
+    assert measures_gap_only(cfg), "on-policy single update: the old log-prob forward is skipped, the gap stage runs"
     for off in (("--max_epochs", "2"), ("--enable_is_correction",), ("--logprob_gap_interval", "0")):
-        assert not measures_gap_only(_FakeTrainer(_grpo_cfg(*off), None)), off  # measured every step, or never
+        assert not measures_gap_only(_grpo_cfg(*off)), off  # measured every step, or never
     for flag in ("--logprob_gap_interval", "--log_val_generations"):
         with pytest.raises(click.UsageError, match=f"{flag} must be >= 0 \\(0 = off\\), got -1; e.g. {flag} 10"):
             _grpo_cfg(flag, "-1")
-    stage = next(s for s in rl_stages() if s.name == "logprob_gap")
+    stage = LogprobGapStage
     assert stage.role is None, "a stage role would wake the actor on every step; the stage opens its phase when due"
 
     rollout = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
     trainer_lp = torch.tensor([[-1.1, -2.0, -2.7], [-0.5, -0.3, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    batch = RolloutBatch(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.long), mask, rollout, 2)
+    rows = dict(sequences=torch.zeros(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 5, dtype=torch.long),
+                action_mask=mask, rollout_logprobs=rollout, prompt_len=2)
     tr = _FakeTrainer(cfg, trainer_lp)
+    stage = LogprobGapStage(Forwards.from_config(cfg), tr.scheduler, cfg.logging.logprob_gap_interval)
     for step in range(3):
-        st = StepState(step, [], 2, batch=batch)
-        logprob_gap_stage(tr, st)
+        st = Batch(step=step, prompts=[], n_samples=2, **rows)
+        stage.run(st, tr.roles)
         if step in (0, 2):
             # |diff| on the 5 action tokens: 0.1, 0, 0.3, 0, 0.2 -> 0.6 / 5
             assert st.metrics["rollout_logprob_gap"] == pytest.approx(0.12), step

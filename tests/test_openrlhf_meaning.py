@@ -134,11 +134,12 @@ def test_normalize_reward_with_a_reward_function_says_it_does_nothing(capsys):
 def test_stage_leaves_function_rewards_alone_with_normalize_reward():
     """The advantage stage with --normalize_reward and no running norm: shaped reward = reward (OpenRLHF does not
     touch reward-function rewards); with --running_reward_norm they are standardised."""
-    from rlhf.trainers.advantage_stage import StageInputs, advantage_stage, running_reward_norm
+    from rlhf.trainers.advantage_stage import advantage_stage, running_reward_norm
+    from rlhf.trainers.batch import Batch
 
     r = torch.tensor([1.0, 3.0])
-    x = StageInputs(r, r.clone(), torch.ones(2, dtype=torch.bool), torch.ones(2, 1, dtype=torch.long),
-                    torch.zeros(2, dtype=torch.bool), torch.zeros(2, 1), None, None, None)
+    x = Batch(rewards=r, scores=r.clone(), valid=torch.ones(2, dtype=torch.bool), action_mask=torch.ones(2, 1, dtype=torch.long),
+              truncated=torch.zeros(2, dtype=torch.bool), rollout_logprobs=torch.zeros(2, 1))
     args = ["--advantage_estimator", "reinforce", "--rollout_batch_size", "2", "--train_batch_size", "2",
             "--micro_train_batch_size", "1"]
     cfg = parse("ppo", args + ["--normalize_reward"])

@@ -375,11 +375,11 @@ def _stage_cfg(est, **alg):
 
 
 def _stage_inputs(rewards, valid, mask):
-    from rlhf.trainers.advantage_stage import StageInputs
+    from rlhf.trainers.batch import Batch
 
     b, r = mask.shape
-    return StageInputs(rewards, rewards.clone(), valid, mask, torch.zeros(b, dtype=torch.bool), torch.zeros(b, r),
-                       None, None, None)
+    return Batch(rewards=rewards, scores=rewards.clone(), valid=valid, action_mask=mask,
+                 truncated=torch.zeros(b, dtype=torch.bool), rollout_logprobs=torch.zeros(b, r))
 
 
 def test_stage_nan_metrics_counts_and_guard():
@@ -393,7 +393,7 @@ def test_stage_nan_metrics_counts_and_guard():
     assert out.metrics["reward"] == 1.0                   # NaN is not counted as 0 (that would give 0.25)
     assert out.metrics["reward_invalid"] == 3.0 and out.metrics["reward_invalid_groups"] == 1.0
     close(out.advantages, torch.zeros(4, 2))
-    assert out.train_mask[1:].sum() == 0                  # invalid rows train on nothing
+    assert out.action_mask[1:].sum() == 0                  # invalid rows train on nothing
     allnan = _stage_inputs(T([NAN] * 4), T([False] * 4), mask)
     with pytest.warns(RuntimeWarning, match="all 4 rewards of this batch are invalid"):
         advantage_stage(cfg, allnan, 0.0, guard=guard)
@@ -414,7 +414,7 @@ def _two_rank_worker(rank, world, kit):
     from rlhf.backends.base import EngineSpec
     from rlhf.backends.fsdp2 import FSDP2Engine
     from rlhf.models.forward import action_logprobs
-    from rlhf.trainers.experience import Experience
+    from rlhf.trainers.batch import Batch
     from rlhf.trainers.ppo_update import step_totals, train_actor
 
     # the count is one collective that every rank runs, also with an empty shard
@@ -434,7 +434,8 @@ def _two_rank_worker(rank, world, kit):
         lp0, _ = action_logprobs(plain, seqs, attn, R)
     old = (lp0 + 0.3 * torch.randn(B, R)) * amask        # ratios away from 1: clipping happens
     ref = (lp0 - 0.2 * torch.randn(B, R)) * amask
-    exp = Experience(seqs, attn, amask, old.clone(), old, ref, None, adv, adv, torch.zeros(B))
+    exp = Batch(sequences=seqs, attention_mask=attn, action_mask=amask, rollout_logprobs=old.clone(), old_logprobs=old,
+                ref_logprobs=ref, advantages=adv, returns=adv, scores=torch.zeros(B), prompt_len=P)
 
     cfg = TrainConfig()
     cfg.optim.train_batch_size, cfg.optim.micro_train_batch_size, cfg.optim.max_epochs = 8, 2, 1

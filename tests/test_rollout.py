@@ -4,7 +4,7 @@ from engine_standin import StandInEngine
 
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
 from rlhf.models.load import load_causal_lm, load_tokenizer
-from rlhf.rollout import HFEngine, RolloutBatch, SamplingParams, response_mask
+from rlhf.rollout import Batch, HFEngine, SamplingParams, response_mask
 
 
 def _engine(kit):
@@ -80,7 +80,8 @@ class ScriptedEngine(StandInEngine):
             seq[i, P:P + len(a)] = torch.tensor(a)
             am[i, :len(a)] = 1
         lp = -0.5 * am.float()
-        return RolloutBatch(seq, (seq != 0).long(), am, lp, P, torch.zeros(B, dtype=torch.bool))
+        return Batch(sequences=seq, attention_mask=(seq != 0).long(), action_mask=am, rollout_logprobs=lp,
+                     prompt_len=P, truncated=torch.zeros(B, dtype=torch.bool))
 
 
 def test_agent_episode_token_and_action_masks(tiny_kit):

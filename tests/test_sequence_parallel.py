@@ -262,7 +262,7 @@ def _engine_checks(rank, world, kit):
     from rlhf.config import parse
     from rlhf.distributed.sequence_parallel import dp_coords
     from rlhf.models.critic import CriticModel
-    from rlhf.trainers.experience import Experience
+    from rlhf.trainers.batch import Batch
     from rlhf.trainers.ppo_update import train_actor, train_critic
     from rlhf.trainers.tasks import DPOTask, SFTTask
 
@@ -274,9 +274,10 @@ def _engine_checks(rank, world, kit):
     seq, att, act = torch.cat([seq, seq.flip(0)[:1]]), torch.cat([att, att.flip(0)[:1]]), torch.cat([act, act.flip(0)[:1]])
     g = torch.Generator().manual_seed(6)
     old = -torch.rand(act.shape, generator=g) * act
-    exp = Experience(seq, att, act, old, old, old + 0.05 * torch.randn(act.shape, generator=g) * act,
-                     torch.randn(act.shape, generator=g) * act, torch.randn(act.shape, generator=g) * act,
-                     torch.randn(act.shape, generator=g) * act, torch.zeros(4))
+    exp = Batch(sequences=seq, attention_mask=att, action_mask=act, rollout_logprobs=old, old_logprobs=old,
+                ref_logprobs=old + 0.05 * torch.randn(act.shape, generator=g) * act,
+                values=torch.randn(act.shape, generator=g) * act, advantages=torch.randn(act.shape, generator=g) * act,
+                returns=torch.randn(act.shape, generator=g) * act, scores=torch.zeros(4))
     rl = ["--pretrain", kit, "--packing_samples", "--train_batch_size", "4", "--micro_train_batch_size", "1",
           "--rollout_batch_size", "2", "--n_samples_per_prompt", "2", "--use_kl_loss", "--init_kl_coef", "0.01",
           "--entropy_loss_coef", "0.01", "--advantage_estimator", "gae"]

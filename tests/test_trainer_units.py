@@ -130,7 +130,7 @@ def test_rm_packed_scores_equal_padded_and_dpo_precomputed_reference(tiny_kit):
 
 def test_decode_queries_strips_prompt_padding_and_masked_response_tokens(tiny_kit):
     from rlhf.models.load import load_tokenizer
-    from rlhf.rollout import RolloutBatch
+    from rlhf.rollout import Batch
     from rlhf.trainers.experience import decode_queries
 
     tok = load_tokenizer(tiny_kit)
@@ -145,7 +145,8 @@ def test_decode_queries_strips_prompt_padding_and_masked_response_tokens(tiny_ki
     seq = torch.tensor([r[0] for r in rows])
     pm = torch.tensor([r[1] for r in rows])
     am = torch.tensor([r[2] for r in rows])
-    batch = RolloutBatch(seq, torch.cat([pm, am], 1), am, torch.zeros(am.shape), P)
+    batch = Batch(sequences=seq, attention_mask=torch.cat([pm, am], 1), action_mask=am,
+                  rollout_logprobs=torch.zeros(am.shape), prompt_len=P)
     queries, prompts = decode_queries(tok, batch, slice(0, 2))
     assert prompts == [tok.decode(p1), tok.decode(p2)]
     assert queries == [tok.decode(p1) + tok.decode(r1, skip_special_tokens=True),

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from rlhf.errors import AgentContractError
-from rlhf.rollout.base import RolloutBatch, SamplingParams, batch_from_rows
+from rlhf.rollout.base import Batch, SamplingParams, batch_from_rows
 
 
 class AgentInstanceBase:
@@ -163,10 +163,10 @@ class AgentExecutorBase:
         self.engine, self.tokenizer = engine, tokenizer
 
     def run(self, prompt_ids: List[List[int]], prompts: List[str], labels: List, params: SamplingParams
-            ) -> RolloutBatch:
+            ) -> Batch:
         return asyncio.run(self._run(prompt_ids, prompts, labels, params))
 
-    async def _run(self, prompt_ids, prompts, labels, params) -> RolloutBatch:
+    async def _run(self, prompt_ids, prompts, labels, params) -> Batch:
         eps = []
         where = f"{agent_file(self.agent_cls)}: {self.agent_cls.__name__}"
         for ids, text, lab in zip(prompt_ids, prompts, labels):
@@ -230,7 +230,7 @@ class AgentExecutorBase:
         e.reward = e.score = math.nan
         e.done = True
 
-    def to_batch(self, eps: List[Episode]) -> RolloutBatch:
+    def to_batch(self, eps: List[Episode]) -> Batch:
         return batch_from_rows([e.prompt_ids for e in eps], [e.response_ids for e in eps], [e.logprobs for e in eps],
                                [e.truncated for e in eps], self.tokenizer.pad_token_id,
                                action_masks=[e.action_mask for e in eps], rewards=[e.reward for e in eps],

@@ -19,7 +19,7 @@ follows OpenRLHF's openrlhf/utils/agent.py and openrlhf/trainer/ray/vllm_engine.
   rewards; the score the last step's ``scores``); text only (no images here).
 
 ``ExecuteAdapter`` runs such an executor under this project's executor contract (``run(prompt_ids, prompts,
-labels, params) -> RolloutBatch``), batching the concurrent ``generate`` calls into one engine call per
+labels, params) -> Batch``), batching the concurrent ``generate`` calls into one engine call per
 sampling setting.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from rlhf.rollout.base import RolloutBatch, SamplingParams, batch_from_rows
+from rlhf.rollout.base import Batch, SamplingParams, batch_from_rows
 
 from .base import (
     AgentContractError,
@@ -253,7 +253,7 @@ class AsyncEngine:
                     if not fut.done():
                         fut.set_exception(e)
 
-    def _request_output(self, out: RolloutBatch, i: int, skip_special: bool):
+    def _request_output(self, out: Batch, i: int, skip_special: bool):
         m = out.action_mask[i].bool()
         ids = out.sequences[i, out.prompt_len:][m].tolist()
         lps = out.rollout_logprobs[i][m].tolist()
@@ -299,7 +299,7 @@ class ExecuteAdapter(NativeExecutorBase):
         super().__init__(agent_cls, max_steps, max_length, engine, tokenizer)
         self.executor = self.openrlhf_cls()
 
-    async def _run(self, prompt_ids, prompts, labels, params: SamplingParams) -> RolloutBatch:
+    async def _run(self, prompt_ids, prompts, labels, params: SamplingParams) -> Batch:
         eng = AsyncEngine(self.engine, self.tokenizer, params.max_new_tokens)
         sp = OpenRLHFSamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                     max_tokens=params.max_new_tokens, seed=params.seed,

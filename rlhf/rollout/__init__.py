@@ -1,2 +1,2 @@
-from .base import RolloutBatch, RolloutEngine, SamplingParams, merge_batches, response_mask
+from .base import Batch, RolloutEngine, SamplingParams, response_mask
 from .hf_engine import HFEngine

@@ -7,6 +7,8 @@ from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from rlhf.trainers.batch import Batch
+
 
 @dataclass
 class SamplingParams:
@@ -17,35 +19,6 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: Tuple[int, ...] = ()
     seed: Optional[int] = None
-
-
-@dataclass
-class RolloutBatch:
-    """Rows are ordered prompt-major: the n samples of prompt i are rows [i*n, (i+1)*n)."""
-    sequences: torch.Tensor        # (B, P + R) left-padded prompt | right-padded response
-    attention_mask: torch.Tensor   # (B, P + R)
-    action_mask: torch.Tensor      # (B, R) 1 on generated (model) tokens, incl. the stop token
-    rollout_logprobs: torch.Tensor  # (B, R) log-probs under the engine's sampling distribution (temperature-scaled)
-    prompt_len: int
-    truncated: torch.Tensor = None  # (B,) bool: hit max_new_tokens without a stop token
-    rewards: Optional[torch.Tensor] = None  # (B,) set by agent rollouts (the environment scores them)
-    scores: Optional[torch.Tensor] = None
-    # asynchronous rollouts (rlhf.rollout.stream): the weight version (step) that generated each response token,
-    # -1 on padding; each row's place in the prompt stream; rewards scored as the groups completed
-    versions: Optional[torch.Tensor] = None      # (B, R) long
-    group_index: Optional[torch.Tensor] = None   # (B,) long
-    stream_reward: Optional[dict] = None         # {rewards, scores, valid, extra_logs}, rows like the batch
-
-    def select(self, rows) -> RolloutBatch:
-        """These rows (a view of the same padded widths)."""
-        pick = lambda t: None if t is None else t[rows]  # noqa: E731
-        return RolloutBatch(self.sequences[rows], self.attention_mask[rows], self.action_mask[rows],
-                            self.rollout_logprobs[rows], self.prompt_len, pick(self.truncated), pick(self.rewards),
-                            pick(self.scores), pick(self.versions), pick(self.group_index))
-
-    @property
-    def num_actions(self) -> int:
-        return self.action_mask.size(1)
 
 
 class RolloutEngine(abc.ABC):
@@ -68,7 +41,7 @@ class RolloutEngine(abc.ABC):
 
     # ---- generation ----------------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Optional[RolloutBatch]:
+    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Optional[Batch]:
         """params.n samples per prompt, rows prompt-major; None on a rank that reports no rows (non-first TP rank
         of an engine in its own processes)."""
 
@@ -158,7 +131,7 @@ def response_mask(responses: torch.Tensor, stop_ids: Sequence[int]) -> torch.Ten
 
 
 def batch_from_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], logprobs, truncated,
-                    pad_id: int, action_masks=None, rewards=None, scores=None) -> RolloutBatch:
+                    pad_id: int, action_masks=None, rewards=None, scores=None) -> Batch:
     """The padded layout from per-row token lists: prompts left-padded to the longest, responses right-padded
     (at least one slot).  ``action_masks`` defaults to 1 on every response token (agents pass theirs: only
     model tokens are actions); ``logprobs`` are per response token."""
@@ -179,20 +152,6 @@ def batch_from_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequen
             am[i, :n] = 1 if action_masks is None else torch.tensor(list(action_masks[i]), dtype=torch.long)
             lp[i, :n] = torch.tensor(list(logprobs[i]), dtype=torch.float32)
     as_t = lambda x, dt: None if x is None else torch.tensor(list(x), dtype=dt)  # noqa: E731
-    return RolloutBatch(seq, att, am, lp, P, as_t(truncated, torch.bool), as_t(rewards, torch.float32),
-                        as_t(scores, torch.float32))
-
-
-def merge_batches(batches: List[RolloutBatch], pad_id: int) -> RolloutBatch:
-    """Concatenate rollout batches with different prompt / response lengths (re-padding both sides)."""
-    P = max(b.prompt_len for b in batches)
-    R = max(b.num_actions for b in batches)
-    seqs, att, am, lp, tr = [], [], [], [], []
-    for b in batches:
-        lpad, rpad = P - b.prompt_len, R - b.num_actions
-        seqs.append(torch.nn.functional.pad(b.sequences, (lpad, rpad), value=pad_id))
-        att.append(torch.nn.functional.pad(b.attention_mask, (lpad, rpad), value=0))
-        am.append(torch.nn.functional.pad(b.action_mask, (0, rpad), value=0))
-        lp.append(torch.nn.functional.pad(b.rollout_logprobs, (0, rpad), value=0.0))
-        tr.append(b.truncated)
-    return RolloutBatch(torch.cat(seqs), torch.cat(att), torch.cat(am), torch.cat(lp), P, torch.cat(tr))
+    return Batch(sequences=seq, attention_mask=att, action_mask=am, rollout_logprobs=lp, prompt_len=P,
+                 truncated=as_t(truncated, torch.bool), rewards=as_t(rewards, torch.float32),
+                 scores=as_t(scores, torch.float32))

@@ -8,8 +8,9 @@ import torch
 from rlhf.data.formatting import pad_batch
 from rlhf.distributed.weight_sync import tied_aliases
 from rlhf.models.load import load_causal_lm, load_tokenizer
+from rlhf.trainers.batch import Batch, cat
 
-from .base import RolloutBatch, RolloutEngine, SamplingParams, merge_batches, response_mask
+from .base import RolloutEngine, SamplingParams, response_mask
 from .registry import EngineArgs
 from .sampling import decode_with_head, logits_head
 
@@ -45,7 +46,7 @@ class HFEngine(RolloutEngine):
         self._offloaded = False
 
     @torch.no_grad()
-    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> RolloutBatch:
+    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Batch:
         stop = stop_ids(params.stop_token_ids, self.tokenizer.eos_token_id, getattr(self.model, "generation_config", None))
         per = max(1, self.micro_batch_size // max(params.n, 1))
         outs = []
@@ -55,9 +56,9 @@ class HFEngine(RolloutEngine):
         with logits_head(self.model) as head:  # one head copy for every chunk of this call
             for s in range(0, len(prompt_ids), per):
                 outs.append(self._generate_chunk(prompt_ids[s:s + per], params, stop, gen, head))
-        return merge_batches(outs, self.tokenizer.pad_token_id)
+        return cat(outs, self.tokenizer.pad_token_id)
 
-    def _generate_chunk(self, prompts, params: SamplingParams, stop, gen, head) -> RolloutBatch:
+    def _generate_chunk(self, prompts, params: SamplingParams, stop, gen, head) -> Batch:
         pad = self.tokenizer.pad_token_id
         ids, att = pad_batch(prompts, pad, side="left")
         ids, att = ids.to(self.device), att.to(self.device)
@@ -77,7 +78,8 @@ class HFEngine(RolloutEngine):
         truncated = ~is_stop.any(1)
         seqs = torch.cat([ids, resp], 1)
         full_att = torch.cat([att, am], 1)
-        return RolloutBatch(seqs.cpu(), full_att.cpu(), am.cpu(), (lp * am).cpu(), ids.size(1), truncated.cpu())
+        return Batch(sequences=seqs.cpu(), attention_mask=full_att.cpu(), action_mask=am.cpu(),
+                     rollout_logprobs=(lp * am).cpu(), prompt_len=ids.size(1), truncated=truncated.cpu())
 
     def load_weights(self, named_tensors) -> None:
         params = dict(self.model.named_parameters())

@@ -40,7 +40,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .base import RolloutBatch, SamplingParams, batch_from_rows
+from rlhf.trainers.batch import Batch, cat, row_fields
+
+from .base import SamplingParams, batch_from_rows
 
 
 @dataclass
@@ -60,11 +62,11 @@ class Sample:
 @dataclass
 class Group:
     """One prompt's ``n`` samples; ``index`` is its place in the prompt stream (what every rank maps back to the
-    prompt), ``reward`` the streamed scores {rewards, scores, valid, extra_logs} once complete."""
+    prompt), ``reward`` its rows' reward fields (a ``Batch`` of rewards, scores, valid, extra_logs) once complete."""
     index: int
     prompt_ids: List[int]
     samples: List[Sample]
-    reward: Optional[dict] = None
+    reward: Optional[Batch] = None
 
     @property
     def complete(self) -> bool:
@@ -177,7 +179,7 @@ class RolloutStream:
         call = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                               max_new_tokens=min(self.chunk, max(budget)), stop_token_ids=params.stop_token_ids,
                               seed=params.seed)
-        out: RolloutBatch = self.engine.generate([g.prompt_ids + s.tokens for g, s in rows], call)
+        out: Batch = self.engine.generate([g.prompt_ids + s.tokens for g, s in rows], call)
         P = out.prompt_len
         for i, ((g, s), left) in enumerate(zip(rows, budget)):
             k = int(out.action_mask[i].sum())
@@ -217,7 +219,7 @@ class RolloutStream:
         return take, stats
 
 
-def groups_to_batch(groups: Sequence[Group], pad_id: int) -> RolloutBatch:
+def groups_to_batch(groups: Sequence[Group], pad_id: int) -> Batch:
     """The padded batch of these groups' samples (prompt-major rows), with ``versions`` (B, R) (-1 on padding) and
     the streamed rewards when every group carries them."""
     rows = [(g, s) for g in groups for s in g.samples]
@@ -233,12 +235,9 @@ def groups_to_batch(groups: Sequence[Group], pad_id: int) -> RolloutBatch:
     b.versions = v
     b.group_index = torch.tensor([g.index for g, _ in rows], dtype=torch.long)
     if groups and all(g.reward is not None for g in groups):
-        b.stream_reward = {
-            "rewards": torch.cat([g.reward["rewards"] for g in groups]).float(),
-            "scores": torch.cat([g.reward["scores"] for g in groups]).float(),
-            "valid": torch.cat([g.reward["valid"] for g in groups]).bool(),
-            "extra_logs": {k: torch.cat([g.reward["extra_logs"][k] for g in groups]).float()
-                           for k in sorted(set.intersection(*(set(g.reward["extra_logs"]) for g in groups)))}}
+        rewards = cat([g.reward for g in groups], pad_id)
+        for name in row_fields("reward"):
+            setattr(b, name, getattr(rewards, name))
     return b
 
 

@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 from rlhf.distributed.transport import layer_key, pack, split_last_layer
 from rlhf.models.load import load_tokenizer
 
-from .base import RolloutBatch, RolloutEngine, SamplingParams, batch_from_rows
+from .base import Batch, RolloutEngine, SamplingParams, batch_from_rows
 from .registry import EngineArgs
 from .vllm_compat import _cap_len, check_vllm, on_cuda, sleep_available
 from .vllm_launch import (
@@ -160,13 +160,13 @@ class VLLMEngine(RolloutEngine):
 
         return comm.broadcast_object((list(map(list, prompt_ids)), params), src=self.tp_src, group=self.tp_group)
 
-    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Optional[RolloutBatch]:
+    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Optional[Batch]:
         prompt_ids, params = self._same_prompts(prompt_ids, params)
         if not self.driver:
             return None
         return self._generate(prompt_ids, params)
 
-    def _generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> RolloutBatch:
+    def _generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Batch:
         """This rank's part of one generate call, with the prompts every TP rank of the engine agreed on."""
         self._flush()
         self.memory.check_generate()
@@ -185,7 +185,7 @@ class VLLMEngine(RolloutEngine):
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
         return self._to_batch(outs)
 
-    def _to_batch(self, outs) -> RolloutBatch:
+    def _to_batch(self, outs) -> Batch:
         rows = [(list(o.prompt_token_ids), c) for o in outs for c in o.outputs]
         return batch_from_rows([p for p, _ in rows], [list(c.token_ids) for _, c in rows],
                                [[d[t].logprob for t, d in zip(c.token_ids, c.logprobs)] for _, c in rows],

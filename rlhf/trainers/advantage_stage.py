@@ -21,7 +21,7 @@ Because every rank runs this on the same data, every rank raises together: no ra
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Dict, Optional
 
 import torch
@@ -37,29 +37,8 @@ from rlhf.algorithms import (
     stop_properly_penalty,
 )
 
+from .batch import Batch
 from .cadence import StreakGuard
-
-
-@dataclass
-class StageInputs:
-    rewards: torch.Tensor                  # (B,) reward-source rewards (invalid rows hold any value, NaN included)
-    scores: torch.Tensor                   # (B,) task scores (dynamic filtering, accuracy)
-    valid: torch.Tensor                    # (B,) bool: the reward is finite and usable
-    action_mask: torch.Tensor              # (B, R) long
-    truncated: torch.Tensor                # (B,) bool: stopped by the length limit (finish reason "length")
-    rollout_logprobs: torch.Tensor         # (B, R) from the rollout engine
-    old_logprobs: Optional[torch.Tensor]   # (B, R) actor before the update (None: single on-policy update)
-    ref_logprobs: Optional[torch.Tensor]   # (B, R)
-    values: Optional[torch.Tensor]         # (B, R) critic
-    extra_logs: Dict[str, torch.Tensor] = field(default_factory=dict)  # per-row reward-function logs
-
-
-@dataclass
-class StageOutputs:
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    train_mask: torch.Tensor               # action mask with filtered / invalid rows zeroed
-    metrics: Dict[str, float]
 
 
 def kl_in_reward(cfg) -> bool:
@@ -110,8 +89,11 @@ def _warn_once(key: str, msg: str) -> None:
         warnings.warn(msg, UserWarning, stacklevel=3)
 
 
-def advantage_stage(cfg, x: StageInputs, kl_coef: float, reward_norm=None,
-                    guard: Optional[InvalidRewardGuard] = None) -> StageOutputs:
+def advantage_stage(cfg, x: Batch, kl_coef: float, reward_norm=None,
+                    guard: Optional[InvalidRewardGuard] = None) -> Batch:
+    """``x``'s rewards, scores, valid, extra_logs, action_mask, truncated and log-probs / values -> a copy with
+    ``advantages``, ``returns`` (both 0 where nothing trains), ``action_mask`` zeroed on the rows that train nothing
+    (invalid or filtered) and ``metrics`` (this stage's only)."""
     a, r = cfg.algorithm, cfg.rollout
     n = x.rewards.numel()
     valid = x.valid.bool() & torch.isfinite(x.rewards.float())
@@ -166,7 +148,7 @@ def advantage_stage(cfg, x: StageInputs, kl_coef: float, reward_norm=None,
     train_mask = x.action_mask * keep.long().unsqueeze(1)
     metrics = _metrics(x, valid, rewards, shaped, resp_len, mask, adv, kl_mean, kl_coef, filtered, pen,
                        r.n_samples_per_prompt)
-    return StageOutputs(adv * train_mask, ret * train_mask, train_mask, metrics)
+    return replace(x, advantages=adv * train_mask, returns=ret * train_mask, action_mask=train_mask, metrics=metrics)
 
 
 def _vmean(t: torch.Tensor, valid: torch.Tensor) -> float:
@@ -202,5 +184,5 @@ def _metrics(x, valid, rewards, shaped, resp_len, mask, adv, kl_mean, kl_coef, f
         "overlong_penalized": float((pen < 0).sum()),
         "adv_mean": float(masked_mean(adv, vmask)), "adv_abs": float(masked_mean(adv.abs(), vmask)),
         **_gap_metric(old, x.rollout_logprobs, mask),
-        **{f"reward_{k}": _vmean(v, valid & torch.isfinite(v.float())) for k, v in x.extra_logs.items()},
+        **{f"reward_{k}": _vmean(v, valid & torch.isfinite(v.float())) for k, v in (x.extra_logs or {}).items()},
     }

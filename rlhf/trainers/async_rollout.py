@@ -22,75 +22,98 @@ the resumed weights) and continues each engine's prompt stream where the checkpo
 from __future__ import annotations
 
 from collections import deque
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Callable, List, Optional
 
 import torch
 
 from rlhf.algorithms import dynamic_filter_mask
-from rlhf.distributed.sharding import all_gather_objects, gather_max, gather_rows, shard_rows
-from rlhf.rollout.base import RolloutBatch
+from rlhf.distributed.sharding import all_gather_objects, gather_rows, shard_rows
 from rlhf.rollout.stream import Group, RolloutStream, age_metrics, groups_to_batch, sample_ages
 
+from .batch import Batch, gather_batch, row_fields
 from .cadence import log0
 
 
-def streams_rewards(tr) -> bool:
+def streams_rewards(agent_mode: bool, reward_model: bool, reward_source: bool) -> bool:
     """Rewards come with each group from the rollout ranks as it completes: scored there by a reward function or
     server, or by an agent's environment (a reward model scores each batch ahead instead: ``scores_ahead``).
     From config and placement: the same on every rank."""
-    return tr.agent_mode or (tr.roles.reward is None and tr.reward_source is not None)
+    return agent_mode or (not reward_model and reward_source)
 
 
-def scores_ahead(tr) -> bool:
+def scores_ahead(agent_mode: bool, reward_model: bool) -> bool:
     """A reward model scores each batch as soon as the engines produced it, on its own ranks, while the actor
-    trains (``AsyncRollout.score_ahead``); agents are scored by their environment (as ``score_batch`` does).
+    trains (``AsyncRollout.score_ahead``); agents are scored by their environment (as ``Scorer.score`` does).
     From config and placement: the same on every rank."""
-    return tr.roles.reward is not None and not tr.agent_mode
+    return reward_model and not agent_mode
 
 
-def rewards_ahead(tr) -> bool:
-    """--async_train takes the rewards with the batch (streamed or scored ahead): no reward stage."""
-    return tr.cfg.rollout.async_train and (streams_rewards(tr) or scores_ahead(tr))
+@dataclass
+class QueueSettings:
+    """The queue's flags: --async_queue_size (``k``), --n_samples_per_prompt, --rollout_batch_size,
+    --vllm_generate_batch_size (oversampling), --partial_rollout / --partial_rollout_chunk (``chunk``, None: whole
+    responses), --generate_max_len, --max_staleness, and dynamic filtering (range, rounds; None: off)."""
+    k: int
+    n: int
+    batch: int
+    generate_batch: int
+    chunk: Optional[int]
+    max_new_tokens: int
+    max_staleness: int
+    filter_range: Optional[tuple]
+    filter_rounds: int
+
+    @classmethod
+    def from_config(cls, cfg) -> QueueSettings:
+        r, a, d = cfg.rollout, cfg.algorithm, cfg.data
+        chunk = (r.partial_rollout_chunk or max(1, d.generate_max_len // 4)) if r.partial_rollout else None
+        return cls(r.async_queue_size, r.n_samples_per_prompt, r.rollout_batch_size, r.vllm_generate_batch_size,
+                   chunk, d.generate_max_len, r.max_staleness,
+                   tuple(a.dynamic_filtering_reward_range) if a.dynamic_filtering else None,
+                   a.dynamic_filtering_max_rounds)
 
 
 class AsyncRollout:
-    def __init__(self, tr):
-        self.tr = tr
-        cfg = tr.cfg
-        r = cfg.rollout
-        self.k = r.async_queue_size
-        self.n = r.n_samples_per_prompt
-        self.batch = r.rollout_batch_size
-        role = tr.roles.rollout
+    """The queue (see the module docstring), built from its settings and the components it uses: the roles and
+    process groups (``groups``: Groups), this ``rank``, the ``scorer`` (streamed rewards, ahead scores: its
+    reward source, tokenizer, watchdog and forwards), the ``sampler``, ``prompts_for(step)`` (the step's shuffled
+    prompts) and the pad id."""
+
+    def __init__(self, s: QueueSettings, roles, groups, rank: int, scorer, sampler, prompts_for: Callable,
+                 pad_id: int):
+        self.s, self.roles, self.groups, self.rank = s, roles, groups, rank
+        self.scorer, self.sampler, self.prompts_for, self.pad_id = scorer, sampler, prompts_for, pad_id
+        self.k, self.n, self.batch = s.k, s.n, s.batch
+        role = roles.rollout
         self.engines = len(role.engine_ranks)
-        self.streamed = streams_rewards(tr)
-        self.ahead = scores_ahead(tr)
+        agent = scorer.agent_mode  # episodes run whole by the agent and scored by its environment (no partial
+        # rollout)
+        self.streamed = streams_rewards(agent, roles.reward is not None, scorer.reward_source is not None)
+        self.ahead = scores_ahead(agent, roles.reward is not None)
         self.produced: deque = deque()   # on the engines' first ranks: (batch, stats) not yet gathered
         self.scored: deque = deque()     # on the reward model's ranks: (group_index, sequences, scores) not yet taken
         self.stream: Optional[RolloutStream] = None
         self.drawn = 0                  # this engine's prompts drawn so far (its place in its prompt stream)
         e = role.engine_index
-        if e is None or role.engine_ranks[e][0] != tr.rank:
+        if e is None or role.engine_ranks[e][0] != rank:
             return
         self.engine_index = e
         self.quota = shard_rows(self.batch, e, self.engines)
-        cap = shard_rows(r.vllm_generate_batch_size, e, self.engines)
-        a = cfg.algorithm
-        filtering = a.dynamic_filtering
-        chunk = (r.partial_rollout_chunk or max(1, cfg.data.generate_max_len // 4)) if r.partial_rollout else None
-        agent = tr.agent_mode  # episodes run whole by the agent and scored by its environment (no partial rollout)
+        cap = shard_rows(s.generate_batch, e, self.engines)
+        filtering = s.filter_range is not None
         self.stream = RolloutStream(
             role.engine, self._draw, n=self.n, capacity=max(cap.stop - cap.start, 1),
-            quota=self.quota.stop - self.quota.start, max_new_tokens=cfg.data.generate_max_len, chunk=chunk,
-            max_staleness=r.max_staleness, score=self._score if self.streamed and not agent else None,
+            quota=self.quota.stop - self.quota.start, max_new_tokens=s.max_new_tokens, chunk=s.chunk,
+            max_staleness=s.max_staleness, score=self._score if self.streamed and not agent else None,
             keep=self._keep if (filtering and self.streamed) else None,
-            max_draws=(a.dynamic_filtering_max_rounds + 2) * max(cap.stop - cap.start, 1) if filtering else 10 ** 12,
-            pad_id=tr.tokenizer.pad_token_id, episodes=self._episodes if agent else None)
+            max_draws=(s.filter_rounds + 2) * max(cap.stop - cap.start, 1) if filtering else 10 ** 12,
+            pad_id=pad_id, episodes=self._episodes if agent else None)
 
     # ---- the prompt stream ---------------------------------------------------------------------------------------
     def prompt_at(self, index: int):
         """The prompt at place ``index`` of the global stream: the shuffled episodes of ``prompts_for``."""
-        return self.tr.prompts_for(index // self.batch)[index % self.batch]
+        return self.prompts_for(index // self.batch)[index % self.batch]
 
     def _draw(self):
         """This engine's next prompt: without filtering or oversampling exactly its share of ``prompts_for(step)``,
@@ -103,26 +126,20 @@ class AsyncRollout:
 
     # ---- streaming rewards ---------------------------------------------------------------------------------------
     def _score(self, groups: List[Group]) -> None:
-        from .experience import decode_queries
-
-        tr = self.tr
-        b = groups_to_batch(groups, tr.tokenizer.pad_token_id)
-        queries, prompts = decode_queries(tr.tokenizer, b, slice(None))
+        b = groups_to_batch(groups, self.pad_id)
         labels = [self.prompt_at(g.index).label for g in groups for _ in g.samples]
-        with tr.watchdog.phase("reward_function"):
-            res = tr.reward_source(queries, prompts, labels)
+        res = self.scorer.call(b, slice(None), labels)
         for i, g in enumerate(groups):
             rows = slice(i * self.n, (i + 1) * self.n)
-            g.reward = {"rewards": res["rewards"][rows].float(), "scores": res["scores"][rows].float(),
-                        "valid": res["valid"][rows].bool(),
-                        "extra_logs": {k: v[rows].float() for k, v in res["extra_logs"].items()}}
+            g.reward = Batch(rewards=res["rewards"][rows].float(), scores=res["scores"][rows].float(),
+                             valid=res["valid"][rows].bool(),
+                             extra_logs={k: v[rows].float() for k, v in res["extra_logs"].items()})
 
     def _episodes(self, groups: List[Group], params) -> None:
         """--agent_func_path: the agent runs these groups' episodes whole on this engine (``RolloutRole.run_agent``,
         as a synchronous step runs them), and each group takes its samples' tokens (environment feedback with
-        action-mask 0), behaviour log-probs and the environment's rewards, as ``score_batch`` reads them."""
-        tr = self.tr
-        b = tr.roles.rollout.run_agent([self.prompt_at(g.index) for g in groups], params, first=True)
+        action-mask 0), behaviour log-probs and the environment's rewards, as ``Scorer.score`` reads them."""
+        b = self.roles.rollout.run_agent([self.prompt_at(g.index) for g in groups], params, first=True)
         if b is None or b.sequences.size(0) != len(groups) * self.n:
             raise RuntimeError(f"the agent returned {None if b is None else b.sequences.size(0)} episodes for "
                                f"{len(groups)} prompts x {self.n} samples")
@@ -136,13 +153,11 @@ class AsyncRollout:
         scores = b.scores if b.scores is not None else b.rewards
         for j, g in enumerate(groups):
             r = b.rewards[j * self.n:(j + 1) * self.n].float()
-            g.reward = {"rewards": r, "scores": scores[j * self.n:(j + 1) * self.n].float(),
-                        "valid": torch.isfinite(r), "extra_logs": {}}
+            g.reward = Batch(rewards=r, scores=scores[j * self.n:(j + 1) * self.n].float(), valid=torch.isfinite(r),
+                             extra_logs={})
 
     def _keep(self, g: Group) -> bool:
-        a = self.tr.cfg.algorithm
-        return bool(dynamic_filter_mask(g.reward["scores"], self.n, a.dynamic_filtering_reward_range,
-                                        g.reward["valid"])[0])
+        return bool(dynamic_filter_mask(g.reward.scores, self.n, self.s.filter_range, g.reward.valid)[0])
 
     # ---- produce / take ------------------------------------------------------------------------------------------
     def produce(self, version: int, train_at: int) -> None:
@@ -150,10 +165,9 @@ class AsyncRollout:
         ``version``; kept here until ``take`` gathers it."""
         if self.stream is None:
             return
-        tr = self.tr
-        groups, stats = self.stream.produce(version, train_at, tr.sampling(train_at),
-                                            round_params=lambda r: tr.sampling(train_at, salt=r))
-        b = groups_to_batch(groups, tr.tokenizer.pad_token_id) if groups else None
+        groups, stats = self.stream.produce(version, train_at, self.sampler.params(train_at),
+                                            round_params=lambda r: self.sampler.params(train_at, salt=r))
+        b = groups_to_batch(groups, self.pad_id) if groups else None
         m = stats.as_metrics()
         m.update({"async/in_flight_groups": float(len(self.stream.flight)),
                   "async/buffered_groups": float(len(self.stream.buffer))})
@@ -174,28 +188,24 @@ class AsyncRollout:
         batch when its step comes (``take``).  Collective over the placement's ``rollout_reward`` group only (the rollout and
         reward ranks; every other rank skips it): per batch one ``gather`` over those ranks, then the reward
         model's forwards, gathered over its own ranks.  The count is shared state (step, K, total steps)."""
-        tr = self.tr
-        g = tr.groups
-        if not self.ahead or count <= 0 or tr.rank not in g.ranks("rollout_reward"):
+        g = self.groups
+        if not self.ahead or count <= 0 or self.rank not in g.ranks("rollout_reward"):
             return
-        from .experience import inference_forward
-
-        reward = tr.roles.reward
+        reward, stats = self.roles.reward, self.roles.reward_stats
         mine = list(self.produced)[-count:] if self.stream is not None else [(None, None)] * count
         for local, _ in mine:
             batch = self.gather(local, group=g.group("rollout_reward"))
             if reward.is_member:
-                with tr.watchdog.phase("reward_model"):
-                    s = inference_forward(tr.cfg, reward, batch, lambda b, micro: reward.scores(
-                        b, micro, tr.roles.reward_stats, over=reward.group))
+                with self.scorer.watchdog.phase("reward_model"):
+                    s = self.scorer.forwards.run(reward, batch, lambda b, micro: reward.scores(
+                        b, micro, stats, over=reward.group))
                 self.scored.append((batch.group_index, batch.sequences, s))
 
-    def take_scores(self, batch: RolloutBatch, step: int) -> dict:
+    def take_scores(self, batch: Batch, step: int) -> Batch:
         """Collective (every rank): the reward model's scores of this step's batch (``score_ahead``), from the
         reward model's first rank; each reward rank checks that its scores were computed for this very batch."""
-        tr = self.tr
-        reward = tr.roles.reward
-        owner = tr.rank == reward.members[0]
+        reward = self.roles.reward
+        owner = self.rank == reward.members[0]
         local = None
         if reward.is_member:
             index, seqs, scores = self.scored.popleft()
@@ -206,76 +216,38 @@ class AsyncRollout:
             local = scores if owner else None
         rows = batch.sequences.size(0)
         r = gather_rows(local, slice(0, rows) if owner else None, rows, 1).squeeze(1)
-        return {"rewards": r, "scores": r, "valid": torch.ones_like(r, dtype=torch.bool), "extra_logs": {}}
+        return Batch(rewards=r, scores=r, valid=torch.ones_like(r, dtype=torch.bool), extra_logs={})
 
-    def take(self, st) -> RolloutBatch:
-        """Collective: the batch of this step on every rank; sets ``st.prompts``, ``st.rewards`` (streamed) and the
-        queue's metrics."""
-        tr = self.tr
+    def take(self, st: Batch) -> Batch:
+        """Collective: this step's rows on every rank, into ``st`` (with the streamed or ahead-scored rewards),
+        and ``st.prompts`` and the queue's metrics; returns ``st``."""
         local, m = self.produced.popleft() if self.produced else (None, {})
-        batch = self.gather(local)
+        batch = st.fill(self.gather(local))
         index = batch.group_index.view(-1, self.n)[:, 0].tolist()
         st.prompts = [self.prompt_at(i) for i in index]
-        if batch.stream_reward is not None:
-            st.rewards = batch.stream_reward
         if self.ahead:
-            st.rewards = self.take_scores(batch, st.step)
+            st.fill(self.take_scores(batch, st.step), row_fields("reward"))
         ages = sample_ages(batch.versions, batch.action_mask, st.step)
-        too_old = ages > tr.cfg.rollout.max_staleness  # by construction none: the stream restarts such groups
+        too_old = ages > self.s.max_staleness  # by construction none: the stream restarts such groups
         if bool(too_old.any()):
             raise RuntimeError(f"step {st.step + 1}: {int(too_old.sum())} samples are older than --max_staleness "
-                               f"{tr.cfg.rollout.max_staleness} (ages {sorted(set(ages.tolist()))})")
+                               f"{self.s.max_staleness} (ages {sorted(set(ages.tolist()))})")
         st.metrics.update(age_metrics(batch.versions, batch.action_mask, st.step))
         st.metrics.update(m)  # the engines' first ranks report their stream's counts (mean over those ranks)
         return batch
 
-    def gather(self, local: Optional[RolloutBatch], group=None) -> RolloutBatch:
+    def gather(self, local: Optional[Batch], group=None) -> Batch:
         """Every engine's rows (its share of the prompts, prompt-major) on every rank of ``group`` (default the
-        world), with the weight versions, stream places and streamed rewards.  Collectives, the same on every rank
-        of the group: one max of the widths, one gather of the extra-log names when rewards are streamed, one
-        gather of the integer and one of the float columns."""
-        n, B, pad_id = self.n, self.batch, self.tr.tokenizer.pad_token_id
-        rows = B * n
+        world), with the weight versions, stream places and streamed rewards (``gather_batch``: the same
+        collectives on every rank of the group: one max of the widths, one gather of the extra-log names when
+        rewards are streamed, one gather of the int and one of the float fields)."""
         owned = None
         if local is not None:
-            owned = slice(self.quota.start * n, self.quota.stop * n)
+            owned = slice(self.quota.start * self.n, self.quota.stop * self.n)
             assert local.sequences.size(0) == owned.stop - owned.start, \
                 f"engine {self.engine_index} produced {local.sequences.size(0)} rows for {owned.stop - owned.start}"
-        P, R = gather_max([local.prompt_len if local is not None else 0, local.num_actions if local is not None else 0],
-                          group)
-        keys = []
-        if self.streamed:
-            own = sorted(local.stream_reward["extra_logs"]) if local is not None else None
-            every = [k for k in all_gather_objects(own, group) if k is not None]
-            keys = sorted(set.intersection(*map(set, every))) if every else []
-        ints = floats = None
-        if local is not None:
-            pad = torch.nn.functional.pad
-            lp, rp = P - local.prompt_len, R - local.num_actions
-            cols_i = [pad(local.sequences, (lp, rp), value=pad_id), pad(local.attention_mask, (lp, rp)),
-                      pad(local.action_mask, (0, rp)), pad(local.versions, (0, rp), value=-1),
-                      local.truncated.long().unsqueeze(1), local.group_index.unsqueeze(1)]
-            cols_f = [pad(local.rollout_logprobs.float(), (0, rp))]
-            if self.streamed:
-                sr = local.stream_reward
-                cols_i.append(sr["valid"].long().unsqueeze(1))
-                cols_f += [sr["rewards"].unsqueeze(1), sr["scores"].unsqueeze(1)]
-                cols_f += [sr["extra_logs"][k].unsqueeze(1) for k in keys]
-            ints, floats = torch.cat(cols_i, 1), torch.cat(cols_f, 1)
-        wi = 2 * (P + R) + 2 * R + 2 + (1 if self.streamed else 0)
-        wf = R + ((2 + len(keys)) if self.streamed else 0)
-        ints = gather_rows(ints, owned, rows, wi, torch.long, group)
-        floats = gather_rows(floats, owned, rows, wf, torch.float32, group)
-        seq, att = ints[:, :P + R], ints[:, P + R:2 * (P + R)]
-        seq = torch.where(att.bool(), seq, torch.full_like(seq, pad_id))
-        o = 2 * (P + R)
-        am, versions = ints[:, o:o + R], ints[:, o + R:o + 2 * R]
-        truncated, gidx = ints[:, o + 2 * R].bool(), ints[:, o + 2 * R + 1]
-        batch = RolloutBatch(seq, att, am, floats[:, :R], P, truncated, versions=versions, group_index=gidx)
-        if self.streamed:
-            batch.stream_reward = {"rewards": floats[:, R], "scores": floats[:, R + 1], "valid": ints[:, -1].bool(),
-                                   "extra_logs": {k: floats[:, R + 2 + i] for i, k in enumerate(keys)}}
-        return batch
+        names = row_fields("rollout", "async") + (row_fields("reward") if self.streamed else [])
+        return gather_batch(local, owned, self.batch * self.n, names, self.pad_id, group)
 
     # ---- checkpoint ----------------------------------------------------------------------------------------------
     def state(self) -> dict:

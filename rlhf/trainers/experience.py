@@ -1,88 +1,21 @@
-"""One RL step as a list of stages: rollout -> reward -> (produce) -> ref -> values -> old log-probs -> advantages
--> critic update -> actor update -> (reward ahead) -> weight sync.
-
-Every rank runs every stage that applies, in this order; whether a stage applies is
-decided from the config and the placement, which every rank shares, never from a
-rank's own data.  Inside a stage, the role's members compute their shard and the
-rows are gathered to every rank (``Role`` methods), so after each inference stage
-every rank holds the same full tensors.  A new role or stage is added here, in one
-place.
+"""What the stages of an RL step use besides the batch and the roles, each built once from its part of the config:
+how an inference forward runs (``Forwards``), how rows are scored (``Scorer``), how generated rows reach every rank
+(``Rollouts``), the sampling parameters of a generate call (``Sampler``), and the decisions every rank takes alike
+from config and placement (``on_policy_single_update``, ``refills``, ``gap_due``).  The stages themselves:
+rlhf.trainers.stages.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, List, Optional
 
 import torch
 
-from rlhf.distributed.sharding import all_gather_objects, gather_rows, shard_rows
-from rlhf.rollout.base import RolloutBatch
+from rlhf.distributed.sharding import shard_rows
+from rlhf.rollout.base import SamplingParams
 
-from .advantage_stage import StageInputs, _gap_metric, advantage_stage, needs_old_logprobs
-from .async_rollout import rewards_ahead
-from .cadence import log0
-from .ppo_update import train_actor, train_critic
-
-
-@dataclass
-class Experience:
-    sequences: torch.Tensor
-    attention_mask: torch.Tensor
-    action_mask: torch.Tensor
-    rollout_logprobs: torch.Tensor
-    old_logprobs: Optional[torch.Tensor]
-    ref_logprobs: Optional[torch.Tensor]
-    values: Optional[torch.Tensor]
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    scores: torch.Tensor
-    metrics: Dict[str, float] = field(default_factory=dict)
-
-    def rows(self, idx) -> Experience:
-        pick = lambda t: None if t is None else t[idx]  # noqa: E731
-        return Experience(*(pick(getattr(self, f)) for f in (
-            "sequences", "attention_mask", "action_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs", "values",
-            "advantages", "returns", "scores")), metrics={})
-
-
-@dataclass
-class StepState:
-    """What one step accumulates, stage by stage (identical on every rank after each stage)."""
-    step: int
-    prompts: list
-    n_samples: int
-    kl_coef: float = 0.0
-    batch: Optional[RolloutBatch] = None
-    rewards: Optional[dict] = None
-    ref_logprobs: Optional[torch.Tensor] = None
-    old_logprobs: Optional[torch.Tensor] = None
-    values: Optional[torch.Tensor] = None
-    experience: Optional[Experience] = None
-    metrics: Dict[str, float] = field(default_factory=dict)
-
-    @property
-    def labels(self) -> List:
-        return [p.label for p in self.prompts for _ in range(self.n_samples)]
-
-
-@dataclass
-class Stage:
-    name: str
-    run: Callable                     # run(trainer, state)
-    role: Optional[str] = None        # the role the phase scheduler wakes (None: no model)
-    applies: Callable = lambda tr: True  # from shared state only (config, placement)
-    share: Optional[str] = None
-    tags: Optional[List[str]] = None
-    # the rollout ranks of their own skip it under --async_train (they generate meanwhile): its collectives run
-    # over the model roles' ranks only (Groups.trainers); from the placement, so the same on every rank of a kind
-    trainers_only: bool = False
-
-
-def inference_rows(cfg) -> int:
-    """Rows (samples) per inference forward (ref, old log-probs, values, reward model) on one rank:
-    --micro_rollout_batch_size, which counts samples as in OpenRLHF (its make_experience splits the samples
-    into micro-batches of micro_rollout_batch_size)."""
-    return cfg.rollout.micro_rollout_batch_size
+from .advantage_stage import needs_old_logprobs
+from .batch import Batch, gather_batch, row_fields
 
 
 class InferencePlan:
@@ -97,7 +30,7 @@ class InferencePlan:
     their real tokens; padded ones (values, reward model, unpacked log-probs) every column of the batch's width,
     so there a budget fixes the rows per forward (budget // width), like --micro_rollout_batch_size."""
 
-    def __init__(self, batch: RolloutBatch, size: int, budget: int, packed: bool):
+    def __init__(self, batch: Batch, size: int, budget: int, packed: bool):
         from rlhf.algorithms.seqlen_balancing import Item, plan_step
 
         from .ppo_update import row_items
@@ -126,16 +59,124 @@ class InferencePlan:
         return self._rows[index]
 
 
-def inference_forward(cfg, role, batch: RolloutBatch, call: Callable, packed: bool = False) -> torch.Tensor:
-    """``call(batch, micro)`` (a role's logprobs / values / scores) with fixed micro-batches of
-    --micro_rollout_batch_size rows, or under --use_dynamic_batch on the batch reordered by an ``InferencePlan``
-    and put back in order.  The plan is a function of the batch, which every rank holds: the same on every rank."""
-    if not cfg.optim.use_dynamic_batch:
-        return call(batch, inference_rows(cfg))
-    from rlhf.config.batching_checks import row_budgets
+@dataclass
+class Forwards:
+    """How an inference forward of a role (ref / old log-probs / values / reward model) runs: ``micro_rows`` rows
+    per forward (--micro_rollout_batch_size, which counts samples as in OpenRLHF: its make_experience splits the
+    samples into micro-batches of micro_rollout_batch_size), or under --use_dynamic_batch an ``InferencePlan`` of
+    at most ``budget`` tokens per forward (--rollout_max_tokens_per_gpu); log-probs at ``temperature`` (the
+    rollout's, 1 for greedy), ``chunk`` (--logprob_chunk_size), packed under ``packing`` (--packing_samples)."""
+    micro_rows: int
+    budget: Optional[int]
+    temperature: float
+    chunk: int
+    packing: bool
 
-    plan = InferencePlan(batch, role.dp_size, row_budgets(cfg)[1], packed)
-    return call(batch.select(plan.perm), plan)[plan.inverse]
+    @classmethod
+    def from_config(cls, cfg) -> Forwards:
+        from rlhf.config.batching_checks import row_budgets
+
+        t = cfg.rollout.temperature
+        return cls(cfg.rollout.micro_rollout_batch_size, row_budgets(cfg)[1] if cfg.optim.use_dynamic_batch else None,
+                   t if t > 0 else 1.0, cfg.model.logprob_chunk_size, cfg.model.packing_samples)
+
+    def run(self, role, batch: Batch, call: Callable, packed: bool = False) -> torch.Tensor:
+        """``call(batch, micro)`` (a role's logprobs / values / scores) with fixed micro-batches, or on the batch
+        reordered by an ``InferencePlan`` and put back in order.  The plan is a function of the batch, which every
+        rank holds: the same on every rank."""
+        if self.budget is None:
+            return call(batch, self.micro_rows)
+        plan = InferencePlan(batch, role.dp_size, self.budget, packed)
+        return call(batch.select(plan.perm), plan)[plan.inverse]
+
+    def logprobs(self, role, batch: Batch) -> torch.Tensor:
+        """The role's (actor / reference) log-probs of the batch's response tokens, (B, R)."""
+        return self.run(role, batch, lambda b, micro: role.logprobs(b, self.temperature, micro, self.chunk,
+                                                                    self.packing), self.packing)
+
+
+@dataclass
+class Sampler:
+    """The sampling parameters of a generate call (--temperature, --top_p, --top_k, --generate_max_len, the eval
+    flags), seeded per step and per engine (not per rank: the TP ranks of one vLLM engine must sample alike)."""
+    n: int
+    temperature: float
+    eval_n: int
+    eval_temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    stop_token_id: int
+    seed: int
+    engine_index: int
+
+    @classmethod
+    def from_config(cls, cfg, eos_token_id: int, engine_index: Optional[int]) -> Sampler:
+        r = cfg.rollout
+        return cls(r.n_samples_per_prompt, r.temperature, r.eval_n_samples_per_prompt, r.eval_temperature, r.top_p,
+                   r.top_k, cfg.data.generate_max_len, eos_token_id, cfg.optim.seed, engine_index or 0)
+
+    def params(self, step: int, eval_mode: bool = False, salt: int = 0) -> SamplingParams:
+        return SamplingParams(n=self.eval_n if eval_mode else self.n,
+                              temperature=self.eval_temperature if eval_mode else self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, max_new_tokens=self.max_new_tokens,
+                              stop_token_ids=(self.stop_token_id,),
+                              seed=self.seed * 100003 + step * 97 + self.engine_index + salt * 1000003)
+
+
+@dataclass
+class Rollouts:
+    """Generate for a list of prompts and bring every engine's rows to every rank (``RolloutRole.gather``);
+    ``with_rewards``: agent rollouts, whose environment scored each row."""
+    pad_id: int
+    with_rewards: bool
+
+    def gather(self, roles, local: Optional[Batch], prompts: list, n_samples: int) -> Batch:
+        """The full batch of these prompts' samples on every rank, from this rank's generated rows (collective)."""
+        return roles.rollout.gather(local, len(prompts), n_samples, self.pad_id, with_rewards=self.with_rewards)
+
+    def generate(self, roles, prompts: list, params: SamplingParams) -> Batch:
+        return self.gather(roles, roles.rollout.generate(prompts, params), prompts, params.n)
+
+
+@dataclass
+class Scorer:
+    """The reward fields of a batch: an agent's environment scored the rows already; a reward model scores them
+    (over the world); else a reward function (``reward_source``: --remote_rm_url or the built-in) on every rank's
+    share of the rows, each call under the watchdog's "reward_function" phase, then gathered."""
+    agent_mode: bool
+    reward_source: Optional[Callable]
+    tokenizer: object
+    watchdog: object
+    forwards: Forwards
+    rank: int
+    world: int
+
+    def call(self, batch: Batch, rows: slice, labels: List) -> dict:
+        """The reward function on ``rows`` of the batch (this rank only): {rewards, scores, valid, extra_logs}."""
+        queries, prompts = decode_queries(self.tokenizer, batch, rows)
+        with self.watchdog.phase("reward_function"):  # its own phase: the watchdog report tells it from the gather
+            return self.reward_source(queries, prompts, labels)
+
+    def score(self, batch: Batch, roles, labels: List) -> Batch:
+        """The reward fields (rewards, scores, valid, extra_logs) of every row, on every rank (collective)."""
+        n = batch.sequences.size(0)
+        if self.agent_mode:  # agent rollouts: the environment already scored every row
+            r = batch.rewards
+            return Batch(rewards=r, scores=batch.scores, valid=torch.isfinite(r), extra_logs={})
+        if roles.reward is not None:  # gathered over the world: every rank calls this (under --async_train too,
+            # where only the eval does: the train batches are scored ahead)
+            rm = roles.reward
+            r = self.forwards.run(rm, batch, lambda b, micro: rm.scores(b, micro, roles.reward_stats, over=None))
+            return Batch(rewards=r, scores=r, valid=torch.ones_like(r, dtype=torch.bool), extra_logs={})
+        # a reward function: every rank calls it on its share of the rows (remote servers see parallel requests)
+        sl = shard_rows(n, self.rank, self.world)
+        local = None
+        if sl.stop > sl.start:
+            res = self.call(batch, sl, labels[sl])
+            local = Batch(rewards=res["rewards"], scores=res["scores"], valid=res["valid"],
+                          extra_logs=res["extra_logs"])
+        return gather_batch(local, sl, n, row_fields("reward"), self.tokenizer.pad_token_id)
 
 
 def on_policy_single_update(cfg) -> bool:
@@ -148,213 +189,18 @@ def on_policy_single_update(cfg) -> bool:
             and not r.async_train and not a.enable_is_correction)
 
 
-def logprob_temperature(cfg) -> float:
-    return cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-
-
-# ---- stages ------------------------------------------------------------------------------------------------------
-def rollout_stage(tr, st: StepState) -> None:
-    if tr.async_rollout is not None:  # generated ahead (rlhf.trainers.async_rollout): gathered now
-        st.batch = tr.async_rollout.take(st)
-        return
-    local = tr.roles.rollout.generate(st.prompts, tr.sampling(st.step))
-    st.batch = gathered_rollout(tr, local, st.prompts, st.n_samples)
-    tr.scheduler.sync_follows("rollout")  # the step's weight sync comes before the next generate: vLLM sleeps level 2
-
-
-def gathered_rollout(tr, local: Optional[RolloutBatch], prompts: list, n_samples: int) -> RolloutBatch:
-    """The full batch of these prompts' samples on every rank, from this rank's generated rows (collective)."""
-    return tr.roles.rollout.gather(local, len(prompts), n_samples, tr.tokenizer.pad_token_id,
-                                   with_rewards=tr.agent_mode)
-
-
-def score_batch(tr, batch: RolloutBatch, labels: List) -> dict:
-    """{rewards, scores, valid, extra_logs} for every row, on every rank (collective)."""
-    n = batch.sequences.size(0)
-    if tr.agent_mode:  # agent rollouts: the environment already scored every row
-        r = batch.rewards
-        return {"rewards": r, "scores": batch.scores, "valid": torch.isfinite(r), "extra_logs": {}}
-    if tr.roles.reward is not None:  # gathered over the world: every rank calls this (under --async_train too,
-        # where only the eval does: the train batches are scored ahead)
-        r = inference_forward(tr.cfg, tr.roles.reward, batch,
-                              lambda b, micro: tr.roles.reward.scores(b, micro, tr.roles.reward_stats, over=None))
-        return {"rewards": r, "scores": r, "valid": torch.ones_like(r, dtype=torch.bool), "extra_logs": {}}
-    # a reward function: every rank calls it on its share of the rows (remote servers see parallel requests)
-    sl = shard_rows(n, tr.rank, tr.world)
-    res = None
-    if sl.stop > sl.start:
-        queries, prompts = decode_queries(tr.tokenizer, batch, sl)
-        with tr.watchdog.phase("reward_function"):  # its own phase: the watchdog report tells it from the gather
-            res = tr.reward_source(queries, prompts, labels[sl])
-    ints = gather_rows(None if res is None else res["valid"].long(), sl, n, 1, torch.long)
-    cols = gather_rows(None if res is None else torch.stack([res["rewards"], res["scores"]], 1), sl, n, 2)
-    keys = sorted({k for ks in all_gather_objects(sorted(res["extra_logs"]) if res else []) for k in ks})
-    extra = {}
-    for k in keys:
-        v = None if res is None or k not in res["extra_logs"] else res["extra_logs"][k].float()
-        extra[k] = gather_rows(v, sl, n, 1).squeeze(1)
-    return {"rewards": cols[:, 0], "scores": cols[:, 1], "valid": ints[:, 0].bool(), "extra_logs": extra}
-
-
-def reward_stage(tr, st: StepState) -> None:
-    st.rewards = score_batch(tr, st.batch, st.labels)
-
-
-def _take(res: dict, rows: torch.Tensor) -> dict:
-    return {"rewards": res["rewards"][rows], "scores": res["scores"][rows], "valid": res["valid"][rows],
-            "extra_logs": {k: v[rows] for k, v in res["extra_logs"].items()}}
-
-
-def _cat(parts: List[dict]) -> dict:
-    keys = set.intersection(*(set(p["extra_logs"]) for p in parts))
-    return {"rewards": torch.cat([p["rewards"] for p in parts]), "scores": torch.cat([p["scores"] for p in parts]),
-            "valid": torch.cat([p["valid"] for p in parts]),
-            "extra_logs": {k: torch.cat([p["extra_logs"][k] for p in parts]) for k in sorted(keys)}}
-
-
-def refill_rollout_stage(tr, st: StepState) -> None:
-    """Dynamic sampling with refill (DAPO / OpenRLHF): generate and score; keep the prompt groups whose mean score
-    lies inside --dynamic_filtering_reward_range; while fewer than --rollout_batch_size groups passed, generate for
-    more prompts (as many as the observed pass rate says are needed), up to --dynamic_filtering_max_rounds extra
-    rounds.  The batch then holds the first rollout_batch_size kept groups; if it still is not full, filtered
-    groups fill it and stay masked out of the loss (counted in ``filtered_frac``).
-
-    Every decision reads gathered scores, the same on every rank, so every rank runs the same rounds."""
-    from rlhf.algorithms import dynamic_filter_mask, dynamic_filter_refill
-    from rlhf.rollout.base import merge_batches
-
-    a, n, target = tr.cfg.algorithm, st.n_samples, len(st.prompts)
-    pad = tr.tokenizer.pad_token_id
-    prompts, kept, spare = st.prompts, [], []   # (prompts, batch, rewards) pieces, one group each
-    rounds = seen = passed = 0
-    while True:
-        # each round its own deadline (generation + scoring); the stage's deadline is the sum over the rounds
-        with tr.watchdog.phase(f"rollout_refill round {rounds + 1}", deadline_s=tr.refill_round_s):
-            with tr.scheduler.phase("rollout", role="rollout"):
-                local = tr.roles.rollout.generate(prompts, tr.sampling(st.step, salt=rounds))
-                batch = gathered_rollout(tr, local, prompts, n)
-            # a reward function holds no device memory: the engine stays awake while it scores, so another round
-            # generates with nothing moved, and only the last round's sleep comes, at level 2 (a sync follows it);
-            # a reward model on this rank needs the device: the engine sleeps, at level 2 in the last allowed round
-            rm_here = "reward" in tr.scheduler.roles
-            if rm_here and rounds + 1 > a.dynamic_filtering_max_rounds:
-                tr.scheduler.sync_follows("rollout")
-            with tr.scheduler.phase("reward", role="reward", share=None if rm_here else "rollout"):
-                res = score_batch(tr, batch, [p.label for p in prompts for _ in range(n)])
-        keep = dynamic_filter_mask(res["scores"], n, a.dynamic_filtering_reward_range, res["valid"]).view(-1, n)[:, 0]
-        for g, ok in enumerate(keep.tolist()):
-            rows = torch.arange(g * n, (g + 1) * n)
-            piece = (prompts[g], batch.select(rows), _take(res, rows))
-            (kept if ok else spare).append(piece)
-        seen, passed, rounds = seen + len(prompts), passed + int(keep.sum()), rounds + 1
-        if len(kept) >= target or rounds > a.dynamic_filtering_max_rounds:
-            tr.scheduler.sync_follows("rollout")  # the step's weight sync comes before the next generate
-            break
-        extra = dynamic_filter_refill(len(kept), target, passed / seen, max_extra=4 * target)
-        prompts = tr.refill_prompts(st.step, rounds, extra)
-    if len(kept) < target:
-        log0(f"[dynamic filtering] step {st.step + 1}: {len(kept)} of {target} prompt groups passed "
-               f"--dynamic_filtering_reward_range {tuple(a.dynamic_filtering_reward_range)} after {rounds} rounds "
-               f"({seen} prompts); the other {target - len(kept)} train nothing (masked). If this repeats, widen the "
-               f"range or raise --dynamic_filtering_max_rounds")
-    chosen = (kept + spare)[:target]
-    st.prompts = [c[0] for c in chosen]
-    st.batch = merge_batches([c[1] for c in chosen], pad)
-    st.rewards = _cat([c[2] for c in chosen])
-    st.metrics.update({"dynamic_filter_rounds": float(rounds), "dynamic_filter_pass_rate": passed / seen,
-                       "dynamic_filter_generated_prompts": float(seen)})
-
-
-def ref_stage(tr, st: StepState) -> None:
-    m = tr.cfg.model
-    st.ref_logprobs = inference_forward(tr.cfg, tr.roles.ref, st.batch, lambda b, micro: tr.roles.ref.logprobs(
-        b, logprob_temperature(tr.cfg), micro, m.logprob_chunk_size, m.packing_samples), m.packing_samples)
-
-
-def values_stage(tr, st: StepState) -> None:
-    st.values = inference_forward(tr.cfg, tr.roles.critic, st.batch, tr.roles.critic.values)
-
-
-def old_logprobs_stage(tr, st: StepState) -> None:
-    m = tr.cfg.model
-    st.old_logprobs = inference_forward(tr.cfg, tr.roles.actor, st.batch, lambda b, micro: tr.roles.actor.logprobs(
-        b, logprob_temperature(tr.cfg), micro, m.logprob_chunk_size, m.packing_samples), m.packing_samples)
-
-
-def gap_due(cfg, step: int) -> bool:
+def gap_due(n: int, step: int) -> bool:
     """Whether 0-based ``step`` measures ``rollout_logprob_gap`` where the old log-prob forward is skipped: the
-    first step and every --logprob_gap_interval-th (1-based steps N, 2N, ...: the ones --logging_steps N logs).
-    From the step number and the config only, so every rank decides alike."""
-    n = cfg.logging.logprob_gap_interval
+    first step and every ``n``-th, --logprob_gap_interval (1-based steps N, 2N, ...: the ones --logging_steps N
+    logs).  From the step number and the config only, so every rank decides alike."""
     return n > 0 and (step == 0 or (step + 1) % n == 0)
 
 
-def measures_gap_only(tr) -> bool:
+def measures_gap_only(cfg) -> bool:
     """The old log-prob forward is skipped (one on-policy update, nothing else needs it) and --logprob_gap_interval
     asks for the gap now and then: the ``logprob_gap`` stage applies."""
-    return (tr.cfg.logging.logprob_gap_interval > 0
-            and not needs_old_logprobs(tr.cfg, on_policy_single_update(tr.cfg)))
-
-
-def logprob_gap_stage(tr, st: StepState) -> None:
-    """issue 26 item 4: on-policy single-update steps skip the trainer's own log-prob forward, so nothing compares
-    the rollout engine's log-probs with the trainer's (a stale vLLM LM head went unseen).  On the steps ``gap_due``
-    names, the actor group runs that forward on the rollout batch (every member, SPMD; the other ranks take the
-    gather) and logs ``rollout_logprob_gap`` (advantage_stage._gap_metric, the same definition as on the steps that
-    compute old log-probs).  The log-probs serve the metric only: ``st.old_logprobs`` stays None, so the update is
-    the same with the measurement as without it."""
-    if not gap_due(tr.cfg, st.step):
-        return
-    m = tr.cfg.model
-    with tr.scheduler.phase("logprob_gap", role="actor"):
-        lp = inference_forward(tr.cfg, tr.roles.actor, st.batch, lambda b, micro: tr.roles.actor.logprobs(
-            b, logprob_temperature(tr.cfg), micro, m.logprob_chunk_size, m.packing_samples), m.packing_samples)
-    st.metrics.update(_gap_metric(lp, st.batch.rollout_logprobs, st.batch.action_mask.float()))
-
-
-def advantages_stage(tr, st: StepState) -> None:
-    b, res = st.batch, st.rewards
-    out = advantage_stage(tr.cfg, StageInputs(res["rewards"], res["scores"], res["valid"], b.action_mask, b.truncated,
-                                              b.rollout_logprobs, st.old_logprobs, st.ref_logprobs, st.values,
-                                              res["extra_logs"]), st.kl_coef, tr.reward_norm, tr.invalid_rewards)
-    st.experience = Experience(b.sequences, b.attention_mask, out.train_mask, b.rollout_logprobs, st.old_logprobs,
-                               st.ref_logprobs, st.values, out.advantages, out.returns, res["scores"], out.metrics)
-    st.metrics.update(out.metrics)
-
-
-def produce_stage(tr, st: StepState) -> None:
-    """Async: the rollout ranks generate the batch of step t + K now, with this step's weights, while the actor
-    ranks train on this one (no collective: the batch is gathered when its step comes)."""
-    if st.step + tr.cfg.rollout.async_queue_size < tr.total_steps:
-        tr.async_rollout.produce(st.step, st.step + tr.cfg.rollout.async_queue_size)
-
-
-def reward_ahead_stage(tr, st: StepState) -> None:
-    """Async with a reward model: the batch ``produce`` just made goes to the reward model's ranks and is scored
-    there (``AsyncRollout.score_ahead``), after the updates: a reward model on ranks of its own (or the critic's)
-    scores while the actor trains, one on the actor's ranks scores while the actor would wait for the engines at
-    the weight sync anyway.  The rollout and reward ranks take part; the others pass."""
-    if st.step + tr.cfg.rollout.async_queue_size < tr.total_steps:  # produce_stage made a batch this step
-        tr.async_rollout.score_ahead(1)
-
-
-def critic_update_stage(tr, st: StepState) -> None:
-    c = tr.roles.critic
-    if c.is_member:
-        st.metrics.update(train_critic(tr.cfg, c.engine, st.experience, c.dp_index, c.dp_size, st.step))
-
-
-def actor_update_stage(tr, st: StepState) -> None:
-    a = tr.roles.actor
-    if st.step < tr.cfg.optim.freezing_actor_steps:  # the step counter is shared: every rank skips alike
-        return
-    if a.is_member:
-        st.metrics.update(train_actor(tr.cfg, a.engine, st.experience, a.dp_index, a.dp_size, st.kl_coef,
-                                                    st.step))
-
-
-def weight_sync_stage(tr, st: StepState) -> None:
-    tr.sync_weights()
+    return (cfg.logging.logprob_gap_interval > 0
+            and not needs_old_logprobs(cfg, on_policy_single_update(cfg)))
 
 
 def refills(cfg) -> bool:
@@ -364,32 +210,7 @@ def refills(cfg) -> bool:
     return a.dynamic_filtering and a.dynamic_filtering_max_rounds > 0 and not cfg.rollout.async_train
 
 
-def rl_stages() -> List[Stage]:
-    """The stages of one RL step, in order; ``applies`` reads only config and placement (shared by every rank)."""
-    return [
-        Stage("rollout", rollout_stage, role="rollout", applies=lambda tr: not refills(tr.cfg)),
-        Stage("reward", reward_stage, role="reward", applies=lambda tr: not refills(tr.cfg) and not rewards_ahead(tr),
-              trainers_only=True),  # async: streamed as the groups completed, or scored ahead (``reward_ahead``)
-        Stage("rollout_refill", refill_rollout_stage, applies=lambda tr: refills(tr.cfg)),
-        Stage("produce", produce_stage, applies=lambda tr: tr.cfg.rollout.async_train),
-        Stage("ref", ref_stage, role="ref", applies=lambda tr: tr.roles.ref is not None, trainers_only=True),
-        Stage("values", values_stage, role="critic", applies=lambda tr: tr.roles.critic is not None,
-              trainers_only=True),
-        Stage("old_logprobs", old_logprobs_stage, role="actor",
-              applies=lambda tr: needs_old_logprobs(tr.cfg, on_policy_single_update(tr.cfg)), trainers_only=True),
-        Stage("logprob_gap", logprob_gap_stage, applies=measures_gap_only,  # its own scheduler phase, when due
-              trainers_only=True),
-        Stage("advantages", advantages_stage, trainers_only=True),
-        Stage("critic_update", critic_update_stage, role="critic", applies=lambda tr: tr.roles.critic is not None,
-              trainers_only=True),
-        Stage("actor_update", actor_update_stage, role="actor", trainers_only=True),
-        Stage("reward_ahead", reward_ahead_stage,
-              applies=lambda tr: tr.cfg.rollout.async_train and tr.roles.reward is not None),
-        Stage("weight_sync", weight_sync_stage, role="rollout", share="actor", tags=["weights"]),
-    ]
-
-
-def decode_queries(tokenizer, batch: RolloutBatch, sl: slice):
+def decode_queries(tokenizer, batch: Batch, sl: slice):
     """(query = prompt + response text, prompt text) for rows sl, decoded in one batch call each."""
     P = batch.prompt_len
     seq, att, am = batch.sequences[sl].tolist(), batch.attention_mask[sl, :P].tolist(), batch.action_mask[sl].tolist()

@@ -109,7 +109,7 @@ def trim_padding(mb):
 
 def micro_batch(exp, micro: Micro, dyn: Optional[TokenBudget]):
     """The rows of one micro-batch; token-budget padded micro-batches drop their all-padding columns."""
-    mb = exp.rows(micro.rows)
+    mb = exp.select(micro.rows)
     return trim_padding(mb) if dyn is not None and not dyn.packed else mb
 
 

@@ -2,8 +2,8 @@
 
 Order of work: everything that can fail on bad input (config, placement, data,
 reward function, agent file) is checked before any process group exists; then the
-process groups, the role objects and the watchdog; then ``fit`` runs the stages of
-``experience.rl_stages`` for each step and the cadence (log, eval, save, preempt).
+process groups, the role objects and the watchdog; then ``fit`` runs the stages ``stages.build_stages`` chose
+for each step and the cadence (log, eval, save, preempt).
 """
 from __future__ import annotations
 
@@ -32,10 +32,12 @@ from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
 from .advantage_stage import InvalidRewardGuard, running_reward_norm
-from .async_rollout import AsyncRollout
+from .async_rollout import AsyncRollout, QueueSettings
+from .batch import Batch
 from .cadence import Cadence, log0, planned_steps
-from .experience import Stage, StepState, decode_queries, gathered_rollout, rl_stages, score_batch
+from .experience import Forwards, Rollouts, Sampler, Scorer, decode_queries
 from .roles import build_roles
+from .stages import Stage, StageParts, build_stages, stage_deadlines, sync_weights
 
 # Phases a pending stop cuts a step after: long, and before anything of the run's state changes (the update,
 # reward normalisation and the KL controller come later), so the last completed step is a consistent checkpoint.
@@ -67,7 +69,7 @@ def datasources(rows, tokenizer, d) -> dict:
             for r in rows if r.get("datasource") is not None}
 
 
-def generation_rows(tokenizer, batch, res: dict, labels: List, k: int) -> List[dict]:
+def generation_rows(tokenizer, batch: Batch, res: Batch, labels: List, k: int) -> List[dict]:
     """``k`` eval samples as {prompt, response, label, reward} (reward None when invalid): rows drawn with a fixed
     seed, so every eval logs the same prompts' samples (veRL ``_maybe_log_val_generations``: a fixed-seed shuffle,
     then the first N)."""
@@ -76,9 +78,9 @@ def generation_rows(tokenizer, batch, res: dict, labels: List, k: int) -> List[d
     queries, prompts = decode_queries(tokenizer, batch.select(rows), slice(None))
     out = []
     for i, q, p in zip(rows.tolist(), queries, prompts):
-        ok = bool(res["valid"][i]) and bool(torch.isfinite(res["rewards"][i]))
+        ok = bool(res.valid[i]) and bool(torch.isfinite(res.rewards[i]))
         out.append({"prompt": p, "response": q[len(p):], "label": labels[i],
-                    "reward": float(res["rewards"][i]) if ok else None})
+                    "reward": float(res.rewards[i]) if ok else None})
     return out
 
 
@@ -187,21 +189,11 @@ class RLTrainer:
                  + ("" if self.eval_prompts else " (eval off)")] + ([capped] if capped else [])
         # --- process groups, roles, watchdog ---
         self.rank, self.world, _, self.device = comm.init(t.dist_timeout_s)
-        # a dynamic-filtering refill is up to max_rounds + 1 rounds of generation + scoring: each round has its own
-        # deadline (refill_rollout_stage), the whole stage the sum
-        self.refill_round_s, refill_s = refill_deadlines(t.watchdog_timeout_s, t.watchdog_slow_timeout_s,
-                                                         a.dynamic_filtering_max_rounds)
+        # the stages' own deadlines join these once the stages are built (``stage_deadlines``)
         self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
-                                 deadlines={"rollout": t.watchdog_slow_timeout_s, "eval": t.watchdog_slow_timeout_s,
+                                 deadlines={"eval": t.watchdog_slow_timeout_s,
                                             **io_deadlines(cfg, self.path, self.plan, self.plan_nodes,
-                                                           t.watchdog_slow_timeout_s),
-                                            "rollout_refill": refill_s, "produce": t.watchdog_slow_timeout_s,
-                                            # async: the actor ranks wait here for the rollout ranks' produce
-                                            # stage, which has its own (slow) deadline on those ranks
-                                            # and the reward model's ranks for it in ``reward_ahead``
-                                            **({"weight_sync": t.watchdog_slow_timeout_s + t.watchdog_timeout_s,
-                                                "reward_ahead": t.watchdog_slow_timeout_s + t.watchdog_timeout_s}
-                                               if r.async_train else {})})
+                                                           t.watchdog_slow_timeout_s)})
         for n in notes:
             log0(n)
         torch.manual_seed(cfg.optim.seed)
@@ -219,8 +211,7 @@ class RLTrainer:
         self.kl_ctl = make_kl_controller(a.init_kl_coef, a.kl_target, a.kl_horizon)
         self.reward_norm = running_reward_norm(cfg)
         self.invalid_rewards = InvalidRewardGuard(a.max_invalid_reward_batches)
-        self.async_rollout = AsyncRollout(self) if r.async_train else None
-        self.stages: List[Stage] = [s for s in rl_stages() if s.applies(self)]
+        self.build_step(cfg)
         self.step = 0
         lg = cfg.logging
         self.logger = MetricsLogger(self.rank, lg.log_dir, total, run_name=lg.wandb_run_name or run_name,
@@ -248,14 +239,32 @@ class RLTrainer:
         return [self.prompts[i] for i in idx.tolist()]
 
     def sampling(self, step: int, eval_mode: bool = False, salt: int = 0) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(n=r.eval_n_samples_per_prompt if eval_mode else r.n_samples_per_prompt,
-                              temperature=r.eval_temperature if eval_mode else r.temperature,
-                              top_p=r.top_p, top_k=r.top_k, max_new_tokens=self.cfg.data.generate_max_len,
-                              stop_token_ids=(self.tokenizer.eos_token_id,),
-                              # per engine, not per rank: the TP ranks of one vLLM engine must sample identically
-                              seed=(self.cfg.optim.seed * 100003 + step * 97 + (self.roles.rollout.engine_index or 0)
-                                    + salt * 1000003))
+        return self.sampler.params(step, eval_mode, salt)
+
+    def build_step(self, cfg) -> None:
+        """The step's components, each from its part of the config, the async queue, and the stages that apply
+        (decided once, from config and placement); their deadlines join the watchdog's."""
+        t, a = cfg.topology, cfg.algorithm
+        self.forwards = Forwards.from_config(cfg)
+        self.sampler = Sampler.from_config(cfg, self.tokenizer.eos_token_id, self.roles.rollout.engine_index)
+        self.rollouts = Rollouts(self.tokenizer.pad_token_id, with_rewards=self.agent_mode)
+        self.scorer = Scorer(self.agent_mode, self.reward_source, self.tokenizer, self.watchdog, self.forwards,
+                             self.rank, self.world)
+        self.async_rollout = AsyncRollout(QueueSettings.from_config(cfg), self.roles, self.groups, self.rank,
+                                          self.scorer, self.sampler, self.prompts_for, self.tokenizer.pad_token_id) \
+            if cfg.rollout.async_train else None
+        # a dynamic-filtering refill is up to max_rounds + 1 rounds of generation + scoring: each round has its own
+        # deadline (RefillRolloutStage), the whole stage the sum
+        round_s, refill_s = refill_deadlines(t.watchdog_timeout_s, t.watchdog_slow_timeout_s,
+                                             a.dynamic_filtering_max_rounds)
+        self.stages: List[Stage] = build_stages(cfg, StageParts(
+            has={k: bool(self.plan.ranks.get(k)) for k in ("ref", "critic", "reward")}, agent_mode=self.agent_mode,
+            reward_source=self.reward_source, forwards=self.forwards, rollouts=self.rollouts, scorer=self.scorer,
+            sampler=self.sampler, scheduler=self.scheduler, watchdog=self.watchdog, weight_sync=self.weight_sync,
+            reward_norm=self.reward_norm, guard=self.invalid_rewards, queue=self.async_rollout,
+            refill_draw=self.refill_prompts, total_steps=self.total_steps,
+            timeouts=(t.watchdog_timeout_s, t.watchdog_slow_timeout_s, round_s, refill_s)))
+        self.watchdog.deadlines.update(stage_deadlines(self.stages))
 
     # ---- phases ----------------------------------------------------------------------------------------------------
     def waits_for(self, stage: Stage) -> Optional[str]:
@@ -278,14 +287,14 @@ class RLTrainer:
             stack.enter_context(self.scheduler.phase(stage.name, role=stage.role, share=stage.share, tags=stage.tags))
         return stack
 
-    def run_stages(self, st: StepState) -> StepState:
+    def run_stages(self, st: Batch) -> Batch:
         skip = self.async_rollout is not None and self.groups.rollout_only  # they generate meanwhile
         for stage in self.stages:
             if skip and stage.trainers_only:
                 continue
             t0 = time.perf_counter()
             with self.phase(stage):
-                stage.run(self, st)
+                stage.run(st, self.roles)
             st.metrics[f"time_{stage.name}"] = time.perf_counter() - t0
             if stage.name in self.cut_stages and self.cadence.stop.requested():  # collective, on every rank
                 raise StepCut(stage.name)
@@ -306,9 +315,7 @@ class RLTrainer:
     # ---- weights ---------------------------------------------------------------------------------------------------
     def sync_weights(self) -> None:
         """Actor -> rollout engines.  Colocated: every rank; separate: the actor and rollout ranks."""
-        actor, rollout = self.roles.actor, self.roles.rollout
-        if actor.is_member or rollout.is_member:
-            self.weight_sync.sync(actor.engine.model if actor.is_member else None)
+        sync_weights(self.weight_sync, self.roles)
 
     # ---- checkpoint ------------------------------------------------------------------------------------------------
     def save(self):
@@ -395,17 +402,17 @@ class RLTrainer:
         if not self.eval_prompts:  # the same list on every rank
             return {}
         n = self.cfg.rollout.eval_n_samples_per_prompt
-        st = StepState(self.step, self.eval_prompts, n)
+        st = Batch(step=self.step, prompts=self.eval_prompts, n_samples=n)
         with self.watchdog.phase("eval"):
             with self.scheduler.phase("eval_rollout", role="rollout"):
-                local = self.roles.rollout.generate(self.eval_prompts, self.sampling(self.step, eval_mode=True))
-                batch = gathered_rollout(self, local, self.eval_prompts, n)
+                batch = self.rollouts.generate(self.roles, self.eval_prompts,
+                                               self.sampler.params(self.step, eval_mode=True))
             with self.scheduler.phase("eval_reward", role="reward"):
-                res = score_batch(self, batch, st.labels)
-        r, valid = res["rewards"], res["valid"]
+                res = self.scorer.score(batch, self.roles, st.labels)
+        r, valid = res.rewards, res.valid
         out = {"reward": float(r[valid].mean()) if valid.any() else float("nan"),
                "response_len": float(batch.action_mask.sum(1).float().mean()), "samples": float(r.numel())}
-        out.update({f"reward_{k}": float(v.mean()) for k, v in res["extra_logs"].items()})
+        out.update({f"reward_{k}": float(v.mean()) for k, v in res.extra_logs.items()})
         # eval_{datasource}_pass1 / _pass{n}: from the gathered rewards every rank holds (no collective)
         out.update(pass_at_n(r, n, [self.eval_sources.get(p.prompt, "default") for p in self.eval_prompts], valid))
         k = self.cfg.logging.log_val_generations
@@ -428,8 +435,8 @@ class RLTrainer:
                 self.async_rollout.warm_up(self.step, self.total_steps)
         while self.step < self.total_steps:
             t_step = time.perf_counter()
-            st = StepState(self.step, self.prompts_for(self.step), cfg.rollout.n_samples_per_prompt,
-                           kl_coef=self.kl_ctl.value)
+            st = Batch(step=self.step, prompts=self.prompts_for(self.step),
+                       n_samples=cfg.rollout.n_samples_per_prompt, kl_coef=self.kl_ctl.value)
             try:
                 self.run_stages(st)
             except StepCut as cut:
@@ -438,7 +445,7 @@ class RLTrainer:
             st.metrics.update(self.wait_metrics(st.metrics))
             self.step += 1
             dt = time.perf_counter() - t_step
-            st.metrics.update({"time_step": dt, "tokens_per_s": int(st.batch.attention_mask.sum()) / dt})
+            st.metrics.update({"time_step": dt, "tokens_per_s": int(st.attention_mask.sum()) / dt})
             if cfg.optim.use_dynamic_batch:  # sequences over the token budget, each run alone (seqlen_balancing)
                 st.metrics["over_budget_micro_batches"] = float(OVER_BUDGET.take())
             metrics = self.reduce_metrics(st.metrics)

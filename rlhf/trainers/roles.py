@@ -22,13 +22,15 @@ from rlhf.backends.base import TrainEngine, reads_weights, spec_from_config
 from rlhf.backends.factory import make_engine
 from rlhf.distributed import Groups, RoleMesh
 from rlhf.distributed.sequence_parallel import SP, attach
-from rlhf.distributed.sharding import gather_max, gather_rows, micro_plan, run_micro, shard_rows
+from rlhf.distributed.sharding import gather_rows, micro_plan, run_micro, shard_rows
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
 from rlhf.models.lm_head import use_fp32_head
 from rlhf.models.load import load_causal_lm, load_reward_model, load_tokenizer, resolve_pretrain
 from rlhf.rewards.reward_model import score_sequences
-from rlhf.rollout.base import RolloutBatch, SamplingParams
+from rlhf.rollout.base import SamplingParams
 from rlhf.rollout.registry import EngineArgs, EnginePlace, auto_engine, build_engine
+
+from .batch import Batch, gather_batch, row_fields
 
 
 class Role:
@@ -124,7 +126,7 @@ class ModelRole(Role):
         return gather_rows(local, rows, n_rows, width, group=self.gather_group if over == "default" else over)
 
     @torch.no_grad()
-    def logprobs(self, batch: RolloutBatch, temperature: float, micro: int, chunk: int, packing: bool) -> torch.Tensor:
+    def logprobs(self, batch: Batch, temperature: float, micro: int, chunk: int, packing: bool) -> torch.Tensor:
         """log pi(a_t | s_<t) of the response tokens, (B, R), masked."""
         def fn(p: slice):
             model, dev = self.engine.model, self.engine.compute_device
@@ -136,7 +138,7 @@ class ModelRole(Role):
         return self.rows_forward(batch.sequences.size(0), micro, fn, batch.num_actions) * batch.action_mask
 
     @torch.no_grad()
-    def values(self, batch: RolloutBatch, micro: int) -> torch.Tensor:
+    def values(self, batch: Batch, micro: int) -> torch.Tensor:
         """Critic values of the response positions, (B, R), masked."""
         def fn(p: slice):
             model, dev = self.engine.model, self.engine.compute_device
@@ -145,7 +147,7 @@ class ModelRole(Role):
         return self.rows_forward(batch.sequences.size(0), micro, fn, batch.num_actions) * batch.action_mask
 
     @torch.no_grad()
-    def scores(self, batch: RolloutBatch, micro: int, stats, over: Any = "default") -> torch.Tensor:
+    def scores(self, batch: Batch, micro: int, stats, over: Any = "default") -> torch.Tensor:
         """Reward-model scores, (B,), on every rank of ``over`` (see ``rows_forward``)."""
         fn = lambda p: score_sequences(self.engine.model, batch.sequences[p], batch.attention_mask[p], stats,  # noqa: E731
                                        p.stop - p.start if hasattr(micro, "plan") else micro,
@@ -177,7 +179,7 @@ class RolloutRole(Role):
     def prompt_rows(self, n_prompts: int, engine: int) -> slice:
         return shard_rows(n_prompts, engine, len(self.engine_ranks))
 
-    def generate(self, prompts, params: SamplingParams) -> Optional[RolloutBatch]:
+    def generate(self, prompts, params: SamplingParams) -> Optional[Batch]:
         """This rank's engine generates for its engine's prompts (no world collective: the rollout ranks may
         run this while other roles train).  Returns the rows on the engine's first rank, else None."""
         e = self.engine_index
@@ -192,7 +194,7 @@ class RolloutRole(Role):
         batch = self.engine.generate([p.ids for p in mine], params)
         return batch if first else None
 
-    def run_agent(self, mine, params: SamplingParams, first: bool) -> Optional[RolloutBatch]:
+    def run_agent(self, mine, params: SamplingParams, first: bool) -> Optional[Batch]:
         """The agent runs on the engine's first rank only (its environment steps once per episode); the engine's
         other TP ranks take part in each of its generate calls (colocated: vLLM's TP ranks run in lock-step) or,
         with vLLM in its own processes, have nothing to do."""
@@ -204,13 +206,11 @@ class RolloutRole(Role):
         finally:
             self.engine.end_requests()
 
-    def gather(self, local: Optional[RolloutBatch], n_prompts: int, n_samples: int, pad_id: int,
-               with_rewards: bool = False) -> RolloutBatch:
-        """The full batch on every rank, re-padded to a common prompt and response width.
-
-        Collectives (every rank, whatever it holds): one max of the widths, one gather of the
-        integer columns, one of the float columns."""
-        n = n_prompts * n_samples
+    def gather(self, local: Optional[Batch], n_prompts: int, n_samples: int, pad_id: int,
+               with_rewards: bool = False) -> Batch:
+        """The full batch on every rank, re-padded to a common prompt and response width (``gather_batch``: one
+        max of the widths, one gather of the int fields, one of the float fields; every rank, whatever it holds).
+        ``with_rewards``: the rows carry the environment's rewards and scores (agents)."""
         owned: Optional[slice] = None
         e = self.engine_index
         if local is not None:
@@ -218,31 +218,8 @@ class RolloutRole(Role):
             owned = slice(pr.start * n_samples, pr.stop * n_samples)
             assert local.sequences.size(0) == owned.stop - owned.start, \
                 f"engine {e} returned {local.sequences.size(0)} rows for {owned.stop - owned.start}"
-        P_loc = local.prompt_len if local is not None else 0
-        R_loc = local.num_actions if local is not None else 0
-        P, R = gather_max([P_loc, R_loc])
-        ints = floats = None
-        if local is not None:
-            lp, rp = P - local.prompt_len, R - local.num_actions
-            pad = torch.nn.functional.pad
-            seq = pad(local.sequences, (lp, rp), value=pad_id)
-            att = pad(local.attention_mask, (lp, rp))
-            am = pad(local.action_mask, (0, rp))
-            ints = torch.cat([seq, att, am, local.truncated.long().unsqueeze(1)], 1)
-            cols = [pad(local.rollout_logprobs.float(), (0, rp))]
-            if with_rewards:
-                cols += [local.rewards.float().unsqueeze(1), local.scores.float().unsqueeze(1)]
-            floats = torch.cat(cols, 1)
-        ints = gather_rows(ints, owned, n, 2 * (P + R) + R + 1, torch.long)
-        floats = gather_rows(floats, owned, n, R + (2 if with_rewards else 0), torch.float32)
-        # rows nobody owned would be all-zero; every row has an owner by construction
-        seq, att = ints[:, :P + R], ints[:, P + R:2 * (P + R)]
-        seq = torch.where(att.bool(), seq, torch.full_like(seq, pad_id))
-        am, tr = ints[:, 2 * (P + R):2 * (P + R) + R], ints[:, -1].bool()
-        rewards = scores = None
-        if with_rewards:
-            rewards, scores = floats[:, R], floats[:, R + 1]
-        return RolloutBatch(seq, att, am, floats[:, :R], P, tr, rewards, scores)
+        names = row_fields("rollout") + (["rewards", "scores"] if with_rewards else [])
+        return gather_batch(local, owned, n_prompts * n_samples, names, pad_id)
 
 
 @dataclass

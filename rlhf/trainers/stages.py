@@ -1,0 +1,355 @@
+"""One RL step as a list of declared stages: rollout -> reward -> (produce) -> ref -> values -> old log-probs ->
+advantages -> critic update -> actor update -> (reward ahead) -> weight sync.
+
+A stage declares its ``role`` (what the phase scheduler wakes; with ``share`` / ``tags`` what stays resident), the
+``Batch`` fields it ``reads`` and ``writes``, whether rollout ranks of their own skip it under --async_train
+(``trainers_only``) and its watchdog deadline (``deadline_s``; None: the default), and runs as
+``run(batch, roles)``: it never sees the trainer.  What it needs besides (forwards, scorer, scheduler, ...) it is
+given when ``build_stages`` builds the list, which also decides once which stages apply, from the config and the
+placement (shared by every rank, never a rank's own data).  The trainer's loop, the watchdog's deadlines
+(``stage_deadlines``) and ``memory_stages`` (the memory planner's list) read this one list.  Inside a stage the
+role's members compute their shard and the rows are gathered to every rank (``Role`` methods), so after each
+stage every rank holds the same batch.  The loop's shape follows torchtitan
+torchtitan/experiments/rl/controller.py (each phase says what it consumes and what it waits for); the build, the
+components' own ``from_config``, torchtitan torchtitan/config/configurable.py (a Config that ``build()``s its part).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .advantage_stage import _gap_metric, advantage_stage, needs_old_logprobs
+from .batch import Batch, cat, row_fields
+from .cadence import log0
+from .experience import Forwards, Rollouts, Sampler, Scorer, gap_due, measures_gap_only, on_policy_single_update, refills
+from .ppo_update import train_actor, train_critic
+
+
+class Stage:
+    """A stage of the RL step (see the module docstring); subclasses set the class attributes and ``run``."""
+    name: str = ""
+    role: Optional[str] = None        # the role the phase scheduler wakes (None: no model, or its own phase)
+    share: Optional[str] = None       # the role that stays awake with it (same device)
+    tags: Optional[List[str]] = None  # what of ``role`` wakes (None: everything)
+    reads: Tuple[str, ...] = ()
+    writes: Tuple[str, ...] = ()
+    # the rollout ranks of their own skip it under --async_train (they generate meanwhile): its collectives run
+    # over the model roles' ranks only (Groups.trainers); from the placement, so the same on every rank of a kind
+    trainers_only: bool = False
+    deadline_s: Optional[float] = None
+    # what the memory planner plans for it (rlhf.planning.memory ``group_stages``): "forward" (a no-grad forward
+    # of ``role``), "update" (``role``'s optimizer steps), None (planned there on its own terms, or nothing)
+    memory: Optional[str] = None
+
+    def run(self, batch: Batch, roles) -> None:
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.name}, role={self.role})"
+
+
+ROLLOUT = tuple(row_fields("rollout"))
+REWARD = tuple(row_fields("reward"))
+
+
+class RolloutStage(Stage):
+    name, role, writes = "rollout", "rollout", ROLLOUT
+
+    def __init__(self, rollouts: Rollouts, sampler: Sampler, scheduler, queue=None, deadline_s=None):
+        self.rollouts, self.sampler, self.scheduler, self.queue = rollouts, sampler, scheduler, queue
+        self.deadline_s = deadline_s
+
+    def run(self, batch: Batch, roles) -> None:
+        if self.queue is not None:  # generated ahead (rlhf.trainers.async_rollout): gathered now
+            self.queue.take(batch)
+            return
+        batch.fill(self.rollouts.generate(roles, batch.prompts, self.sampler.params(batch.step)))
+        self.scheduler.sync_follows("rollout")  # the step's weight sync comes before the next generate: vLLM
+        # sleeps level 2
+
+
+class RewardStage(Stage):
+    # async: streamed as the groups completed, or scored ahead (``reward_ahead``): then this stage does not apply
+    name, role, reads, writes, trainers_only = "reward", "reward", ("sequences", "prompts"), REWARD, True
+    memory = "forward"  # a reward model's (a reward function holds no device memory)
+
+    def __init__(self, scorer: Scorer):
+        self.scorer = scorer
+
+    def run(self, batch: Batch, roles) -> None:
+        batch.fill(self.scorer.score(batch, roles, batch.labels), REWARD)
+
+
+@dataclass
+class Refill:
+    """Dynamic filtering with refill (--dynamic_filtering_reward_range, --dynamic_filtering_max_rounds), a draw
+    of ``k`` more prompts (``draw(step, round, k)``), each round's deadline ``round_s``."""
+    reward_range: Tuple[float, float]
+    max_rounds: int
+    draw: Callable
+    round_s: float
+
+
+class RefillRolloutStage(Stage):
+    """Dynamic sampling with refill (DAPO / OpenRLHF): generate and score; keep the prompt groups whose mean score
+    lies inside --dynamic_filtering_reward_range; while fewer than --rollout_batch_size groups passed, generate for
+    more prompts (as many as the observed pass rate says are needed), up to --dynamic_filtering_max_rounds extra
+    rounds.  The batch then holds the first rollout_batch_size kept groups; if it still is not full, filtered
+    groups fill it and stay masked out of the loss (counted in ``filtered_frac``).
+
+    Every decision reads gathered scores, the same on every rank, so every rank runs the same rounds."""
+    name, writes = "rollout_refill", ROLLOUT + REWARD + ("prompts",)
+
+    def __init__(self, rollouts: Rollouts, scorer: Scorer, sampler: Sampler, scheduler, watchdog, refill: Refill,
+                 deadline_s: float):
+        self.rollouts, self.scorer, self.sampler = rollouts, scorer, sampler
+        self.scheduler, self.watchdog, self.refill, self.deadline_s = scheduler, watchdog, refill, deadline_s
+
+    def _round(self, roles, prompts: list, n: int, step: int, rounds: int) -> Batch:
+        """One round's rows with their rewards: generation + scoring under the round's own deadline."""
+        with self.watchdog.phase(f"rollout_refill round {rounds + 1}", deadline_s=self.refill.round_s):
+            with self.scheduler.phase("rollout", role="rollout"):
+                batch = self.rollouts.generate(roles, prompts, self.sampler.params(step, salt=rounds))
+            # a reward function holds no device memory: the engine stays awake while it scores, so another round
+            # generates with nothing moved, and only the last round's sleep comes, at level 2 (a sync follows it);
+            # a reward model on this rank needs the device: the engine sleeps, at level 2 in the last allowed round
+            rm_here = "reward" in self.scheduler.roles
+            if rm_here and rounds + 1 > self.refill.max_rounds:
+                self.scheduler.sync_follows("rollout")
+            with self.scheduler.phase("reward", role="reward", share=None if rm_here else "rollout"):
+                labels = [p.label for p in prompts for _ in range(n)]
+                return batch.fill(self.scorer.score(batch, roles, labels), REWARD)
+
+    def run(self, st: Batch, roles) -> None:
+        from rlhf.algorithms import dynamic_filter_mask, dynamic_filter_refill
+
+        f, n, target = self.refill, st.n_samples, len(st.prompts)
+        prompts, kept, spare = st.prompts, [], []   # (prompt, its rows with their rewards) pieces, one group each
+        rounds = seen = passed = 0
+        while True:  # each round its own deadline; the stage's deadline is the sum over the rounds
+            batch = self._round(roles, prompts, n, st.step, rounds)
+            keep = dynamic_filter_mask(batch.scores, n, f.reward_range, batch.valid).view(-1, n)[:, 0]
+            for g, ok in enumerate(keep.tolist()):
+                (kept if ok else spare).append((prompts[g], batch.select(torch.arange(g * n, (g + 1) * n))))
+            seen, passed, rounds = seen + len(prompts), passed + int(keep.sum()), rounds + 1
+            if len(kept) >= target or rounds > f.max_rounds:
+                self.scheduler.sync_follows("rollout")  # the step's weight sync comes before the next generate
+                break
+            prompts = f.draw(st.step, rounds, dynamic_filter_refill(len(kept), target, passed / seen,
+                                                                    max_extra=4 * target))
+        if len(kept) < target:
+            log0(f"[dynamic filtering] step {st.step + 1}: {len(kept)} of {target} prompt groups passed "
+                 f"--dynamic_filtering_reward_range {tuple(f.reward_range)} after {rounds} rounds ({seen} prompts); "
+                 f"the other {target - len(kept)} train nothing (masked). If this repeats, widen the range or raise "
+                 f"--dynamic_filtering_max_rounds")
+        chosen = (kept + spare)[:target]
+        st.prompts = [c[0] for c in chosen]
+        st.fill(cat([c[1] for c in chosen], self.rollouts.pad_id))
+        st.metrics.update({"dynamic_filter_rounds": float(rounds), "dynamic_filter_pass_rate": passed / seen,
+                           "dynamic_filter_generated_prompts": float(seen)})
+
+
+class ProduceStage(Stage):
+    """Async: the rollout ranks generate the batch of step t + K now, with this step's weights, while the actor
+    ranks train on this one (no collective: the batch is gathered when its step comes)."""
+    name = "produce"
+
+    def __init__(self, queue, k: int, total_steps: int, deadline_s: float):
+        self.queue, self.k, self.total, self.deadline_s = queue, k, total_steps, deadline_s
+
+    def run(self, batch: Batch, roles) -> None:
+        if batch.step + self.k < self.total:
+            self.queue.produce(batch.step, batch.step + self.k)
+
+
+class RewardAheadStage(ProduceStage):
+    """Async with a reward model: the batch ``produce`` just made goes to the reward model's ranks and is scored
+    there (``AsyncRollout.score_ahead``), after the updates: a reward model on ranks of its own (or the critic's)
+    scores while the actor trains, one on the actor's ranks scores while the actor would wait for the engines at
+    the weight sync anyway.  The rollout and reward ranks take part; the others pass."""
+    name = "reward_ahead"
+
+    def run(self, batch: Batch, roles) -> None:
+        if batch.step + self.k < self.total:  # the produce stage made a batch this step
+            self.queue.score_ahead(1)
+
+
+class ForwardStage(Stage):
+    """``role``'s no-grad forward over the batch, gathered to every rank, into the field it ``writes``."""
+    trainers_only, memory = True, "forward"
+    reads = ("sequences", "attention_mask", "action_mask")
+
+    def __init__(self, forwards: Forwards):
+        self.forwards = forwards
+
+    def run(self, batch: Batch, roles) -> None:
+        setattr(batch, self.writes[0], self.forward(getattr(roles, self.role), batch))
+
+    def forward(self, role, batch: Batch):
+        return self.forwards.logprobs(role, batch)
+
+
+class RefStage(ForwardStage):
+    name, role, writes = "ref", "ref", ("ref_logprobs",)
+
+
+class ValuesStage(ForwardStage):
+    name, role, writes = "values", "critic", ("values",)
+
+    def forward(self, role, batch: Batch):
+        return self.forwards.run(role, batch, role.values)
+
+
+class OldLogprobsStage(ForwardStage):
+    name, role, writes = "old_logprobs", "actor", ("old_logprobs",)
+
+
+class LogprobGapStage(Stage):
+    """issue 26 item 4: on-policy single-update steps skip the trainer's own log-prob forward, so nothing compares
+    the rollout engine's log-probs with the trainer's (a stale vLLM LM head went unseen).  On the steps ``gap_due``
+    names, the actor group runs that forward on the rollout batch (every member, SPMD; the other ranks take the
+    gather) and logs ``rollout_logprob_gap`` (advantage_stage._gap_metric, the same definition as on the steps that
+    compute old log-probs).  The log-probs serve the metric only: ``old_logprobs`` stays None, so the update is
+    the same with the measurement as without it.  No stage role: it opens its own scheduler phase when due."""
+    name, trainers_only, reads = "logprob_gap", True, ("sequences", "rollout_logprobs", "action_mask")
+
+    def __init__(self, forwards: Forwards, scheduler, interval: int):
+        self.forwards, self.scheduler, self.interval = forwards, scheduler, interval
+
+    def run(self, batch: Batch, roles) -> None:
+        if not gap_due(self.interval, batch.step):
+            return
+        with self.scheduler.phase("logprob_gap", role="actor"):
+            lp = self.forwards.logprobs(roles.actor, batch)
+        batch.metrics.update(_gap_metric(lp, batch.rollout_logprobs, batch.action_mask.float()))
+
+
+class AdvantagesStage(Stage):
+    """rlhf.trainers.advantage_stage on the gathered batch (no collective)."""
+    name, trainers_only = "advantages", True
+    reads = REWARD + ("action_mask", "truncated", "rollout_logprobs", "old_logprobs", "ref_logprobs", "values")
+    writes = ("action_mask", "advantages", "returns")
+
+    def __init__(self, cfg, reward_norm, guard):
+        self.cfg, self.reward_norm, self.guard = cfg, reward_norm, guard
+
+    def run(self, batch: Batch, roles) -> None:
+        out = advantage_stage(self.cfg, batch, batch.kl_coef, self.reward_norm, self.guard)
+        batch.fill(out, self.writes)
+        batch.metrics.update(out.metrics)
+
+
+class UpdateStage(Stage):
+    """The critic's or the actor's optimizer steps on the batch (its members; the others pass).  The actor's
+    waits --freezing_actor_steps (the step counter is shared: every rank skips alike)."""
+    trainers_only, memory = True, "update"
+    reads = ("sequences", "attention_mask", "action_mask", "advantages", "returns", "old_logprobs", "ref_logprobs",
+             "rollout_logprobs", "values")
+
+    def __init__(self, cfg, role: str, frozen_steps: int = 0):
+        self.cfg, self.role, self.name, self.frozen = cfg, role, f"{role}_update", frozen_steps
+
+    def run(self, batch: Batch, roles) -> None:
+        r = getattr(roles, self.role)
+        if batch.step < self.frozen or not r.is_member:
+            return
+        if self.role == "critic":
+            batch.metrics.update(train_critic(self.cfg, r.engine, batch, r.dp_index, r.dp_size, batch.step))
+        else:
+            batch.metrics.update(train_actor(self.cfg, r.engine, batch, r.dp_index, r.dp_size, batch.kl_coef,
+                                             batch.step))
+
+
+def sync_weights(weight_sync, roles) -> None:
+    """Actor -> rollout engines.  Colocated: every rank; separate: the actor and rollout ranks."""
+    actor, rollout = roles.actor, roles.rollout
+    if actor.is_member or rollout.is_member:
+        weight_sync.sync(actor.engine.model if actor.is_member else None)
+
+
+class WeightSyncStage(Stage):
+    name, role, share, tags = "weight_sync", "rollout", "actor", ["weights"]
+
+    def __init__(self, weight_sync, deadline_s: Optional[float]):
+        self.weight_sync, self.deadline_s = weight_sync, deadline_s
+
+    def run(self, batch: Batch, roles) -> None:
+        sync_weights(self.weight_sync, roles)
+
+
+@dataclass
+class StageParts:
+    """What the stages are built from besides the config: the placement's roles (``has``: role -> exists), the
+    components, and the watchdog's timeouts (default, slow, one refill round and a whole refill)."""
+    has: Dict[str, bool]
+    agent_mode: bool
+    reward_source: Optional[Callable]
+    forwards: Forwards
+    rollouts: Rollouts
+    scorer: Scorer
+    sampler: Sampler
+    scheduler: object
+    watchdog: object
+    weight_sync: object
+    reward_norm: object
+    guard: object
+    queue: object
+    refill_draw: Callable
+    total_steps: int
+    timeouts: Tuple[float, float, float, float]
+
+
+def rewards_ahead(async_train: bool, agent_mode: bool, reward_model: bool, reward_source: bool) -> bool:
+    """--async_train takes the rewards with the batch (streamed by the rollout ranks, or scored ahead by a reward
+    model): no reward stage.  From config and placement: the same on every rank."""
+    from .async_rollout import scores_ahead, streams_rewards
+
+    return async_train and (streams_rewards(agent_mode, reward_model, reward_source)
+                            or scores_ahead(agent_mode, reward_model))
+
+
+def build_stages(cfg, p: StageParts) -> List[Stage]:
+    """The stages of one RL step that apply here, in order: decided once, from config and placement."""
+    r, a = cfg.rollout, cfg.algorithm
+    default_s, slow_s, round_s, refill_s = p.timeouts
+    wait_s = slow_s + default_s if r.async_train else None  # async: waits for the rollout ranks' produce
+    refill = refills(cfg)
+    out: List[Optional[Stage]] = [
+        None if refill else RolloutStage(p.rollouts, p.sampler, p.scheduler, p.queue, slow_s),
+        None if refill or rewards_ahead(r.async_train, p.agent_mode, p.has["reward"], p.reward_source is not None)
+        else RewardStage(p.scorer),
+        RefillRolloutStage(p.rollouts, p.scorer, p.sampler, p.scheduler, p.watchdog,
+                           Refill(tuple(a.dynamic_filtering_reward_range), a.dynamic_filtering_max_rounds,
+                                  p.refill_draw, round_s), refill_s) if refill else None,
+        ProduceStage(p.queue, r.async_queue_size, p.total_steps, slow_s) if r.async_train else None,
+        RefStage(p.forwards) if p.has["ref"] else None,
+        ValuesStage(p.forwards) if p.has["critic"] else None,
+        OldLogprobsStage(p.forwards) if needs_old_logprobs(cfg, on_policy_single_update(cfg)) else None,
+        LogprobGapStage(p.forwards, p.scheduler, cfg.logging.logprob_gap_interval) if measures_gap_only(cfg)
+        else None,
+        AdvantagesStage(cfg, p.reward_norm, p.guard),
+        UpdateStage(cfg, "critic") if p.has["critic"] else None,
+        UpdateStage(cfg, "actor", cfg.optim.freezing_actor_steps),
+        RewardAheadStage(p.queue, r.async_queue_size, p.total_steps, wait_s)
+        if r.async_train and p.has["reward"] else None,
+        WeightSyncStage(p.weight_sync, wait_s),
+    ]
+    return [s for s in out if s is not None]
+
+
+def stage_deadlines(stages: Sequence[Stage]) -> Dict[str, float]:
+    """The watchdog's deadline per stage name, from the stages that declare one."""
+    return {s.name: s.deadline_s for s in stages if s.deadline_s is not None}
+
+
+def memory_stages() -> Dict[str, List[Tuple[str, str]]]:
+    """(stage name, role) of the stages the memory planner plans by kind ("forward", "update"), in the loop's
+    order: every one that may apply (the planner keeps those whose role the job has)."""
+    every = [RewardStage, RefStage, ValuesStage, OldLogprobsStage, UpdateStage(None, "critic"),
+             UpdateStage(None, "actor")]
+    out: Dict[str, List[Tuple[str, str]]] = {"forward": [], "update": []}
+    for s in every:
+        out[s.memory].append((s.name, s.role))
+    return out
