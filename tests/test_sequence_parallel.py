@@ -250,6 +250,15 @@ def _engine(cfg, model, sp_size, rank, world, lr=1e-3):
     return eng, _GradTap(eng)
 
 
+def _update_role(cls, cfg, engine, dp_rank, dp_size):
+    """An Actor or Critic over ``engine`` at data-parallel coordinates (dp_rank, dp_size), as build_roles makes it."""
+    from rlhf.trainers.ppo_update import update_settings
+
+    role = cls(cls.__name__.lower(), list(range(dp_size)), engine.group, dp_rank, cfg.algorithm, update_settings(cfg))
+    role.engine = engine
+    return role
+
+
 def _engine_checks(rank, world, kit):
     """Trainer-level on FSDP2 over both ranks: N=1 is 2 data-parallel ranks, N=2 one SP group; the optimizer
     steps' full gradients (after FSDP2's reduce-scatter) and the logged losses must agree."""
@@ -258,8 +267,9 @@ def _engine_checks(rank, world, kit):
     from rlhf.config import parse
     from rlhf.distributed.sequence_parallel import dp_coords
     from rlhf.models.critic import CriticModel
+    from rlhf.trainers.actor import Actor
+    from rlhf.trainers.critic_role import Critic
     from rlhf.trainers.experience import Experience
-    from rlhf.trainers.ppo_update import train_actor, train_critic
     from rlhf.trainers.tasks import DPOTask, SFTTask
 
     def lm():
@@ -282,11 +292,11 @@ def _engine_checks(rank, world, kit):
         dp, dps, _ = dp_coords(rank, world, n)
         torch.manual_seed(0)
         eng, tap = _engine(cfg, lm(), n, rank, world)
-        met = train_actor(cfg, eng, exp, dp, dps, 0.01, step_seed=3)
+        met = _update_role(Actor, cfg, eng, dp, dps).update(exp, 0.01, step=3)
         torch.manual_seed(0)
         ceng, ctap = _engine(cfg, CriticModel(AutoModel.from_pretrained(kit, attn_implementation="sdpa",
                                                                         dtype=torch.float32), 64), n, rank, world)
-        cmet = train_critic(cfg, ceng, exp, dp, dps, step_seed=3)
+        cmet = _update_role(Critic, cfg, ceng, dp, dps).update(exp, 0.0, step=3)
         out[n] = (tap.grads, met, ctap.grads, cmet)
     _assert_same_steps("actor step", out[1][0], out[2][0])
     _assert_same_steps("critic step", out[1][2], out[2][2])

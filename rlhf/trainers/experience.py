@@ -21,7 +21,6 @@ from rlhf.rollout.base import RolloutBatch
 from .advantage_stage import StageInputs, _gap_metric, advantage_stage, needs_old_logprobs
 from .async_rollout import rewards_ahead
 from .cadence import log0
-from .ppo_update import train_actor, train_critic
 
 
 @dataclass
@@ -341,7 +340,7 @@ def reward_ahead_stage(tr, st: StepState) -> None:
 def critic_update_stage(tr, st: StepState) -> None:
     c = tr.roles.critic
     if c.is_member:
-        st.metrics.update(train_critic(tr.cfg, c.engine, st.experience, c.dp_index, c.dp_size, st.step))
+        st.metrics.update(c.update(st.experience, st.kl_coef, st.step))
 
 
 def actor_update_stage(tr, st: StepState) -> None:
@@ -349,8 +348,7 @@ def actor_update_stage(tr, st: StepState) -> None:
     if st.step < tr.cfg.optim.freezing_actor_steps:  # the step counter is shared: every rank skips alike
         return
     if a.is_member:
-        st.metrics.update(train_actor(tr.cfg, a.engine, st.experience, a.dp_index, a.dp_size, st.kl_coef,
-                                                    st.step))
+        st.metrics.update(a.update(st.experience, st.kl_coef, st.step))
 
 
 def weight_sync_stage(tr, st: StepState) -> None:
