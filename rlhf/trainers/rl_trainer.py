@@ -322,7 +322,7 @@ class RLTrainer:
 
         def write(tmp):
             for role in self.roles.trained():
-                role.state_dict(os.path.join(tmp, role.state_name or role.name))
+                role.state_dict(os.path.join(tmp, role.state_dir))
 
         state = {"step": self.step, "kl_coef": self.kl_ctl.value,
                  "reward_norm": self.reward_norm.state_dict() if self.reward_norm else None,
@@ -340,7 +340,7 @@ class RLTrainer:
             return False
         with self.watchdog.phase("load"):
             for role in self.roles.trained():
-                role.load_state_dict(os.path.join(path, role.state_name or role.name))
+                role.load_state_dict(os.path.join(path, role.state_dir))
             st = ckpt.load_trainer_state(path)
             self.step = st["step"]
             self.kl_ctl.value = st["kl_coef"]

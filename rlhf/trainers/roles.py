@@ -100,6 +100,10 @@ class ModelRole(Role):
     trains = False   # whether it holds optimizer state: its state is part of a run's checkpoint
     state_name = ""  # its directory in a run's checkpoint ("": the role's name)
 
+    @property
+    def state_dir(self) -> str:
+        return self.state_name or self.name
+
     def state_dict(self, path: str) -> None:
         """The engine's checkpoint (model and optimizer shards, scheduler) under ``path``."""
         if self.is_member:

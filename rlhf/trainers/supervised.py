@@ -175,9 +175,9 @@ class SupervisedTrainer:
         self.total_steps, capped = planned_steps(self.steps_per_epoch, o.max_epochs, o.max_global_steps, "--max_epochs")
         self.rank, self.world, _, self.device = comm.init(t.dist_timeout_s)
         # --ring_attn_size: consecutive ranks split each sequence; each such group is one data-parallel rank
-        self.groups = build_groups(supervised_placement(self.world, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)),
-                                                        t.ring_attn_size, self.task.needs_reference(
-                                                            self.train_samples + self.eval_samples)), self.rank)
+        plan = supervised_placement(self.world, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)), t.ring_attn_size,
+                                    self.task.needs_reference(self.train_samples + self.eval_samples))
+        self.groups = build_groups(plan, self.rank)
         self.sp = self.groups.sp_of("actor")
         self.dp_rank, self.dp_world, _ = dp_coords(self.rank, self.world, self.sp.size)
         if capped:
@@ -290,7 +290,7 @@ class SupervisedTrainer:
     def write_roles(self, tmp: str) -> None:
         """Each trained role's state under the checkpoint being written (the actor's: ``model/``)."""
         for role in self.roles.trained():
-            role.state_dict(os.path.join(tmp, role.state_name or role.name))
+            role.state_dict(os.path.join(tmp, role.state_dir))
 
     def resume(self) -> bool:
         with self.watchdog.phase("load"):  # the verification reads the whole checkpoint (in shares), then the load
@@ -298,7 +298,7 @@ class SupervisedTrainer:
             if path is None:  # preflight said so (check_resume: "no checkpoint ... starting from step 0")
                 return False
             for role in self.roles.trained():
-                role.load_state_dict(os.path.join(path, role.state_name or role.name))
+                role.load_state_dict(os.path.join(path, role.state_dir))
             self.step = ckpt.load_trainer_state(path)["step"]
             ckpt.load_rank_state(path)
         log0(f"[resume] from {path} at step {self.step}")
