@@ -55,6 +55,9 @@ class Actor(ModelRole):
     def update(self, batch, kl_coef: float, step: int) -> Dict[str, float]:
         """One RL step's optimizer steps on ``batch`` (the step record: sequences, attention_mask, action_mask,
         rollout_logprobs, old_logprobs, ref_logprobs, advantages); this rank's metrics."""
+        if self.settings is None:
+            raise RuntimeError(f"{self!r} was built without update settings (a supervised trainer's Actor trains "
+                               f"through its task loss); build RL actors with rlhf.trainers.roles.build_roles")
         s, engine, world = self.settings, self.engine, self.dp_size
         engine.model.train()
         aux = AuxLossTap(engine.model, self.algo.aux_loss_coef != 0)
