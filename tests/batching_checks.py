@@ -33,6 +33,22 @@ def skewed_experience(P: int = 6, R: int = 12, seed: int = 0):
                  ref_logprobs=f() - 2.0, values=f(), advantages=f(), returns=f(), scores=torch.zeros(n), prompt_len=P)
 
 
+def update_role(cls, cfg, engine, dp_rank: int, dp_size: int):
+    """An Actor or Critic over ``engine`` at data-parallel coordinates (dp_rank, dp_size), as build_roles makes it
+    (rlhf.trainers.roles.model_role): for tests that drive one ``update``."""
+    from rlhf.distributed.mesh import RoleMesh
+    from rlhf.distributed.sequence_parallel import SP
+    from rlhf.trainers.ppo_update import update_settings
+
+    m = getattr(engine, "mesh", None)  # test code: stand-in engines have none
+    sp = m.sp if m is not None else SP()
+    mesh = RoleMesh(cls.__name__.lower(), list(range(dp_size * sp.size)), dp_rank * sp.size + sp.rank,
+                    {"dp": dp_size, "sp": sp.size}, group=m.group if m is not None else None, sp=sp)
+    role = cls(cls.__name__.lower(), mesh, cfg.algorithm, update_settings(cfg))
+    role.engine = engine
+    return role
+
+
 def _config(packing: bool, dynamic: bool, budget: int):
     from rlhf.config.schema import TrainConfig
 
@@ -79,7 +95,9 @@ def check_dynamic_batch_equals_fixed(rank, world, kit):
     from rlhf.backends.fsdp2 import FSDP2Engine
     from rlhf.models.critic import CriticModel
     from rlhf.models.load import load_causal_lm
-    from rlhf.trainers.ppo_update import row_items, train_actor, train_critic
+    from rlhf.trainers.actor import Actor
+    from rlhf.trainers.critic_role import Critic
+    from rlhf.trainers.ppo_update import row_items
 
     exp = skewed_experience()
     budget = 18
@@ -93,7 +111,8 @@ def check_dynamic_batch_equals_fixed(rank, world, kit):
         res = {}
         for dynamic in (False, True):
             cfg = _config(packed, dynamic, budget)
-            res[dynamic] = _grads_of_one_step(lambda: train_actor(cfg, eng, exp, rank, world, 0.1, 3), eng)
+            res[dynamic] = _grads_of_one_step(lambda: update_role(Actor, cfg, eng, rank, world).update(exp, 0.1, 3),
+                                              eng)
         (fixed, gf), (dyn, gd) = res[False], res[True]
         for k in ("policy_loss", "kl_loss", "entropy"):  # each rank logs its share x world: the mean is the value
             f, d = _mean_over_ranks(fixed[k], world), _mean_over_ranks(dyn[k], world)
@@ -107,7 +126,8 @@ def check_dynamic_batch_equals_fixed(rank, world, kit):
     res = {}
     for dynamic in (False, True):
         cfg = _config(False, dynamic, budget)
-        res[dynamic] = _grads_of_one_step(lambda: train_critic(cfg, ceng, exp, rank, world, 3), ceng)
+        res[dynamic] = _grads_of_one_step(lambda: update_role(Critic, cfg, ceng, rank, world).update(exp, 0.0, 3),
+                                          ceng)
     (fixed, gf), (dyn, gd) = res[False], res[True]
     f, d = _mean_over_ranks(fixed["value_loss"], world), _mean_over_ranks(dyn["value_loss"], world)
     assert abs(f - d) < 1e-5, f"critic value_loss {d} with token budgets, {f} fixed"
@@ -162,7 +182,7 @@ def check_deepspeed_token_budgets(rank, world, kit, stage):
 
     from rlhf.backends.base import EngineSpec
     from rlhf.backends.deepspeed_engine import DeepSpeedEngine
-    from rlhf.trainers.ppo_update import train_actor
+    from rlhf.trainers.actor import Actor
 
     exp = skewed_experience()
     lr = 1e-3
@@ -173,7 +193,7 @@ def check_deepspeed_token_budgets(rank, world, kit, stage):
         eng = DeepSpeedEngine(AutoModelForCausalLM.from_pretrained(kit), spec)
         before = eng.full_state_dict()  # a collective: every rank calls it, rank 0 gets the tensors
         before = {k: v.clone() for k, v in before.items()} if rank == 0 else None
-        res[dynamic] = train_actor(_config(False, dynamic, 18), eng, exp, rank, world, 0.1, 3)
+        res[dynamic] = update_role(Actor, _config(False, dynamic, 18), eng, rank, world).update(exp, 0.1, 3)
         after = eng.full_state_dict()
         if rank == 0:
             params[dynamic] = {k: after[k] - before[k] for k in before}

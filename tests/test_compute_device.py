@@ -138,10 +138,10 @@ def _batch(exp):
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_actor_update_and_logprobs_on_the_compute_device(tiny_kit, packing):
-    from batching_checks import skewed_experience
+    from batching_checks import skewed_experience, update_role
 
     from rlhf.models.load import load_causal_lm
-    from rlhf.trainers.ppo_update import train_actor
+    from rlhf.trainers.actor import Actor
 
     exp = skewed_experience()
     eng = _engine(load_causal_lm(tiny_kit))
@@ -150,15 +150,15 @@ def test_actor_update_and_logprobs_on_the_compute_device(tiny_kit, packing):
     checked_backward(eng, seen)
     lp = _role("actor", eng).logprobs(_batch(exp), 1.0, 2, 1024, packing)
     assert lp.shape == exp.action_mask.shape and torch.isfinite(lp).all() and (lp[exp.action_mask.bool()] < 0).all()
-    logs = train_actor(_rl_config(packing), eng, exp, 0, 1, kl_coef=0.1, step_seed=1)
+    logs = update_role(Actor, _rl_config(packing), eng, 0, 1).update(exp, kl_coef=0.1, step=1)
     assert torch.isfinite(torch.tensor(logs["policy_loss"])) and seen.count("backward") == 4, (logs, seen)
 
 
 def test_critic_update_and_values_on_the_compute_device(tiny_kit):
-    from batching_checks import skewed_experience
+    from batching_checks import skewed_experience, update_role
 
     from rlhf.models.critic import CriticModel
-    from rlhf.trainers.ppo_update import train_critic
+    from rlhf.trainers.critic_role import Critic
 
     exp = skewed_experience()
     eng = _engine(CriticModel.from_pretrained(tiny_kit))
@@ -167,7 +167,7 @@ def test_critic_update_and_values_on_the_compute_device(tiny_kit):
     checked_backward(eng, seen)
     v = _role("critic", eng).values(_batch(exp), 2)
     assert v.shape == exp.action_mask.shape and torch.isfinite(v).all()
-    logs = train_critic(_rl_config(False), eng, exp, 0, 1, step_seed=1)
+    logs = update_role(Critic, _rl_config(False), eng, 0, 1).update(exp, kl_coef=0.0, step=1)
     assert torch.isfinite(torch.tensor(logs["value_loss"])) and seen.count("backward") == 4, (logs, seen)
 
 
@@ -211,14 +211,14 @@ def test_compute_device_is_the_engines_device_else_the_collective_device():
 def test_adam_offload_sft_and_actor_steps_on_cuda(tiny_kit, tmp_path):
     """On a GPU, --adam_offload --bf16 as the CLI builds it: the shards stay in host memory (CPUOffloadPolicy),
     every forward input and loss is on CUDA, and an SFT step and a PPO actor step (log-probs + update) run."""
-    from batching_checks import skewed_experience
+    from batching_checks import skewed_experience, update_role
 
     from rlhf.backends.base import EngineSpec
     from rlhf.backends.fsdp2 import FSDP2Engine
     from rlhf.config import parse
     from rlhf.distributed import comm
     from rlhf.models.load import load_causal_lm
-    from rlhf.trainers.ppo_update import train_actor
+    from rlhf.trainers.actor import Actor
     from rlhf.trainers.supervised import SupervisedTrainer
     from rlhf.trainers.tasks import SFTTask
 
@@ -247,7 +247,7 @@ def test_adam_offload_sft_and_actor_steps_on_cuda(tiny_kit, tmp_path):
         eng.model.register_forward_pre_hook(record, with_kwargs=True)
         lp = _role("actor", eng).logprobs(_batch(exp), 1.0, 2, 1024, False)
         assert torch.isfinite(lp).all()
-        out = train_actor(_rl_config(False), eng, exp, 0, 1, kl_coef=0.1, step_seed=1)
+        out = update_role(Actor, _rl_config(False), eng, 0, 1).update(exp, kl_coef=0.1, step=1)
         assert seen == {"cuda"} and out["policy_loss"] == out["policy_loss"], (seen, out)
     finally:
         tr.watchdog.stop()

@@ -254,12 +254,12 @@ def test_rl_trainer_waits_for_only_roles_it_does_not_hold():
     roles = {"actor": NS(is_member=False), "rollout": NS(is_member=True), "critic": NS(is_member=False)}
     tr = NS(roles=NS(all=lambda: roles))
     wf = lambda stage: RLTrainer.waits_for(tr, stage)  # noqa: E731
-    assert wf(UpdateStage(None, "actor")) == "actor"
+    assert wf(UpdateStage("actor")) == "actor"
     assert wf(WeightSyncStage(None, None)) is None              # a member of rollout
     assert wf(AdvantagesStage(None, None, None)) is None        # no role: every rank works
     assert wf(RewardStage(None)) is None                        # no such role (a function)
     roles["actor"] = NS(is_member=True)
-    assert wf(UpdateStage(None, "actor")) is None
+    assert wf(UpdateStage("actor")) is None
 
 
 def test_watchdog_thread_ends_a_stuck_rank_and_leaves_a_flight_recorder_dump(tmp_path):

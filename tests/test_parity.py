@@ -414,8 +414,9 @@ def _two_rank_worker(rank, world, kit):
     from rlhf.backends.base import EngineSpec
     from rlhf.backends.fsdp2 import FSDP2Engine
     from rlhf.models.forward import action_logprobs
+    from rlhf.trainers.actor import Actor
     from rlhf.trainers.batch import Batch
-    from rlhf.trainers.ppo_update import step_totals, train_actor
+    from rlhf.trainers.ppo_update import step_totals, update_settings
 
     # the count is one collective that every rank runs, also with an empty shard
     tot = step_totals([torch.ones(2, 3)] if rank == 0 else [], None)
@@ -456,7 +457,9 @@ def _two_rank_worker(rank, world, kit):
     eng.step = step
     for mode in ("token-mean", "seq-mean-token-mean"):
         a.loss_agg_mode = mode
-        logs = train_actor(cfg, eng, exp, rank, world, kl_coef=0.1, step_seed=0)
+        actor = Actor("actor", eng.mesh, cfg.algorithm, update_settings(cfg))
+        actor.engine = eng
+        logs = actor.update(exp, kl_coef=0.1, step=0)
         every = [None] * world
         dist.all_gather_object(every, logs["policy_loss"])
         step_loss = sum(every) / world                     # what rl_trainer logs (mean over ranks)
@@ -633,13 +636,13 @@ def test_rm_margin_column_read_per_pair(tiny_kit, tmp_path):
 def test_moe_aux_loss_is_read_and_added():
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from rlhf.trainers.ppo_update import _AuxLossTap
+    from rlhf.trainers.ppo_update import AuxLossTap
 
     torch.manual_seed(0)
     model = MixtralForCausalLM(MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                                              num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
                                              num_experts_per_tok=2))
-    tap = _AuxLossTap(model, True)
+    tap = AuxLossTap(model, True)
     ids = torch.randint(0, 32, (2, 5))
     out = model(input_ids=ids)
     got = tap.take()
@@ -649,7 +652,7 @@ def test_moe_aux_loss_is_read_and_added():
     dense = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
     with pytest.warns(UserWarning, match="--aux_loss_coef is set but the model has no MoE router"):
-        _AuxLossTap(dense, True)
+        AuxLossTap(dense, True)
 
 
 @pytest.mark.parametrize("argv,msg", [

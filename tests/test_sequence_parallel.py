@@ -254,6 +254,21 @@ def _engine(cfg, model, sp_size, rank, world, lr=1e-3):
     return eng, _GradTap(eng)
 
 
+def _update_role(cls, cfg, engine, dp_rank, dp_size):
+    """An Actor or Critic over ``engine`` at data-parallel coordinates (dp_rank, dp_size), as build_roles makes it."""
+    from rlhf.distributed.mesh import RoleMesh
+    from rlhf.distributed.sequence_parallel import SP
+    from rlhf.trainers.ppo_update import update_settings
+
+    m = getattr(engine, "mesh", None)  # test code: stand-in engines have none
+    sp = m.sp if m is not None else SP()
+    mesh = RoleMesh(cls.__name__.lower(), list(range(dp_size * sp.size)), dp_rank * sp.size + sp.rank,
+                    {"dp": dp_size, "sp": sp.size}, group=m.group if m is not None else None, sp=sp)
+    role = cls(cls.__name__.lower(), mesh, cfg.algorithm, update_settings(cfg))
+    role.engine = engine
+    return role
+
+
 def _engine_checks(rank, world, kit):
     """Trainer-level on FSDP2 over both ranks: N=1 is 2 data-parallel ranks, N=2 one SP group; the optimizer
     steps' full gradients (after FSDP2's reduce-scatter) and the logged losses must agree."""
@@ -262,8 +277,9 @@ def _engine_checks(rank, world, kit):
     from rlhf.config import parse
     from rlhf.distributed.sequence_parallel import dp_coords
     from rlhf.models.critic import CriticModel
+    from rlhf.trainers.actor import Actor
     from rlhf.trainers.batch import Batch
-    from rlhf.trainers.ppo_update import train_actor, train_critic
+    from rlhf.trainers.critic_role import Critic
     from rlhf.trainers.tasks import DPOTask, SFTTask
 
     def lm():
@@ -287,11 +303,11 @@ def _engine_checks(rank, world, kit):
         dp, dps, _ = dp_coords(rank, world, n)
         torch.manual_seed(0)
         eng, tap = _engine(cfg, lm(), n, rank, world)
-        met = train_actor(cfg, eng, exp, dp, dps, 0.01, step_seed=3)
+        met = _update_role(Actor, cfg, eng, dp, dps).update(exp, 0.01, step=3)
         torch.manual_seed(0)
         ceng, ctap = _engine(cfg, CriticModel(AutoModel.from_pretrained(kit, attn_implementation="sdpa",
                                                                         dtype=torch.float32), 64), n, rank, world)
-        cmet = train_critic(cfg, ceng, exp, dp, dps, step_seed=3)
+        cmet = _update_role(Critic, cfg, ceng, dp, dps).update(exp, 0.0, step=3)
         out[n] = (tap.grads, met, ctap.grads, cmet)
     _assert_same_steps("actor step", out[1][0], out[2][0])
     _assert_same_steps("critic step", out[1][2], out[2][2])

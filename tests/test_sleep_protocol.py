@@ -205,16 +205,16 @@ def _run(argv):
 
 def _fake_backward_cache(monkeypatch, dev):
     """Each actor update leaves 80 of the device's 100 units in PyTorch's cache (the fake OOMs a wake on it)."""
-    from rlhf.trainers import stages
+    from rlhf.trainers.actor import Actor
 
-    real = stages.train_actor
+    real = Actor.update
 
-    def train_actor(*a, **kw):
+    def update(*a, **kw):
         out = real(*a, **kw)
         dev.hold_cached(80)
         return out
 
-    monkeypatch.setattr(stages, "train_actor", train_actor)
+    monkeypatch.setattr(Actor, "update", update)
 
 
 def _protocol(llm):

@@ -2,7 +2,7 @@
 
 Mirrors OpenRLHF 0.11.2 ``openrlhf/models/loss.py`` ``PolicyLoss.forward`` (IS-correction branch), logged per
 micro-batch in ``openrlhf/trainer/ray/ppo_actor.py`` as ``experience.info["is_filter_ratio"]`` and averaged over the
-micro-batches and data-parallel ranks (here: ``ppo_update.train_actor``, for every --policy_loss_type whose loss
+micro-batches and data-parallel ranks (here: ``rlhf.trainers.actor.Actor.update``, for every --policy_loss_type whose loss
 takes the IS weights, i.e. all but gspo, whose ratio is taken against the rollout; OpenRLHF has ppo and gspo
 only and logs it for ppo).  With ``old`` the trainer's and ``rollout`` the engine's log-probs of the
 sampled tokens and m the action mask, the gated statistic of a unit is

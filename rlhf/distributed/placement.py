@@ -150,14 +150,17 @@ def role_needs(algorithm, model) -> Dict[str, bool]:
                 need_reward_model=model.reward_pretrain is not None)
 
 
-def supervised_placement(world_size: int, gpus_per_node: int, sp: int) -> Placement:
-    """The placement of a supervised job (SFT / RM / DPO): one model on every rank (the ``actor`` role), split into
-    sequence-parallel groups of ``sp`` consecutive ranks; no rollout.  Raises TopologyError as ``sp_groups_for``."""
+def supervised_placement(world_size: int, gpus_per_node: int, sp: int, with_ref: bool = False) -> Placement:
+    """The placement of a supervised job (SFT / RM / DPO): the trained model on every rank (the ``actor`` role) and,
+    with ``with_ref``, DPO's reference on every rank too (``ref``), each split into the same sequence-parallel groups
+    of ``sp`` consecutive ranks; no rollout.  Raises TopologyError as ``sp_groups_for``."""
     ranks = list(range(world_size))
-    plan = Placement(world_size, gpus_per_node, {r: (ranks if r == "actor" else []) for r in ROLES}, [], False,
-                     False, sp_size=sp)
+    held = ("actor", "ref") if with_ref else ("actor",)
+    plan = Placement(world_size, gpus_per_node, {r: (ranks if r in held else []) for r in ROLES}, [],
+                     colocated=True, separate_rollout=False, sp_size=sp)
     if sp > 1:
-        plan.sp_groups = {"actor": sp_groups_for(ranks, sp, gpus_per_node, "world")}
+        groups = sp_groups_for(ranks, sp, gpus_per_node, "world")
+        plan.sp_groups = {r: groups for r in held}  # the same ranks: build_groups makes each group once
     return plan
 
 

@@ -1,4 +1,5 @@
-"""PPO-style updates of the actor (any estimator) and the critic, in micro-batches with accumulation.
+"""The micro-batching of the PPO-style updates (``rlhf.trainers.actor.Actor.update``, any estimator, and
+``rlhf.trainers.critic_role.Critic.update``): optimizer steps of micro-batches with accumulation.
 
 Global loss normalisation: before the micro-batches of an optimizer step run, one all_reduce over the
 role's process group sums this step's token and sequence counts over every micro-batch on every rank
@@ -11,19 +12,14 @@ collective sequence is the same on every rank whatever its data.
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
 from dataclasses import replace
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
-from rlhf.algorithms import LossTotals, aggregate, compute_kl, importance_weights, kl_unbiased_gradient, value_loss
-from rlhf.algorithms.is_filter import is_filter_ratio
-from rlhf.algorithms.masked import masked_mean
-from rlhf.algorithms.registry import POLICY_LOSSES
+from rlhf.algorithms import LossTotals
 from rlhf.algorithms.seqlen_balancing import Item, plan_step
 from rlhf.distributed import comm, shard_rows
-from rlhf.models.forward import action_logprobs, packed_action_logprobs
 
 
 class Micro(NamedTuple):
@@ -61,14 +57,45 @@ class TokenBudget(NamedTuple):
                 for m in micro[rank]]
 
 
-def token_budget(cfg, exp, budget: Optional[int] = None) -> Optional[TokenBudget]:
-    """The batch's TokenBudget under --use_dynamic_batch (None: fixed --micro_train_batch_size)."""
-    if not cfg.optim.use_dynamic_batch:
-        return None
-    from rlhf.config.batching_checks import row_budgets
+class UpdateSettings(NamedTuple):
+    """What an update reads of the config besides the algorithm section (``update_settings``): the epochs and
+    batch sizes of the optimizer steps, the token budget, and how the forward computes log-probs."""
+    max_epochs: int
+    train_batch_size: int
+    micro_train_batch_size: int
+    token_budget: Optional[int]  # --use_dynamic_batch: tokens per rank and micro-batch (None: fixed size)
+    packing_samples: bool
+    temperature: float           # the rollout's (0 -> 1: greedy rollouts are scored at temperature 1)
+    logprob_chunk_size: int
+    lm_head_keep_bytes: int
+    generate_max_len: int        # the constant-normaliser of --loss_agg_mode seq-mean-token-sum-norm
 
-    return TokenBudget(row_items(exp.attention_mask, exp.action_mask), budget or row_budgets(cfg)[0],
-                       cfg.model.packing_samples)
+
+def update_settings(cfg) -> UpdateSettings:
+    """The UpdateSettings of a run's config (the roles keep these, never the whole config)."""
+    o, m, r = cfg.optim, cfg.model, cfg.rollout
+    budget = None
+    if o.use_dynamic_batch:
+        from rlhf.config.batching_checks import row_budgets
+
+        budget = row_budgets(cfg)[0]
+    return UpdateSettings(o.max_epochs, o.train_batch_size, o.micro_train_batch_size, budget, m.packing_samples,
+                          r.temperature if r.temperature > 0 else 1.0, m.logprob_chunk_size, m.lm_head_keep_bytes,
+                          cfg.data.generate_max_len)
+
+
+def token_budget(s: UpdateSettings, exp) -> Optional[TokenBudget]:
+    """The batch's TokenBudget under --use_dynamic_batch (None: fixed --micro_train_batch_size)."""
+    if s.token_budget is None:
+        return None
+    return TokenBudget(row_items(exp.attention_mask, exp.action_mask), s.token_budget, s.packing_samples)
+
+
+def step_batches(s: UpdateSettings, n_rows: int, rank: int, world: int, seed: int, dyn: Optional[TokenBudget]):
+    """Every epoch's optimizer steps, each as this rank's micro-batches (``_minibatches``; epoch e seeds
+    ``seed + e``)."""
+    for epoch in range(s.max_epochs):
+        yield from _minibatches(n_rows, rank, world, s.train_batch_size, s.micro_train_batch_size, seed + epoch, dyn)
 
 
 def _minibatches(n_rows: int, rank: int, world: int, train_batch_size: int, micro: int, epoch_seed: int,
@@ -134,11 +161,11 @@ def step_totals(masks: List[torch.Tensor], group=None, replicas: int = 1) -> Los
     return LossTotals(float(t[0]), float(t[1]))
 
 
-def _mean(d: Dict[str, List[float]]) -> Dict[str, float]:
+def mean_logs(d: Dict[str, List[float]]) -> Dict[str, float]:
     return {k: sum(v) / len(v) for k, v in d.items() if v}
 
 
-class _AuxLossTap:
+class AuxLossTap:
     """Reads a MoE model's load-balancing ``aux_loss`` from its forward output (HF ``output_router_logits``)."""
 
     def __init__(self, model, enabled: bool):
@@ -163,157 +190,3 @@ class _AuxLossTap:
     def close(self):
         if self.handle is not None:
             self.handle.remove()
-
-
-def train_actor(cfg, engine, exp, rank: int, world: int, kl_coef: float, step_seed: int) -> Dict[str, float]:
-    a, o, m, r = cfg.algorithm, cfg.optim, cfg.model, cfg.rollout
-    model = engine.model
-    model.train()
-    dev = engine.compute_device  # not the parameters' device: --adam_offload keeps FSDP2's shards on the host
-    group, replicas = engine.mesh.group, engine.mesh.sp.size  # the role's ranks; an SP group holds the same rows
-    temp = r.temperature if r.temperature > 0 else 1.0
-    loss_fn = POLICY_LOSSES.bound(a.policy_loss_type)  # each loss takes the keywords it names
-    kl_coef = max(float(kl_coef), 0.0)
-    scale = engine.accum_steps * world  # undoes the engine's 1/accum and the DP gradient average
-    norm_const = float(cfg.data.generate_max_len)
-    ent_grad = a.entropy_loss_coef != 0
-    aux = _AuxLossTap(model, a.aux_loss_coef != 0)
-    logs = defaultdict(list)
-    n = exp.sequences.size(0)
-    dyn = token_budget(cfg, exp)
-    pad = [0.0, 0.0]
-    try:
-        for epoch in range(o.max_epochs):
-            for micro_rows in _minibatches(n, rank, world, o.train_batch_size, o.micro_train_batch_size,
-                                           step_seed * 1000 + epoch, dyn):
-                real = [mr for mr in micro_rows if mr.real]
-                tot = step_totals([exp.action_mask[mr.rows] for mr in real], group, replicas)
-                n_step = max(sum(mr.rows.numel() for mr in real), 1)
-                step = defaultdict(float)
-                logs["micro_batches"].append(float(len(micro_rows)))
-                for i, mr in enumerate(micro_rows):
-                    mb = micro_batch(exp, mr, dyn)
-                    for j, c in enumerate(padding_counts(mb, m.packing_samples, mr.real)):
-                        pad[j] += c
-                    mask = mb.action_mask.to(dev).float()
-                    if m.packing_samples:  # one packed row, no padding FLOPs
-                        logp, ent = packed_action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev),
-                                                           mb.action_mask.to(dev), temp, m.logprob_chunk_size,
-                                                           with_entropy=True, entropy_grad=ent_grad,
-                                                           keep_bytes=m.lm_head_keep_bytes)
-                    else:
-                        logp, ent = action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev),
-                                                    mb.action_mask.size(1), temp, m.logprob_chunk_size,
-                                                    with_entropy=True, entropy_grad=ent_grad,
-                                                    keep_bytes=m.lm_head_keep_bytes)
-                    old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs.to(dev)
-                    ratio_base, is_w = old, None
-                    if a.enable_is_correction:
-                        roll = mb.rollout_logprobs.to(dev)
-                        if a.policy_loss_type == "gspo":  # OpenRLHF: GSPO's ratio is taken against the rollout
-                            ratio_base = roll
-                        else:
-                            is_w = importance_weights(old, roll, mask, a.is_correction_type,
-                                                      a.is_truncated_threshold_low, a.is_truncated_threshold,
-                                                      gating=a.is_correction_gating)
-                            fr = is_filter_ratio(old, roll, mask, a.is_correction_type, a.is_truncated_threshold_low,
-                                                 a.is_truncated_threshold, a.is_correction_gating)  # OpenRLHF 0.11.2
-                            if fr is not None:
-                                logs["is_filter_ratio"].append(fr)
-                            if mask.any():  # the weights' spread: how far off-policy the rows were (issue 29)
-                                w = is_w[mask.bool()]
-                                logs["is_weight_mean"].append(float(w.mean()))
-                                logs["is_weight_min"].append(float(w.min()))
-                                logs["is_weight_max"].append(float(w.max()))
-                        step["vllm_kl"] += float(masked_mean(roll - old, mask)) * mr.real / max(len(real), 1)
-                    pl, met = loss_fn(logp, ratio_base, mb.advantages.to(dev), mask,
-                                      clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
-                                      dual_clip=a.dual_clip, agg_mode=a.loss_agg_mode, norm_const=norm_const,
-                                      is_weights=is_w, totals=tot, sapo_tau_pos=a.sapo_tau_pos,
-                                      sapo_tau_neg=a.sapo_tau_neg)
-                    loss = pl
-                    ent_term = aggregate(ent, mask, "token-mean", totals=tot)  # peers: entropy is token-mean
-                    if ent_grad:
-                        loss = loss - a.entropy_loss_coef * ent_term
-                    if a.use_kl_loss and mb.ref_logprobs is not None:
-                        ref = mb.ref_logprobs.to(dev)
-                        kl = compute_kl(a.kl_estimator, logp, ref, mask)
-                        if a.kl_unbiased_gradient:
-                            kl = kl_unbiased_gradient(kl, logp, ref, None if mb.old_logprobs is None else old)
-                        kl_loss = aggregate(kl, mask, a.loss_agg_mode, norm_const, tot)
-                        loss = loss + kl_coef * kl_loss
-                        step["kl_loss"] += float(kl_loss.detach()) * mr.real
-                    loss = loss * scale
-                    aux_loss = aux.take()
-                    if aux_loss is not None:
-                        # mean over micro-batches and ranks, as OpenRLHF; token-budget micro-batches weigh by rows
-                        # (OpenRLHF's dynamic_sample_loss_scale: rows / the rank's step rows)
-                        aux_w = engine.accum_steps * mr.rows.numel() / n_step if dyn is not None else 1.0
-                        loss = loss + a.aux_loss_coef * aux_w * aux_loss
-                        step["aux_loss"] += float(aux_loss.detach()) * mr.real / max(len(real), 1)
-                    if not mr.real:  # a dummy forward: collectives only, no gradient
-                        loss = loss * 0.0
-                    engine.backward(loss, i, last=i == len(micro_rows) - 1 if dyn is not None else None)
-                    if not mr.real:
-                        continue
-                    step["policy_loss"] += float(pl.detach())
-                    step["entropy"] += float(ent_term.detach())
-                    for k, v in met.items():
-                        logs[k].append(v)
-                # this rank's share of the step's full-batch value, times world: the mean over ranks is the value
-                for k in ("policy_loss", "entropy", "kl_loss"):
-                    if k in step or k == "policy_loss":
-                        logs[k].append(step[k] * world)
-                for k in ("aux_loss", "vllm_kl"):
-                    if k in step:
-                        logs[k].append(step[k])
-                for k, v in engine.step().items():
-                    logs[k].append(v)
-    finally:
-        aux.close()
-    out = _mean(logs)
-    for k, f in (("is_weight_min", min), ("is_weight_max", max)):  # this rank's extremes, not a mean of them
-        if logs.get(k):
-            out[k] = f(logs[k])
-    out["padding_frac"] = 1.0 - pad[0] / pad[1] if pad[1] else 0.0  # this rank's; token slots that were padding
-    return out
-
-
-def train_critic(cfg, engine, exp, rank: int, world: int, step_seed: int) -> Dict[str, float]:
-    a, o = cfg.algorithm, cfg.optim
-    model = engine.model
-    model.train()
-    dev = engine.compute_device  # not the parameters' device: --adam_offload keeps FSDP2's shards on the host
-    group, replicas = engine.mesh.group, engine.mesh.sp.size  # the role's ranks; an SP group holds the same rows
-    scale = engine.accum_steps * world
-    logs = defaultdict(list)
-    n = exp.sequences.size(0)
-    dyn = token_budget(cfg, exp)
-    if dyn is not None:  # the critic's forward is padded (no packed path): budget rows x padded width
-        dyn = dyn._replace(packed=False)
-    pad = [0.0, 0.0]
-    for epoch in range(o.max_epochs):
-        for micro_rows in _minibatches(n, rank, world, o.train_batch_size, o.micro_train_batch_size,
-                                       step_seed * 1000 + epoch + 7, dyn):
-            tot = step_totals([exp.action_mask[mr.rows] for mr in micro_rows if mr.real], group, replicas)
-            total = 0.0
-            for i, mr in enumerate(micro_rows):
-                mb = micro_batch(exp, mr, dyn)
-                for j, c in enumerate(padding_counts(mb, False, mr.real)):
-                    pad[j] += c
-                mask = mb.action_mask.to(dev).float()
-                v = model(mb.sequences.to(dev), mb.attention_mask.to(dev), mb.action_mask.size(1))
-                loss, met = value_loss(v, mb.values.to(dev), mb.returns.to(dev), mask, a.value_clip, totals=tot)
-                engine.backward(loss * scale * float(mr.real), i,
-                                last=i == len(micro_rows) - 1 if dyn is not None else None)
-                if not mr.real:
-                    continue
-                total += float(loss.detach())
-                for k, val in met.items():
-                    logs[k].append(val)
-            logs["value_loss"].append(total * world)
-            for k, val in engine.step().items():
-                logs[f"critic_{k}"].append(val)
-    out = _mean(logs)
-    out["critic_padding_frac"] = 1.0 - pad[0] / pad[1] if pad[1] else 0.0
-    return out

@@ -322,10 +322,8 @@ class RLTrainer:
         c = self.cfg.checkpoint
 
         def write(tmp):
-            for name in ("actor", "critic"):
-                role = getattr(self.roles, name)
-                if role is not None and role.is_member:
-                    role.engine.save_checkpoint(os.path.join(tmp, name))
+            for role in self.roles.trained():
+                role.state_dict(os.path.join(tmp, role.state_dir))
 
         state = {"step": self.step, "kl_coef": self.kl_ctl.value,
                  "reward_norm": self.reward_norm.state_dict() if self.reward_norm else None,
@@ -342,10 +340,8 @@ class RLTrainer:
         if path is None:  # preflight said so (check_resume: "no checkpoint ... starting from step 0")
             return False
         with self.watchdog.phase("load"):
-            for name in ("actor", "critic"):
-                role = getattr(self.roles, name)
-                if role is not None and role.is_member:
-                    role.engine.load_checkpoint(os.path.join(path, name))
+            for role in self.roles.trained():
+                role.load_state_dict(os.path.join(path, role.state_dir))
             st = ckpt.load_trainer_state(path)
             self.step = st["step"]
             self.kl_ctl.value = st["kl_coef"]
@@ -374,28 +370,24 @@ class RLTrainer:
 
     def save_hf(self, path: str):
         """Collective: the actor ranks gather the full weights, the first actor rank writes them."""
-        actor = self.roles.actor
-        if actor.is_member:
-            sd = actor.engine.full_state_dict()
-            if self.rank == actor.members[0]:
-                ckpt.save_hf(sd, actor.engine.model, self.tokenizer, path)
+        self.roles.actor.export(path, self.tokenizer)
         comm.barrier()
+
+    def exports(self) -> list:
+        """(role, directory) of the final export: the actor at --save_path, with --save_value_network the critic's
+        backbone and value head at ``<save_path>_critic`` (OpenRLHF's directory; --critic_pretrain reads it back)."""
+        c = self.cfg.checkpoint
+        out = [(self.roles.actor, c.save_path)]
+        if c.save_value_network and self.roles.critic is not None:
+            out.append((self.roles.critic, c.save_path.rstrip("/") + "_critic"))
+        return out
 
     def finish(self):
+        """Collective: each exported role's members gather and write it, then every rank waits for the write."""
         with self.watchdog.phase("save"):
-            self.save_hf(self.cfg.checkpoint.save_path)
-            if self.cfg.checkpoint.save_value_network and self.roles.critic is not None:
-                self.save_critic_hf(self.cfg.checkpoint.save_path.rstrip("/") + "_critic")
-
-    def save_critic_hf(self, path: str):
-        """Collective over the critic ranks: its backbone (HF) and value head, the directory --critic_pretrain
-        reads back (OpenRLHF writes the critic to ``<save_path>_critic`` too)."""
-        critic = self.roles.critic
-        if critic.is_member:
-            sd = critic.engine.full_state_dict()
-            if self.rank == critic.members[0]:
-                critic.engine.model.save_hf(sd, self.tokenizer, path)
-        comm.barrier()
+            for role, path in self.exports():
+                role.export(path, self.tokenizer)
+                comm.barrier()
 
     # ---- eval ------------------------------------------------------------------------------------------------------
     def evaluate(self) -> dict:

@@ -18,8 +18,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from rlhf.backends.base import TrainEngine, reads_weights, spec_from_config
+from rlhf.backends.base import EngineSpec, TrainEngine, reads_weights, spec_from_config
 from rlhf.backends.factory import make_engine
+from rlhf.checkpoint import save_hf
 from rlhf.distributed import Groups, RoleMesh
 from rlhf.distributed.sequence_parallel import SP, attach
 from rlhf.distributed.sharding import gather_rows, micro_plan, run_micro, shard_rows
@@ -107,9 +108,36 @@ class Role:
 
 
 class ModelRole(Role):
-    """A role holding a train engine (actor, ref, critic, reward model)."""
+    """A role holding a train engine (actor, ref, critic, reward model), Stateful as
+    torch/distributed/checkpoint/stateful.py's protocol (state_dict / load_state_dict) except that the state
+    travels as a directory: the engine writes its own shards there (FSDP2: ``dcp.save`` over the role's group),
+    so no rank builds the whole state.  Every rank calls these; the role's members take part (collectives over
+    the role's group), the others pass."""
 
     engine: Optional[TrainEngine]
+    trains = False   # whether it holds optimizer state: its state is part of a run's checkpoint
+    state_name = ""  # its directory in a run's checkpoint ("": the role's name)
+
+    @property
+    def state_dir(self) -> str:
+        return self.state_name or self.name
+
+    def state_dict(self, path: str) -> None:
+        """The engine's checkpoint (model and optimizer shards, scheduler) under ``path``."""
+        if self.is_member:
+            self.engine.save_checkpoint(path)
+
+    def load_state_dict(self, path: str) -> None:
+        """The inverse of ``state_dict``."""
+        if self.is_member:
+            self.engine.load_checkpoint(path)
+
+    def export(self, path: str, tokenizer) -> None:
+        """The full weights as an HF model at ``path``: gathered over the members, written by the first."""
+        if self.is_member:
+            sd = self.engine.full_state_dict()
+            if self.rank == self.members[0]:
+                save_hf(sd, self.engine.model, tokenizer, path)
 
     def rows_forward(self, n_rows: int, micro: int, fn: Callable[[slice], torch.Tensor], width: int,
                      over: Any = "default") -> torch.Tensor:
@@ -226,7 +254,7 @@ class RolloutRole(Role):
 class Roles:
     """The roles of this job, as objects on every rank (None: the placement has no such role)."""
     actor: ModelRole
-    rollout: RolloutRole
+    rollout: Optional[RolloutRole] = None      # none in the supervised trainers
     ref: Optional[ModelRole] = None
     critic: Optional[ModelRole] = None
     reward: Optional[ModelRole] = None          # sequence-classification reward model
@@ -236,46 +264,63 @@ class Roles:
         return {k: v for k, v in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic),
                                   ("reward", self.reward), ("rollout", self.rollout)) if v is not None}
 
+    def trained(self) -> List[ModelRole]:
+        """The roles with optimizer state, in checkpoint order (actor, critic): what a run's checkpoint holds."""
+        return [r for r in self.all().values() if isinstance(r, ModelRole) and r.trains]
+
     def sleepables(self) -> Dict[str, Role]:
         """The roles this rank holds an engine of (what the phase scheduler puts to sleep and wakes)."""
         return {k: v for k, v in self.all().items() if v.engine is not None}
 
 
+def model_role(cls, name: str, groups: Groups, backend: str, device, spec: Callable[[ModelRole], EngineSpec],
+               load: Callable[[bool], torch.nn.Module], **kw) -> Optional[ModelRole]:
+    """The ``cls`` object of the placement's role ``name`` on every rank (None where the placement has none); on its
+    members the engine over the role's group (``load(on_meta)``: the model, on the meta device where this rank does
+    not read the weights) with its sequence-parallel group attached.  ``kw``: ``cls``'s own arguments."""
+    mesh = groups.mesh(name)
+    if mesh is None:
+        return None
+    role = cls(name, mesh, **kw)
+    if role.is_member:
+        role.engine = make_engine(backend, load(not reads_weights(backend, role.group)), spec(role), mesh=mesh,
+                                  device=device)
+        attach(role.engine.model, role.sp)
+    return role
+
+
+def frozen_spec(cfg, total_steps: int) -> Callable[[ModelRole], EngineSpec]:
+    """A frozen role's engine spec (inference micro-batches only: RL's reference and reward model, DPO's
+    reference)."""
+    return lambda role: spec_from_config(cfg.model, cfg.optim, cfg.topology, 0.0, total_steps, trainable=False,
+                                         group_size=role.size)
+
+
 def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     """Role objects on every rank from the plan; engines built on the members only."""
+    from .actor import Actor
+    from .critic_role import Critic, load_critic
+    from .ppo_update import update_settings
+    from .reference import build_reference
+
     m, o, t = cfg.model, cfg.optim, cfg.topology
     path = resolve_pretrain(m.pretrain)
-    def model_role(name, spec_fn, load) -> Optional[ModelRole]:
-        mesh = groups.mesh(name)
-        if mesh is None:
-            return None
-        role = ModelRole(name, mesh)
-        if cfg.rollout.async_train:  # the rollout ranks of their own generate meanwhile (rlhf.trainers.async_rollout)
-            role.gather_group = groups.group("trainers")
-        if role.is_member:
-            role.engine = make_engine(t.backend, load(not reads_weights(t.backend, role.group)), spec_fn(role),
-                                      mesh=mesh, device=device)
-            attach(role.engine.model, role.sp)
-        return role
+    settings = update_settings(cfg)
 
     def trainable(lr):
         return lambda role: spec_from_config(cfg.model, cfg.optim, cfg.topology, lr, total_steps)
 
-    def frozen(role):
-        return spec_from_config(cfg.model, cfg.optim, cfg.topology, 0.0, total_steps, trainable=False,
-                                group_size=role.size)
-
-    actor = model_role("actor", trainable(o.actor_learning_rate), lambda on_meta: load_causal_lm(
-        path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha, m.target_modules,
-        on_meta=on_meta))
-    ref = model_role("ref", frozen, lambda on_meta: load_causal_lm(m.ref_pretrain or path, m.bf16, m.flash_attn,
-                                                                   on_meta=on_meta, trainable=False))
-
+    actor = model_role(Actor, "actor", groups, t.backend, device, trainable(o.actor_learning_rate),
+                       lambda on_meta: load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank,
+                                                      m.lora_alpha, m.target_modules, on_meta=on_meta),
+                       algo=cfg.algorithm, settings=settings)
+    ref = build_reference(cfg, groups, path, device, total_steps)
     if m.lm_head_fp32:  # the actor's and the reference's log-probs from float32 logits
-        for role in (actor, ref):
-            if role is not None and role.engine is not None:
-                use_fp32_head(role.engine.model)
-    critic = model_role("critic", trainable(o.critic_learning_rate), lambda on_meta: load_critic(cfg, path, on_meta))
+        for r in (actor, ref):
+            if r is not None and r.engine is not None:
+                use_fp32_head(r.engine.model)
+    critic = model_role(Critic, "critic", groups, t.backend, device, trainable(o.critic_learning_rate),
+                        lambda on_meta: load_critic(cfg, path, on_meta), algo=cfg.algorithm, settings=settings)
     stats = {}
 
     def load_rm(on_meta):
@@ -283,7 +328,11 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
                                             value_head_prefix=m.value_head_prefix)
         return rm
 
-    reward = model_role("reward", frozen, load_rm)
+    reward = model_role(ModelRole, "reward", groups, t.backend, device, frozen_spec(cfg, total_steps), load_rm)
+    if cfg.rollout.async_train:  # the rollout ranks of their own generate meanwhile (rlhf.trainers.async_rollout)
+        for r in (actor, ref, critic, reward):
+            if r is not None:
+                r.gather_group = groups.group("trainers")
     rollout = RolloutRole("rollout", groups.mesh("rollout"))
     if rollout.is_member:
         rollout.engine = build_rollout_engine(cfg.rollout, cfg.topology, path, groups, device, bf16=m.bf16,
@@ -298,22 +347,6 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
 
     return Roles(actor=actor, rollout=rollout, ref=ref, critic=critic, reward=reward,
                  reward_stats=reward_model_stats(cfg, stats.get("v")))
-
-
-def load_critic(cfg, path: str, on_meta: bool = False):
-    """The critic from --critic_pretrain (default ``path``, --pretrain).  A reward model there gives the value head
-    its score head, normalised as the reward role normalises scores (``reward_model_stats``), so at step 1 the
-    critic's value at a sequence's last token is the reward role's score (rlhf.models.critic)."""
-    from rlhf.models.critic import CriticModel
-    from rlhf.models.load import saved_reward_stats
-
-    from .advantage_stage import reward_model_stats
-
-    m = cfg.model
-    src = m.critic_pretrain or path
-    return CriticModel.from_pretrained(src, m.gradient_checkpointing, on_meta=on_meta, flash_attn=m.flash_attn,
-                                       value_head_prefix=m.value_head_prefix,
-                                       reward_stats=reward_model_stats(cfg, saved_reward_stats(src)))
 
 
 def rl_max_len(cfg) -> int:

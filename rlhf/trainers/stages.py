@@ -24,7 +24,6 @@ from .advantage_stage import _gap_metric, advantage_stage, needs_old_logprobs
 from .batch import Batch, cat, row_fields
 from .cadence import log0
 from .experience import Forwards, Rollouts, Sampler, Scorer, gap_due, measures_gap_only, on_policy_single_update, refills
-from .ppo_update import train_actor, train_critic
 
 
 class Stage:
@@ -248,18 +247,14 @@ class UpdateStage(Stage):
     reads = ("sequences", "attention_mask", "action_mask", "advantages", "returns", "old_logprobs", "ref_logprobs",
              "rollout_logprobs", "values")
 
-    def __init__(self, cfg, role: str, frozen_steps: int = 0):
-        self.cfg, self.role, self.name, self.frozen = cfg, role, f"{role}_update", frozen_steps
+    def __init__(self, role: str, frozen_steps: int = 0):
+        self.role, self.name, self.frozen = role, f"{role}_update", frozen_steps
 
     def run(self, batch: Batch, roles) -> None:
         r = getattr(roles, self.role)
         if batch.step < self.frozen or not r.is_member:
             return
-        if self.role == "critic":
-            batch.metrics.update(train_critic(self.cfg, r.engine, batch, r.dp_index, r.dp_size, batch.step))
-        else:
-            batch.metrics.update(train_actor(self.cfg, r.engine, batch, r.dp_index, r.dp_size, batch.kl_coef,
-                                             batch.step))
+        batch.metrics.update(r.update(batch, batch.kl_coef, batch.step))
 
 
 def sync_weights(weight_sync, roles) -> None:
@@ -330,8 +325,8 @@ def build_stages(cfg, p: StageParts) -> List[Stage]:
         LogprobGapStage(p.forwards, p.scheduler, cfg.logging.logprob_gap_interval) if measures_gap_only(cfg)
         else None,
         AdvantagesStage(cfg, p.reward_norm, p.guard),
-        UpdateStage(cfg, "critic") if p.has["critic"] else None,
-        UpdateStage(cfg, "actor", cfg.optim.freezing_actor_steps),
+        UpdateStage("critic") if p.has["critic"] else None,
+        UpdateStage("actor", cfg.optim.freezing_actor_steps),
         RewardAheadStage(p.queue, r.async_queue_size, p.total_steps, wait_s)
         if r.async_train and p.has["reward"] else None,
         WeightSyncStage(p.weight_sync, wait_s),
@@ -347,8 +342,8 @@ def stage_deadlines(stages: Sequence[Stage]) -> Dict[str, float]:
 def memory_stages() -> Dict[str, List[Tuple[str, str]]]:
     """(stage name, role) of the stages the memory planner plans by kind ("forward", "update"), in the loop's
     order: every one that may apply (the planner keeps those whose role the job has)."""
-    every = [RewardStage, RefStage, ValuesStage, OldLogprobsStage, UpdateStage(None, "critic"),
-             UpdateStage(None, "actor")]
+    every = [RewardStage, RefStage, ValuesStage, OldLogprobsStage, UpdateStage("critic"),
+             UpdateStage("actor")]
     out: Dict[str, List[Tuple[str, str]]] = {"forward": [], "update": []}
     for s in every:
         out[s.memory].append((s.name, s.role))

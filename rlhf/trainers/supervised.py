@@ -13,27 +13,30 @@ import torch
 
 from rlhf import checkpoint as ckpt
 from rlhf.algorithms.seqlen_balancing import OVER_BUDGET, Item, plan_step
-from rlhf.backends.base import EngineSpec, reads_weights, spec_from_config
-from rlhf.backends.factory import make_engine
+from rlhf.backends.base import spec_from_config
 from rlhf.config.batching_checks import row_budgets
 from rlhf.config.preflight import preflight
 from rlhf.data.loading import load_train_eval
 from rlhf.data.screen import screen_rows
 from rlhf.distributed import comm, micro_plan, shard_rows
 from rlhf.distributed.failfast import Watchdog, guarded
-from rlhf.distributed.groups import nnodes_from_env, supervised_mesh
-from rlhf.distributed.sequence_parallel import SP, attach
+from rlhf.distributed.groups import Groups, build_groups, nnodes_from_env
+from rlhf.distributed.placement import supervised_placement
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
+from .actor import Actor
 from .cadence import Cadence, log0, planned_steps
+from .reference import build_reference
+from .roles import Roles, model_role
 
 
 class Task:
     name = "task"
     required_keys: Dict[str, str] = {}
     device: Optional[torch.device] = None  # the engine's compute device (SupervisedTrainer sets it; see ``batch``)
+    ref = None  # the Reference role's engine where ``needs_reference`` (SupervisedTrainer sets it), else None
 
     def __init__(self, cfg, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -62,9 +65,10 @@ class Task:
         """(loss tensor, metrics dict) of a list of samples."""
         return self.compute(model, self.batch(model, samples))
 
-    def setup(self, trainer, spec: EngineSpec) -> None:
-        """Extra models (DPO's reference) once process groups exist."""
-        return None
+    def needs_reference(self, samples: List) -> bool:
+        """Whether the loss runs a reference model's forward on these samples (DPO: unless every row carries
+        precomputed reference log-probs); the trainer then builds the Reference role and sets ``ref``."""
+        return False
 
     def sequences(self, sample) -> List[List[int]]:
         """The token sequences one sample puts into a micro-batch: SFT ``(ids, loss_mask)`` one, an RM pair
@@ -122,6 +126,16 @@ def default_data(cfg, kit: str, kind: str):
     return os.path.join(kit, "data", f"{kind}_train.jsonl"), os.path.join(kit, "data", f"{kind}_eval.jsonl")
 
 
+def supervised_roles(cfg, task: Task, groups: Groups, path: str, device, total_steps: int) -> Roles:
+    """The roles through RL's role construction (``model_role``): the trained model an Actor (SFT: a causal LM,
+    RM: one with a value head, DPO: the policy), checkpointed as ``model/``, and DPO's Reference."""
+    spec = lambda role: spec_from_config(cfg.model, cfg.optim, cfg.topology, cfg.optim.learning_rate, total_steps)  # noqa: E731
+    actor = model_role(Actor, "actor", groups, cfg.topology.backend, device, spec,
+                       lambda on_meta: task.build_model(path, on_meta=on_meta))
+    actor.state_name = "model"
+    return Roles(actor=actor, ref=build_reference(cfg, groups, path, device, total_steps))
+
+
 class SupervisedTrainer:
     def __init__(self, cfg, task_cls, data_kind: str):
         self.cfg = cfg
@@ -149,8 +163,10 @@ class SupervisedTrainer:
         self.total_steps, capped = planned_steps(self.steps_per_epoch, o.max_epochs, o.max_global_steps, "--max_epochs")
         self.rank, self.world, _, self.device = comm.init(t.dist_timeout_s)
         # --ring_attn_size: consecutive ranks split each sequence; each such group is one data-parallel rank
-        self.mesh = supervised_mesh(self.world, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)), t.ring_attn_size,
-                                    self.rank)
+        plan = supervised_placement(self.world, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)), t.ring_attn_size,
+                                    self.task.needs_reference(self.train_samples + self.eval_samples))
+        self.groups = build_groups(plan, self.rank)
+        self.mesh = self.groups.mesh("actor")
         self.sp, self.dp_rank, self.dp_world = self.mesh.sp, self.mesh.dp_rank, self.mesh.dp_size
         if capped:
             log0(capped)
@@ -158,18 +174,13 @@ class SupervisedTrainer:
                                  deadlines=io_deadlines(cfg, self.path, self.task.name, t.nnodes_hint
                                                         or nnodes_from_env(), t.watchdog_slow_timeout_s))
         torch.manual_seed(o.seed)
-        spec = spec_from_config(cfg.model, cfg.optim, cfg.topology, o.learning_rate, self.total_steps)
-        self.on_meta = not reads_weights(t.backend, None)
         with self.watchdog.phase("load"):
-            self.engine = make_engine(t.backend, self.task.build_model(self.path, on_meta=self.on_meta), spec,
-                                      mesh=self.mesh, device=self.device)
-            self.task.device = self.engine.compute_device  # batches go there, whatever device the parameters are on
-            self.task.setup(self, spec)
+            self.roles = supervised_roles(cfg, self.task, self.groups, self.path, self.device, self.total_steps)
+        self.engine = self.roles.actor.engine  # the engine the loop trains
+        self.task.device = self.engine.compute_device  # batches go there, whatever device the parameters are on
+        self.task.ref = self.roles.ref.engine if self.roles.ref is not None else None
         if cfg.model.lm_head_fp32:
             self.fp32_heads()
-        attach(self.engine.model, self.sp)
-        if getattr(self.task, "ref", None) is not None:  # DPO's reference splits the same rows
-            attach(self.task.ref.model, SP(self.sp.size, self.sp.rank, self.sp.group))
         self.step = 0
         lg = cfg.logging
         self.logger = MetricsLogger(self.rank, lg.log_dir, self.total_steps, run_name=lg.wandb_run_name or self.task.name,
@@ -190,10 +201,9 @@ class SupervisedTrainer:
         if self.task.name == "rm":
             log0("[rm] --lm_head_fp32 has no effect on a reward model (its score head is not an LM head)")
             return
-        ref = getattr(self.task, "ref", None)
-        for model in (self.engine.model, ref.model if ref is not None else None):
-            if model is not None:
-                use_fp32_head(model)
+        for role in (self.roles.actor, self.roles.ref):
+            if role is not None:
+                use_fp32_head(role.engine.model)
 
     def batches_for(self, step: int):
         o = self.cfg.optim
@@ -262,16 +272,21 @@ class SupervisedTrainer:
     def save(self):
         c = self.cfg.checkpoint
         with self.watchdog.phase("save"):
-            ckpt.save_checkpoint(c.ckpt_path, self.step,
-                                 lambda tmp: self.engine.save_checkpoint(os.path.join(tmp, "model")),
-                                 {"step": self.step}, c.max_ckpt_num, identity=ckpt.run_identity(self.cfg))
+            ckpt.save_checkpoint(c.ckpt_path, self.step, self.write_roles, {"step": self.step}, c.max_ckpt_num,
+                                 identity=ckpt.run_identity(self.cfg))
+
+    def write_roles(self, tmp: str) -> None:
+        """Each trained role's state under the checkpoint being written (the actor's: ``model/``)."""
+        for role in self.roles.trained():
+            role.state_dict(os.path.join(tmp, role.state_dir))
 
     def resume(self) -> bool:
         with self.watchdog.phase("load"):  # the verification reads the whole checkpoint (in shares), then the load
             path = ckpt.resume_path(self.cfg.checkpoint.ckpt_path, self.cfg.checkpoint.strict_resume)
             if path is None:  # preflight said so (check_resume: "no checkpoint ... starting from step 0")
                 return False
-            self.engine.load_checkpoint(os.path.join(path, "model"))
+            for role in self.roles.trained():
+                role.load_state_dict(os.path.join(path, role.state_dir))
             self.step = ckpt.load_trainer_state(path)["step"]
             ckpt.load_rank_state(path)
         log0(f"[resume] from {path} at step {self.step}")
@@ -314,9 +329,7 @@ class SupervisedTrainer:
 
     def finish(self):
         with self.watchdog.phase("save"):
-            sd = self.engine.full_state_dict()
-            if self.rank == 0:
-                ckpt.save_hf(sd, self.engine.model, self.tokenizer, self.cfg.checkpoint.save_path)
+            self.roles.actor.export(self.cfg.checkpoint.save_path, self.tokenizer)
             self.task.after_fit(self)
             comm.barrier()
 

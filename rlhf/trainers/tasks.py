@@ -214,18 +214,10 @@ class DPOTask(Task):
 
     REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
-    def setup(self, trainer, spec):
-        from dataclasses import replace
-
-        from rlhf.backends.factory import make_engine
-
-        self.ref = None
-        if all(s[2] is not None for s in trainer.train_samples + trainer.eval_samples):
-            return  # every row carries precomputed reference log-probs: no reference model needed
-        ref = load_causal_lm(self.cfg.model.ref_pretrain or trainer.path, self.cfg.model.bf16, self.cfg.model.flash_attn,
-                             trainable=False, on_meta=trainer.on_meta)
-        rspec = replace(spec, trainable=False)
-        self.ref = make_engine(self.cfg.topology.backend, ref, rspec, device=trainer.device)
+    def needs_reference(self, samples):
+        """A reference forward unless every row carries precomputed reference log-probs (--ref_pretrain, default
+        --pretrain: rlhf.trainers.reference)."""
+        return not all(s[2] is not None for s in samples)
 
     def make_sample(self, row):
         d, tok = self.cfg.data, self.tokenizer
