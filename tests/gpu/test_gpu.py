@@ -1,5 +1,5 @@
 """GPU-only checks (skipped without CUDA): memory released by sleep; a supervised step's batches on the device and
-fp32 master weights under --bf16; FSDP2 load memory against the model's bytes (vLLM: tests/test_vllm.py; the 1- and
+fp32 master weights under --bf16; FSDP2 load memory against the model's bytes (vLLM: tests/vllm_cpu/test_vllm.py; the 1- and
 2-rank trainer runs, cuda:gloo and the summary table: bench/gpu.sh)."""
 import os
 

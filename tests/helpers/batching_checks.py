@@ -1,5 +1,5 @@
 """Token-budget micro-batches (--use_dynamic_batch) and --adam_offload on 2 gloo ranks, run inside
-tests/test_distributed.py's FSDP2 launch (tests/fsdp_checks.py ``run_all``).
+tests/multiprocess/test_distributed.py's FSDP2 launch (tests/helpers/fsdp_checks.py ``run_all``).
 
 * dynamic batching: one PPO actor step and one critic step on a batch of skewed lengths give the same loss and the
   same gradient as fixed-size micro-batches (1e-5), padded and packed; the plan has uneven micro-batch counts, so

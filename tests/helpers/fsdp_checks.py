@@ -1,4 +1,4 @@
-"""FSDP2 memory and precision checks, run on 2 gloo ranks inside tests/test_distributed.py's FSDP2 launch.
+"""FSDP2 memory and precision checks, run on 2 gloo ranks inside tests/multiprocess/test_distributed.py's FSDP2 launch.
 
 Each check measures what a GPU run would hold, in a way that does not depend on the device being a GPU:
 * load: the bytes the engine puts on its device while it loads (every ``Module.to`` / ``to_empty`` to the

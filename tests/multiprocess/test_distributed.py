@@ -101,7 +101,7 @@ def _topology_worker(rank, world, out_dir):
     from rlhf.rollout.vllm_engine import EngineMemory
 
     class Role:
-        """A role with vLLM's sleep contract: the engine's EngineMemory over the fake of tests/vllm_fake.py, which
+        """A role with vLLM's sleep contract: the engine's EngineMemory over the fake of tests/helpers/vllm_fake.py, which
         raises where vLLM fails (a tag mapped twice, a wake on PyTorch's cached blocks, a partial sleep)."""
 
         def __init__(self):
@@ -260,7 +260,7 @@ def _fsdp_worker(rank, world, kit, out_dir):
     re = AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "hf"))
     with torch.no_grad():
         assert torch.allclose(re(input_ids=x).logits, logits, atol=1e-5)
-    # load memory, accumulation memory, --bf16 precision, fused head on sharded weights (tests/fsdp_checks.py)
+    # load memory, accumulation memory, --bf16 precision, fused head on sharded weights (tests/helpers/fsdp_checks.py)
     from helpers.fsdp_checks import run_all
 
     run_all(rank, world, kit, out_dir)

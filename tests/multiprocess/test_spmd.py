@@ -1,6 +1,6 @@
 """No rank waits forever: the sweep of placements and awkward sizes, and the fault tests.
 
-The sweep runs many configurations per torchrun launch (tests/sweep.py); each launch
+The sweep runs many configurations per torchrun launch (tests/helpers/sweep.py); each launch
 must end by itself well inside its deadline.  The fault tests break one rank (an
 exception, SIGKILL, a reward function that blocks) and check that the whole job ends
 within 60 s, non-zero, with the cause printed once and first.

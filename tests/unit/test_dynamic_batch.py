@@ -1,7 +1,7 @@
 """Token-budget micro-batches (--use_dynamic_batch) and --adam_offload: the partitioning functions against hand
 computations, the parse-time errors, the DeepSpeed config, and the supervised loop's weighting (one process).
 The 2-rank checks (PPO actor/critic loss and gradient equal fixed-size micro-batches, FSDP2 CPUOffloadPolicy)
-run in tests/test_distributed.py's FSDP2 launch (tests/batching_checks.py)."""
+run in tests/multiprocess/test_distributed.py's FSDP2 launch (tests/helpers/batching_checks.py)."""
 import click
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """Reward sources: reward_func loading and every bad-input case, the call and its deadline, the HTTP client (one or
-several servers), what reaches the advantages. The reward server itself: tests/test_serve_rm.py."""
+several servers), what reaches the advantages. The reward server itself: tests/unit/test_serve_rm.py."""
 import hashlib
 import json
 import math

@@ -1,4 +1,4 @@
-"""vLLM's sleep protocol: the fake keeps vLLM's contract (tests/vllm_fake.py), the engine's ``EngineMemory`` wakes
+"""vLLM's sleep protocol: the fake keeps vLLM's contract (tests/helpers/vllm_fake.py), the engine's ``EngineMemory`` wakes
 tag by tag with PyTorch's cache emptied first and picks the sleep level, and the real RL stage sequence
 (colocated, sleep on, eval, resume, dynamic filtering) runs against the fake in one process.
 

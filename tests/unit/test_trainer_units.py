@@ -30,7 +30,7 @@ def test_every_estimator_runs_one_step(tiny_kit, tmp_path, estimator):
     if estimator == "reinforce":  # LoRA actor, 2 steps, 2 epochs: the engine must hold the merged weights
         extra += ("--lora_rank", "4", "--lora_alpha", "8", "--max_global_steps", "2", "--max_epochs", "2",
                   "--actor_learning_rate", "1e-2")
-    if estimator == "group_norm":  # (dynamic filtering: tests/sweep.py, with a reward whose groups can pass)
+    if estimator == "group_norm":  # (dynamic filtering: tests/helpers/sweep.py, with a reward whose groups can pass)
         extra += ("--packing_samples",)
     if estimator == "rloo":
         extra += ("--dual_clip", "3", "--entropy_loss_coef", "0.01", "--enable_is_correction")

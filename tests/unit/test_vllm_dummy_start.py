@@ -2,7 +2,7 @@
 the checkpoint a second time (a 70B model: 140 GB per rank at start-up).  veRL's colocated rollout does the same
 (rollout ``load_format: dummy``, the actor's weights synced before the first generate); vLLM's DummyModelLoader
 (vllm/model_executor/model_loader/dummy_loader.py) fills random values and reads no file.  Checked against the vLLM
-fake (tests/vllm_fake.py), which starts on random weights under ``load_format="dummy"`` and refuses to generate
+fake (tests/helpers/vllm_fake.py), which starts on random weights under ``load_format="dummy"`` and refuses to generate
 until every weight was loaded."""
 import pytest
 from helpers.vllm_fake import FakeLLM, fake_vllm

