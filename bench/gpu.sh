@@ -12,7 +12,7 @@
 #   sft_ring_attn      --ring_attn_size 2 on sdpa, 2 ranks on the one GPU (cuda:gloo)
 #   collectives        comm's collectives and the RL gathers at 2 ranks on cuda:gloo (CUDA tensors only, as NCCL)
 #   comm_init          comm.init under cuda:nccl,cpu:gloo with device_id, new_group, object collectives (torchrun)
-#   weight_receiver    tests/unit/test_weight_transfer.py's direct path with the workers' buffers on the GPU
+#   weight_receiver    tests/multiprocess/test_weight_transfer.py's direct path with the workers' buffers on the GPU
 #   head_gap           the fused head's log-prob gap at a 152k vocabulary, bf16 vs fp32 (vs fp64)
 #   master_update      the fraction of weights one fp32-master AdamW step at lr 1e-6 moves
 #   gpu_tests          tests/gpu/test_gpu.py (pytest -m gpu)
