@@ -12,10 +12,10 @@
 #   sft_ring_attn      --ring_attn_size 2 on sdpa, 2 ranks on the one GPU (cuda:gloo)
 #   collectives        comm's collectives and the RL gathers at 2 ranks on cuda:gloo (CUDA tensors only, as NCCL)
 #   comm_init          comm.init under cuda:nccl,cpu:gloo with device_id, new_group, object collectives (torchrun)
-#   weight_receiver    tests/test_weight_transfer.py's direct path with the workers' buffers on the GPU
+#   weight_receiver    tests/multiprocess/test_weight_transfer.py's direct path with the workers' buffers on the GPU
 #   head_gap           the fused head's log-prob gap at a 152k vocabulary, bf16 vs fp32 (vs fp64)
 #   master_update      the fraction of weights one fp32-master AdamW step at lr 1e-6 moves
-#   gpu_tests          tests/test_gpu.py (pytest -m gpu)
+#   gpu_tests          tests/gpu/test_gpu.py (pytest -m gpu)
 #   mfu, memory_plan   last: engine-level MFU (bench/mfu.py) and predicted vs measured memory (memory_plan_check.py)
 # Every trainer gate records, per phase, max_memory_allocated, max_memory_reserved, mem_get_info's free bytes and
 # the pinned host bytes beside the memory planner's prediction for that stage.
@@ -82,7 +82,7 @@ gate load_peak 120 python bench/gpu_gates.py load_peak --kit "$KIT"
 train sft_adam_offload 1 "" sft --adam_offload
 train grpo_adam_offload 1 "" grpo --adam_offload
 train grpo_sleep 1 "" grpo --vllm_enable_sleep --deepspeed_enable_sleep
-train grpo_refill 1 "" grpo --vllm_enable_sleep --deepspeed_enable_sleep --remote_rm_url tests/varied_scores.py \
+train grpo_refill 1 "" grpo --vllm_enable_sleep --deepspeed_enable_sleep --remote_rm_url tests/helpers/varied_scores.py \
   --dynamic_filtering --dynamic_filtering_reward_range 0.3 0.7
 train grpo_dynamic_batch 1 "" grpo --use_dynamic_batch --train_max_tokens_per_gpu 2048
 train sft_packing 1 "" sft --packing_samples
@@ -96,8 +96,8 @@ gate head_gap 60 python bench/gpu_gates.py head_gap --vocab "$VOCAB"
 gate master_update 90 python bench/gpu_gates.py master_update --kit "$KIT"
 
 if [ $SMOKE = 0 ]; then  # the GPU-marked tests, then last: engine-level MFU, the planner against the allocator
-  gate gpu_tests 100 bash -c 'python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
-    && echo "GATE gpu_tests: PASS tests/test_gpu.py"'
+  gate gpu_tests 100 bash -c 'python -m pytest -q -m gpu tests/gpu/test_gpu.py -p no:cacheprovider \
+    && echo "GATE gpu_tests: PASS tests/gpu/test_gpu.py"'
   gate mfu 75 bash -c 'python bench/mfu.py --device cuda --shape qwen2.5-0.5b --batch 8 --seq 1024 --steps 6 \
     && echo "GATE mfu: PASS see logs/mfu.log"'
   gate memory_plan 100 bash -c "python bench/memory_plan_check.py --device cuda --shape qwen2.5-0.5b --bf16 \

@@ -5,7 +5,7 @@ failure.
     python bench/gpu_gates.py load_peak --kit DIR           # FSDP2 load: the source rank's peak vs shards + 1 tensor
     python bench/gpu_gates.py comm_init                     # comm.init under cuda:nccl,cpu:gloo (device_id), new_group,
                                                             #   object collectives
-    python bench/gpu_gates.py weight_receiver               # tests/test_weight_transfer.py's path onto device buffers
+    python bench/gpu_gates.py weight_receiver               # tests/multiprocess/test_weight_transfer.py's path onto device buffers
     python bench/gpu_gates.py head_gap [--vocab 151936]     # the fused head's log-prob gap at bf16 vs fp32
     python bench/gpu_gates.py master_update --kit DIR       # fraction of weights one lr 1e-6 step moves (fp32 masters)
     python bench/gpu_gates.py summary --work DIR --out DIR  # summary.json / summary.txt / failures.txt from the verdicts
@@ -25,7 +25,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))          # the helpers package
+sys.path.insert(0, os.path.join(ROOT, "tests", "multiprocess"))  # test_weight_transfer
 
 BLOCKED = ("datasets", "vllm", "deepspeed", "wandb", "submitit", "uvicorn")  # absent from the GPU machine's image
 
@@ -122,7 +123,7 @@ def gate_comm_init() -> int:
 
 # ---- the weight receiver on device buffers ------------------------------------------------------------------------
 def _direct_on_device(rank, world, out_dir):
-    """tests/test_weight_transfer.py ``_direct`` with its vLLM workers' device on this machine's GPU: the receiver
+    """tests/multiprocess/test_weight_transfer.py ``_direct`` with its vLLM workers' device on this machine's GPU: the receiver
     allocates each piece's flat buffer there (``receive_and_load``) and loads views of it."""
     import test_weight_transfer as twt
     import torch
@@ -143,7 +144,7 @@ def gate_weight_receiver() -> int:
     import tempfile
 
     import torch
-    from mp import spawn
+    from helpers.mp import spawn
 
     from rlhf.distributed import transport
 

@@ -1,17 +1,12 @@
+"""Fixtures and pytest hooks only; shared helper functions live in the helpers package (tests/helpers)."""
 import os
-import socket
 
 import pytest
+from helpers.net import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture()
@@ -27,18 +22,6 @@ def one_rank_gloo(monkeypatch):
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
-
-
-def tiny_llama(layers: int = 2):
-    """A Llama of ``layers`` decoder layers (hidden 32, 4 heads, 2 kv heads, untied head), seeded, built from its
-    config (nothing read)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg)
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +46,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def sft_model(tiny_kit, tmp_path_factory):
     """SFT the random tiny model on the task under torchrun (2 ranks); the loss must fall."""
-    from e2e import torchrun
+    from helpers.e2e import torchrun
 
     work = tmp_path_factory.mktemp("sft")
     d = os.path.join(tiny_kit, "data")
@@ -81,8 +64,6 @@ def sft_model(tiny_kit, tmp_path_factory):
     return str(work / "sft")
 
 
-
-
 @pytest.fixture(scope="session")
 def vllm_kit(tmp_path_factory):
     """A kit vLLM runs on CPU (head_dim 32: hidden 128, 4 heads) with a tied LM head (``VLLM_KIT``); same tokenizer
@@ -90,17 +71,3 @@ def vllm_kit(tmp_path_factory):
     from rlhf.tools.make_tiny import VLLM_KIT, make_tiny
 
     return make_tiny(str(tmp_path_factory.mktemp("vkit") / "tiny"), **VLLM_KIT)
-
-
-def post_json(url: str, body: bytes, headers=None, timeout: float = 30):
-    """(status, decoded JSON) of a POST, HTTP errors included (the reward-server tests)."""
-    import json
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())

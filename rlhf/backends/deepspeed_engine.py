@@ -13,7 +13,7 @@ partitions which the client AdamW steps, so AdamW's state is fp32 as well
 * stage 0: ``FP16_UnfusedOptimizer.fp32_groups`` (bf16 as its low-precision dtype).
 
 Each wrapper puts its fp32 tensors into the client optimizer's ``param_groups``; ``master_dtypes`` reads them
-back (tests/test_deepspeed.py asserts fp32).
+back (tests/multiprocess/test_deepspeed.py asserts fp32).
 
 Frozen models (ref, reward) never go through ``deepspeed.init_inference``: it converts the module to fp16 and
 injects inference kernels.  ZeRO-3: ``deepspeed.initialize`` without an optimizer on an eval config, as OpenRLHF
@@ -262,7 +262,7 @@ class DeepSpeedEngine(TrainEngine):
         (``deepspeed_config``): backward only, and ``step`` once after the last.  (OpenRLHF sets accumulation 1
         and steps after the last micro-batch; here, with forwards through ``ds.module``, that kept only the last
         micro-batch's gradient, and so did ``set_gradient_accumulation_boundary`` under ZeRO-3:
-        tests/batching_checks.py ``check_deepspeed_token_budgets`` compares with fixed micro-batches.)"""
+        tests/helpers/batching_checks.py ``check_deepspeed_token_budgets`` compares with fixed micro-batches.)"""
         self.ds.backward(loss)
         clear = getattr(self.ds.optimizer, "clear_backward_seen_flag", None) if self.zero3 else None
         if clear is not None:

@@ -12,7 +12,7 @@ while on CPU/gloo every mistake of that kind passes silently.  So the rules are 
   where the caller's tensor lives, so a caller cannot hand the wrong device to the backend;
 * every group gets the job's ``--dist_timeout_s`` (``new_group`` defaults to NCCL's 10 minutes otherwise).
 
-Everything else in the package asks this module (``tests/test_comm.py`` greps for any other caller).  Library
+Everything else in the package asks this module (``tests/unit/test_comm.py`` greps for any other caller).  Library
 internals (FSDP2, DCP, DeepSpeed, vLLM) make their own calls on the groups handed to them.
 """
 from __future__ import annotations
@@ -156,7 +156,7 @@ def new_group(ranks: Sequence[int]):
     some ranks only hangs the others; and a gloo group of partial membership after a split hangs as well
     (pytorch/pytorch#145376).  Hence: the default backend only (no ``backend=``: no gloo-only group), never
     ``use_local_synchronization`` or ``split_group``; every creation is logged here and ``check_groups_agree``
-    compares the logs of every rank (tests/test_comm.py keeps both rules)."""
+    compares the logs of every rank (tests/unit/test_comm.py keeps both rules)."""
     ranks = [int(r) for r in ranks]
     world = world_size() if initialized() else None
     if len(set(ranks)) != len(ranks) or any(r < 0 or (world is not None and r >= world) for r in ranks):
