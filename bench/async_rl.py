@@ -180,8 +180,8 @@ def length_distribution(policy: str, prompts_file: str, max_new: int, n_prompts:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf.data.arithmetic import extract_answer
-    from rlhf.rollout.base import SamplingParams
-    from rlhf.rollout.hf_engine import HFEngine
+    from rlhf.engines.hf_engine import HFEngine
+    from rlhf.engines.rollout import SamplingParams
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(policy)

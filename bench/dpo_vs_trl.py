@@ -90,8 +90,8 @@ def side_trl(path, data, gate, batch, lr, max_len, per_step_tokens):
 
 def side_rlhf(path, data, gate, batch, lr, max_len, per_step_tokens):
     from rlhf.config import parse
-    from rlhf.trainers.supervised import run_supervised
-    from rlhf.trainers.tasks import DPOTask
+    from rlhf.supervised.tasks import DPOTask
+    from rlhf.supervised.trainer import run_supervised
 
     log = tempfile.mkdtemp()
     cfg = parse("dpo", ["--pretrain", path, "--dataset", data, "--eval_split", "0",

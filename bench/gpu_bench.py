@@ -92,8 +92,8 @@ def vllm_rollout(vllm, path, prompts, params) -> dict:
     from transformers import AutoModelForCausalLM
 
     from rlhf.distributed.weight_sync import WeightSync
-    from rlhf.rollout.base import SamplingParams
-    from rlhf.rollout.vllm_engine import VLLMEngine
+    from rlhf.engines.rollout import SamplingParams
+    from rlhf.engines.vllm_engine import VLLMEngine
 
     if SMOKE:
         path = vllm_kit_dir()
@@ -152,7 +152,7 @@ def vllm_rollout(vllm, path, prompts, params) -> dict:
 def rollout(path):
     """vLLM (when installed): ``vllm_rollout``.  Without vLLM: the HF engine vs generate()."""
     prompts = [[5 + (i % 50), 7, 9, 11] * 8 for i in range(PROMPTS)]
-    from rlhf.rollout.base import SamplingParams
+    from rlhf.engines.rollout import SamplingParams
 
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=NEW, stop_token_ids=(0,), seed=0)
     try:
@@ -164,8 +164,8 @@ def rollout(path):
     from transformers import AutoModelForCausalLM
 
     from rlhf.data.formatting import pad_batch
+    from rlhf.engines.hf_engine import HFEngine
     from rlhf.models.load import load_tokenizer
-    from rlhf.rollout.hf_engine import HFEngine
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV)
     tok = load_tokenizer(path)
@@ -194,11 +194,11 @@ def rollout(path):
 def sync_and_sleep(path):
     from transformers import AutoModelForCausalLM
 
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
     from rlhf.config.schema import TopologyConfig
     from rlhf.distributed import build_groups, make_placement
     from rlhf.distributed.weight_sync import WeightSync, full_tensor
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
 
     dev = DEV
     actor = FSDP2Engine(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
@@ -214,7 +214,7 @@ def sync_and_sleep(path):
     actor.wake()
     woke = allocated()
 
-    from rlhf.rollout.base import RolloutEngine
+    from rlhf.engines.rollout import RolloutEngine
 
     class Sink(RolloutEngine):
         """Receives the sync only (the rollout engine's weight contract, no generation)."""

@@ -233,8 +233,8 @@ def run_kind(kind: str, kit: str, out: str, steps: int, gen_len: int, name: str 
     probe.reset()
     t0 = time.perf_counter()
     if kind == "grpo":
+        from rlhf.rl.trainer import RLTrainer
         from rlhf.train_grpo import GRPO_DEFAULTS
-        from rlhf.trainers.rl_trainer import RLTrainer
 
         cfg = parse("grpo", argv, GRPO_DEFAULTS)
         trainer = RLTrainer(cfg, "gpu_check_grpo")
@@ -242,8 +242,8 @@ def run_kind(kind: str, kit: str, out: str, steps: int, gen_len: int, name: str 
     else:
         import importlib
 
-        from rlhf.trainers import tasks
-        from rlhf.trainers.supervised import SupervisedTrainer
+        from rlhf.supervised import tasks
+        from rlhf.supervised.trainer import SupervisedTrainer
 
         mod = importlib.import_module(f"rlhf.train_{kind}")
         task = {"sft": tasks.SFTTask, "rm": tasks.RMTask, "dpo": tasks.DPOTask}[kind]

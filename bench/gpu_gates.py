@@ -50,9 +50,9 @@ def gate_imports() -> int:
     t0 = time.perf_counter()
     import importlib
 
-    mods = ["torch", "transformers", "rlhf.config", "rlhf.trainers.rl_trainer", "rlhf.trainers.supervised",
-            "rlhf.backends.fsdp2", "rlhf.distributed.sequence_parallel", "rlhf.planning.memory",
-            "rlhf.rollout.vllm_worker", "rlhf.distributed.transport", "rlhf.models.lm_head", "peft"]
+    mods = ["torch", "transformers", "rlhf.config", "rlhf.rl.trainer", "rlhf.supervised.trainer",
+            "rlhf.engines.fsdp2", "rlhf.distributed.sequence_parallel", "rlhf.planning.memory",
+            "rlhf.engines.vllm_worker", "rlhf.distributed.transport", "rlhf.models.lm_head", "peft"]
     for m in mods:
         importlib.import_module(m)
     loaded = sorted(m for m in BLOCKED if m in sys.modules and sys.modules[m] is not None)
@@ -63,15 +63,15 @@ def gate_imports() -> int:
 
 # ---- FSDP2 load on the source rank -----------------------------------------------------------------------------
 def gate_load_peak(kit: str) -> int:
-    """rlhf/backends/fsdp2.py at one rank under --bf16 (sharded): the device peak while loading from the source
+    """rlhf/engines/fsdp2.py at one rank under --bf16 (sharded): the device peak while loading from the source
     rank's host copy, against the fp32 shards (here the whole model) plus one full tensor (the largest).  Before
     the fix the live Parameters' moved ``.data`` kept a second full copy: 2x."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
     from rlhf.distributed import comm
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
 
     dev = _device()
     comm.init(120)
@@ -194,9 +194,9 @@ def gate_master_update(kit: str) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
     from rlhf.distributed import comm
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
 
     dev = _device()
     comm.init(120)

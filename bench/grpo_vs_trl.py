@@ -6,7 +6,7 @@
     python bench/grpo_vs_trl.py --size medium --max_new 512
 
 Both sides run single-process on the CPU over the same HF model, no vLLM (TRL: ``model.generate``; rlhf: its HF
-engine's KV-cached decode loop, rlhf/rollout/sampling.py), KL as a k3 loss (beta 0.001) against a frozen reference,
+engine's KV-cached decode loop, rlhf/engines/sampling.py), KL as a k3 loss (beta 0.001) against a frozen reference,
 token-mean loss, group-normalised advantages, one optimizer step per generation batch, the arithmetic reward.
 ``--trl_vllm colocate`` makes TRL generate with vLLM in its own process (colocate mode); on CPU it fails at
 TRL's first weight sync (README, Benchmarks).
@@ -70,8 +70,8 @@ def side_trl(path, gate, prompts, n, max_new, lr, trl_vllm):
 
 def side_rlhf(path, gate, prompts, n, max_new, lr, engine):
     from rlhf.config import parse
+    from rlhf.rl.trainer import run_rl
     from rlhf.train_grpo import GRPO_DEFAULTS
-    from rlhf.trainers.rl_trainer import run_rl
 
     log = tempfile.mkdtemp()
     d = os.path.join(path, "data")

@@ -9,7 +9,7 @@ parameters, a plain module), on CPU or CUDA.  ``--bf16``: fp32 parameters with b
 cache of bf16 weight copies stands for FSDP2's unsharded bf16 units (planned as --zero_stage 2, every unit gathered
 until backward); the rollout row is left out there (the engine's own bf16 copy is not what autocast makes).
 
-  rollout       the HF engine's generate (rlhf/rollout/hf_engine.py) for --micro_rollout prompts
+  rollout       the HF engine's generate (rlhf/engines/hf_engine.py) for --micro_rollout prompts
   ref           a no-grad action_logprobs forward (fused LM head) of --micro_rollout sequences
   actor_update  forward + backward of --micro_train sequences + the fused AdamW step (the engine's optimizer),
                 without and with gradient checkpointing
@@ -171,8 +171,8 @@ def run(args) -> list:
     # rollout: the HF engine's generate
     from types import SimpleNamespace
 
-    from rlhf.rollout.base import SamplingParams
-    from rlhf.rollout.hf_engine import HFEngine
+    from rlhf.engines.hf_engine import HFEngine
+    from rlhf.engines.rollout import SamplingParams
 
     tok = SimpleNamespace(pad_token_id=0, eos_token_id=1)  # the engine reads these two ids only
     eng = HFEngine(model, tok, device, micro_batch_size=br)
@@ -218,13 +218,13 @@ def local(t):
 
 
 def run_fsdp2(args) -> list:
-    """The update on FSDP2 (rlhf/backends/fsdp2.py FSDP2Engine) over the ranks of this torchrun (gloo on CPU):
+    """The update on FSDP2 (rlhf/engines/fsdp2.py FSDP2Engine) over the ranks of this torchrun (gloo on CPU):
     each rank's fp32 shards of params, gradients and AdamW state, the gathered units, activations, the head."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
     from rlhf.distributed import comm
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
     from rlhf.models.forward import action_logprobs
     from rlhf.models.lm_head import rows_per_chunk
 

@@ -55,8 +55,8 @@ def main(device, layers, hidden, batch, seq, steps, shape):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29631"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")

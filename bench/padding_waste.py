@@ -4,7 +4,7 @@
 
 Builds a batch of left-padded prompts and right-padded responses with skewed lengths (prompts uniform in
 [64, 512], responses log-normal with median 300 capped at 2048, like long-CoT rollouts), then runs the update's
-own micro-batch formation (rlhf.trainers.ppo_update ``_minibatches`` / ``micro_batch`` / ``padding_counts``, the
+own micro-batch formation (rlhf.roles.update_batches ``_minibatches`` / ``micro_batch`` / ``padding_counts``, the
 code that logs ``padding_frac``) on every rank of ``--world`` and prints, per mode: the padding waste
 (1 - real tokens / token slots computed), the forwards per optimizer step (the most any rank runs), and the
 ranks' token imbalance (max rank tokens / mean rank tokens, per step).  No model runs: CPU seconds.
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def skewed_batch(rows: int, P: int, R: int, seed: int):
-    from rlhf.trainers.batch import Batch
+    from rlhf.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
     plen = torch.randint(64, P + 1, (rows,), generator=g)
@@ -37,7 +37,7 @@ def skewed_batch(rows: int, P: int, R: int, seed: int):
 
 
 def measure(exp, world: int, tbs: int, micro: int, budget: int, mode: str) -> dict:
-    from rlhf.trainers.ppo_update import TokenBudget, _minibatches, micro_batch, padding_counts, row_items
+    from rlhf.roles.update_batches import TokenBudget, _minibatches, micro_batch, padding_counts, row_items
 
     packed = mode == "packed"
     dyn = None if mode == "fixed" else TokenBudget(row_items(exp.attention_mask, exp.action_mask), budget, packed)

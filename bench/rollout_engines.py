@@ -66,7 +66,7 @@ def timed(engine, prompts, params, reps):
 def main(size, prompts, n, max_new, reps, engines):
     import torch.distributed as dist
 
-    from rlhf.rollout.base import SamplingParams
+    from rlhf.engines.rollout import SamplingParams
 
     path = kit(size)
     ps, tok = task_prompts(path, prompts)
@@ -76,8 +76,8 @@ def main(size, prompts, n, max_new, reps, engines):
            "threads": torch.get_num_threads()}
     for name in engines.split(","):
         if name == "hf":
+            from rlhf.engines.hf_engine import HFEngine
             from rlhf.models.load import load_causal_lm
-            from rlhf.rollout.hf_engine import HFEngine
 
             m = load_causal_lm(path)
             m.config.use_cache = True
@@ -85,7 +85,7 @@ def main(size, prompts, n, max_new, reps, engines):
             res["hf_tokens_per_s"], res["hf_tokens"] = timed(HFEngine(m, tok, micro_batch_size=prompts * n), ps,
                                                              params, reps)
         elif name == "vllm":
-            from rlhf.rollout.vllm_engine import VLLMEngine
+            from rlhf.engines.vllm_engine import VLLMEngine
 
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29677"), RANK="0",
                               WORLD_SIZE="1", LOCAL_RANK="0")

@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, port: int, tokens: int, mode: str, steps: int
     from rlhf.distributed import comm
     from rlhf.distributed.sequence_parallel import SP, attach
     from rlhf.models.forward import packed_action_logprobs
-    from rlhf.trainers.tasks import token_logprobs
+    from rlhf.supervised.tasks import token_logprobs
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = _model()

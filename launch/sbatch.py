@@ -182,7 +182,7 @@ def signal_lead_s(module: str, args: List[str], nodes: int, gpus_per_node: int) 
 # ---- stop signals with a deadline: torchrun's grace after it forwards SIGTERM ------------------------------------
 # torchrun SIGKILLs its ranks --shutdown_timeout seconds after forwarding a TERM (30 s by default; the env variable
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT sets it, torch/distributed/launcher/api.py).  A TERM cuts an RL step after its
-# generation / reward phases (rlhf/trainers/rl_trainer.py CUT_STAGES); what may still be running is the update
+# generation / reward phases (rlhf/rl/trainer.py CUT_STAGES); what may still be running is the update
 # (UPDATE_SHARE of a step; a whole step for supervised trainers, which cut nothing), then the save:
 #   grace = max(GRACE_FLOOR_S, LEAD_MARGIN * (share * step_s + save_s)) rounded up to minutes
 GRACE_FLOOR_S = 60

@@ -7,8 +7,8 @@ DEFAULTS = {"learning_rate": 1e-5, "train_batch_size": 32, "micro_train_batch_si
 
 
 def run(cfg):
-    from rlhf.trainers.supervised import run_supervised
-    from rlhf.trainers.tasks import DPOTask
+    from rlhf.supervised.tasks import DPOTask
+    from rlhf.supervised.trainer import run_supervised
 
     return run_supervised(cfg, DPOTask, "pref")
 

@@ -10,7 +10,7 @@ GRPO_DEFAULTS = {"advantage_estimator": "group_norm", "use_kl_loss": True, "kl_e
 
 
 def run(cfg):
-    from rlhf.trainers.rl_trainer import run_rl
+    from rlhf.rl.trainer import run_rl
 
     return run_rl(cfg, "grpo")
 

@@ -5,7 +5,7 @@ PPO_DEFAULTS = {"advantage_estimator": "gae"}
 
 
 def run(cfg):
-    from rlhf.trainers.rl_trainer import run_rl
+    from rlhf.rl.trainer import run_rl
 
     return run_rl(cfg, "ppo")
 

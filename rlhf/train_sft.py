@@ -13,8 +13,8 @@ DEFAULTS = {"learning_rate": 5e-6, "train_batch_size": 32, "micro_train_batch_si
 
 
 def run(cfg):
-    from rlhf.trainers.supervised import run_supervised
-    from rlhf.trainers.tasks import SFTTask
+    from rlhf.supervised.tasks import SFTTask
+    from rlhf.supervised.trainer import run_supervised
 
     return run_supervised(cfg, SFTTask, "sft")
 

@@ -17,8 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from rlhf.engines.rollout import Batch, SamplingParams, batch_from_rows
 from rlhf.errors import AgentContractError
-from rlhf.rollout.base import Batch, SamplingParams, batch_from_rows
 
 
 class AgentInstanceBase:

@@ -7,8 +7,8 @@ import importlib.util
 import inspect
 import os
 
-from . import openrlhf_agent as orl
-from .base import AgentExecutorBase, AgentInstanceBase
+from rlhf.agents import openrlhf_agent as orl
+from rlhf.agents.base import AgentExecutorBase, AgentInstanceBase
 
 
 def load_agent(path: str):

@@ -36,9 +36,7 @@ from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from rlhf.rollout.base import Batch, SamplingParams, batch_from_rows
-
-from .base import (
+from rlhf.agents.base import (
     AgentContractError,
     AgentInstanceBase,
     agent_file,
@@ -47,7 +45,8 @@ from .base import (
     episode_failed,
     images_dropped,
 )
-from .base import AgentExecutorBase as NativeExecutorBase
+from rlhf.agents.base import AgentExecutorBase as NativeExecutorBase
+from rlhf.engines.rollout import Batch, SamplingParams, batch_from_rows
 
 __all__ = ["AgentInstanceBase", "AgentExecutorBase", "MultiTurnAgentExecutor", "ExecuteAdapter", "openrlhf_names"]
 

@@ -1,13 +1,13 @@
 """Pure tensor algorithms, registered by name (see registry.py)."""
-from . import advantages, aggregation, kl, policy_loss, preference, shaping  # noqa: F401  (fill registries)
-from .advantages import compute_advantages, gae_advantages, return_to_go
-from .aggregation import LossTotals, aggregate, local_totals
-from .kl import compute_kl, fold_kl_into_rewards, kl_unbiased_gradient, make_kl_controller
-from .logprob import entropy_chunked, logprobs_from_logits
-from .masked import masked_mean, masked_whiten
-from .policy_loss import IS_LEVEL_MODE_KIND, divergence_gated_weights, entropy_from_logits, importance_weights, value_loss
-from .preference import dpo_loss, sft_token_loss
-from .registry import (
+from rlhf.algorithms import advantages, aggregation, kl, policy_loss, preference, shaping  # noqa: F401  (fill registries)
+from rlhf.algorithms.advantages import compute_advantages, gae_advantages, return_to_go
+from rlhf.algorithms.aggregation import LossTotals, aggregate, local_totals
+from rlhf.algorithms.kl import compute_kl, fold_kl_into_rewards, kl_unbiased_gradient, make_kl_controller
+from rlhf.algorithms.logprob import entropy_chunked, logprobs_from_logits
+from rlhf.algorithms.masked import masked_mean, masked_whiten
+from rlhf.algorithms.policy_loss import IS_LEVEL_MODE_KIND, divergence_gated_weights, entropy_from_logits, importance_weights, value_loss
+from rlhf.algorithms.preference import dpo_loss, sft_token_loss
+from rlhf.algorithms.registry import (
                        ADVANTAGE_ESTIMATORS,
                        IS_CORRECTIONS,
                        IS_GATES,
@@ -17,7 +17,7 @@ from .registry import (
                        PREFERENCE_LOSSES,
                        REWARD_MODEL_LOSSES,
 )
-from .shaping import (
+from rlhf.algorithms.shaping import (
                        RunningMeanStd,
                        clip_rewards,
                        dynamic_filter_mask,

@@ -24,10 +24,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from .kl import fold_kl_into_rewards
-from .masked import masked_whiten
-from .registry import ADVANTAGE_ESTIMATORS
-from .shaping import clip_rewards
+from rlhf.algorithms.kl import fold_kl_into_rewards
+from rlhf.algorithms.masked import masked_whiten
+from rlhf.algorithms.registry import ADVANTAGE_ESTIMATORS
+from rlhf.algorithms.shaping import clip_rewards
 
 Tensor = torch.Tensor
 GROUP_NORM_EPS = 1e-9  # OpenRLHF: (r - mean) / (std + 1e-9)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .registry import LOSS_AGGREGATIONS
+from rlhf.algorithms.registry import LOSS_AGGREGATIONS
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Mirrors OpenRLHF 0.11.2 ``openrlhf/models/loss.py`` ``PolicyLoss.forward`` (IS-correction branch), logged per
 micro-batch in ``openrlhf/trainer/ray/ppo_actor.py`` as ``experience.info["is_filter_ratio"]`` and averaged over the
-micro-batches and data-parallel ranks (here: ``rlhf.trainers.actor.Actor.update``, for every --policy_loss_type whose loss
+micro-batches and data-parallel ranks (here: ``rlhf.roles.actor.Actor.update``, for every --policy_loss_type whose loss
 takes the IS weights, i.e. all but gspo, whose ratio is taken against the rollout; OpenRLHF has ppo and gspo
 only and logs it for ppo).  With ``old`` the trainer's and ``rollout`` the engine's log-probs of the
 sampled tokens and m the action mask, the gated statistic of a unit is
@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .policy_loss import IS_GATES
+from rlhf.algorithms.policy_loss import IS_GATES
 
 # --is_correction_type -> (level, mode) of OpenRLHF 0.11.2 (the inverse of policy_loss.IS_LEVEL_MODE_KIND)
 IS_KIND_LEVEL = {"tis": "token", "icepop": "token", "seq-mask-tis": "seq"}

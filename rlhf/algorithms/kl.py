@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .registry import KL_ESTIMATORS
+from rlhf.algorithms.registry import KL_ESTIMATORS
 
 LOG_RATIO_CLAMP = 20.0
 KL_VALUE_CLAMP = 10.0

@@ -26,7 +26,7 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_size: int = 1024,
 
 def entropy_chunked(logits: Tensor, chunk_size: int = 1024) -> Tensor:
     """H = logsumexp(z) - sum softmax(z) z per row, chunked like logprobs_from_logits."""
-    from .policy_loss import entropy_from_logits
+    from rlhf.algorithms.policy_loss import entropy_from_logits
 
     z = logits.reshape(-1, logits.size(-1))
     out = torch.cat([entropy_from_logits(z[s:s + chunk_size]) for s in range(0, z.size(0), chunk_size)])

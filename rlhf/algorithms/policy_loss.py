@@ -10,9 +10,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .aggregation import LossTotals, aggregate
-from .masked import masked_mean
-from .registry import IS_CORRECTIONS, IS_GATES, POLICY_LOSSES
+from rlhf.algorithms.aggregation import LossTotals, aggregate
+from rlhf.algorithms.masked import masked_mean
+from rlhf.algorithms.registry import IS_CORRECTIONS, IS_GATES, POLICY_LOSSES
 
 Tensor = torch.Tensor
 

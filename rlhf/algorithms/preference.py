@@ -6,7 +6,7 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-from .registry import PREFERENCE_LOSSES, REWARD_MODEL_LOSSES
+from rlhf.algorithms.registry import PREFERENCE_LOSSES, REWARD_MODEL_LOSSES
 
 Tensor = torch.Tensor
 

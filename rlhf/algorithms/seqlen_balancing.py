@@ -32,7 +32,7 @@ Where this differs, and why:
   both paths and advises packing.
 
 Loss normalisation is not touched here: the trainers divide by the step's global token / sequence counts
-(rlhf.trainers.ppo_update.step_totals), whatever the micro-batches, so token budgets change the FLOPs, not the
+(rlhf.roles.update_batches.step_totals), whatever the micro-batches, so token budgets change the FLOPs, not the
 loss.  (OpenRLHF's dynamic path computes the same global counts: ``dynamic_batch_num_tokens``.)
 """
 from __future__ import annotations

@@ -11,8 +11,8 @@ the files it wrote, rank 0 assembles them before the rename) and the run's ident
 Files: layout.py (folder names, listing), save.py, manifest.py (sizes and hashes), resume.py (which checkpoint,
 verified collectively), identity.py (run identity checks), lock.py, export.py (HuggingFace exports).
 """
-from .errors import CheckpointError
-from .export import (
+from rlhf.checkpoint.errors import CheckpointError
+from rlhf.checkpoint.export import (
     EXPORT_RECORD,
     ExportError,
     begin_export,
@@ -23,9 +23,9 @@ from .export import (
     install_export,
     save_hf,
 )
-from .identity import check_stream, compare_identity, run_identity, stream_flags
-from .layout import STATE_FILE, STEP_RE, derived_seed, list_checkpoints, load_trainer_state, saved_world_size, step_dirs
-from .lock import LOCK_FILE, acquire_lock, release_lock, remove_cut_short_saves
-from .manifest import MANIFEST, check_hashes, file_digest, hash_files, read_manifest, verify_checkpoint, write_manifest
-from .resume import hash_shares, load_rank_state, pick_checkpoint, resume_path, verify_shared
-from .save import rng_state, save_checkpoint, set_rng_state
+from rlhf.checkpoint.identity import check_stream, compare_identity, run_identity, stream_flags
+from rlhf.checkpoint.layout import STATE_FILE, STEP_RE, derived_seed, list_checkpoints, load_trainer_state, saved_world_size, step_dirs
+from rlhf.checkpoint.lock import LOCK_FILE, acquire_lock, release_lock, remove_cut_short_saves
+from rlhf.checkpoint.manifest import MANIFEST, check_hashes, file_digest, hash_files, read_manifest, verify_checkpoint, write_manifest
+from rlhf.checkpoint.resume import hash_shares, load_rank_state, pick_checkpoint, resume_path, verify_shared
+from rlhf.checkpoint.save import rng_state, save_checkpoint, set_rng_state

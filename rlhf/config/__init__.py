@@ -1,5 +1,5 @@
-from .cli import build_config, load_yaml, main_entry, make_command, parse
-from .schema import (
+from rlhf.config.cli import build_config, load_yaml, main_entry, make_command, parse
+from rlhf.config.schema import (
                      GROUPS,
                      AlgorithmConfig,
                      CheckpointConfig,
@@ -12,7 +12,7 @@ from .schema import (
                      TrainConfig,
                      flag_index,
 )
-from .validate import ConfigError, validate
+from rlhf.config.validate import ConfigError, validate
 
 __all__ = ["GROUPS", "AlgorithmConfig", "CheckpointConfig", "DataConfig", "LoggingConfig", "ModelConfig",
            "OptimConfig", "RolloutConfig", "TopologyConfig", "TrainConfig", "flag_index", "ConfigError",

@@ -16,12 +16,11 @@ import click
 import yaml
 from click.core import ParameterSource
 
+from rlhf.config import openrlhf_compat
+from rlhf.config.hierarchical import HierarchicalError, flatten_yaml, translate_argv, translate_yaml
+from rlhf.config.schema import GROUPS, TrainConfig, flag_index
+from rlhf.config.validate import ConfigError, validate
 from rlhf.console import is_rank0, print0
-
-from . import openrlhf_compat
-from .hierarchical import HierarchicalError, flatten_yaml, translate_argv, translate_yaml
-from .schema import GROUPS, TrainConfig, flag_index
-from .validate import ConfigError, validate
 
 
 def _click_type(f: dataclasses.Field):
@@ -239,7 +238,7 @@ def build_config(values: dict, kind: str, trainer_defaults: Optional[dict] = Non
             raise ConfigError(name, f"unknown flag --{name}")
         g, f = index[name]
         setattr(getattr(cfg, g), name, _coerce(f, val))
-    from .openrlhf_meaning import resolve_given  # OpenRLHF's meaning of flags given (or not): --max_len in RL, ...
+    from rlhf.config.openrlhf_meaning import resolve_given  # OpenRLHF's meaning of flags given (or not): --max_len in RL, ...
 
     resolve_given(cfg, kind, values)
     validate(cfg, kind)

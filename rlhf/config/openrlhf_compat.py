@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .validate import ConfigError
+from rlhf.config.validate import ConfigError
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,8 @@ import os
 import tempfile
 from typing import List, Optional
 
+from rlhf.config.validate import ConfigError
 from rlhf.console import print0
-
-from .validate import ConfigError
 
 RL_KINDS = ("ppo", "grpo")
 

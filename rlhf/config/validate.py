@@ -6,11 +6,10 @@ world size (topology) live in ``rlhf.distributed.plan`` and also run before
 """
 from __future__ import annotations
 
+from rlhf.config.algorithm_checks import validate_algorithm
+from rlhf.config.batching_checks import validate_batching  # --use_dynamic_batch budgets, --adam_offload
+from rlhf.config.openrlhf_meaning import resolve_async_colocate  # OpenRLHF: colocates the training models only
 from rlhf.errors import ConfigError
-
-from .algorithm_checks import validate_algorithm
-from .batching_checks import validate_batching  # --use_dynamic_batch budgets, --adam_offload
-from .openrlhf_meaning import resolve_async_colocate  # OpenRLHF: colocates the training models only
 
 RL_KINDS = ("ppo", "grpo")
 
@@ -171,7 +170,7 @@ def resolve_is_correction(a) -> None:
 
 
 def _validate_async(cfg) -> None:
-    """--async_queue_size, --max_staleness, --partial_rollout, --vllm_generate_batch_size (rlhf.rollout.stream).
+    """--async_queue_size, --max_staleness, --partial_rollout, --vllm_generate_batch_size (rlhf.rl.stream).
     Each needs --async_train (OpenRLHF asserts the same: openrlhf/cli/train_ppo_ray.py).  Resolves the staleness
     default, and turns IS correction on when nothing was said about it: an off-policy batch without it trains on
     the rollout's samples as if the trainer had drawn them (``--is_correction_level off`` opts out)."""

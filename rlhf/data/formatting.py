@@ -139,7 +139,7 @@ def build_prompts(rows: List[Dict], tokenizer, cfg_data) -> List[PromptItem]:
         label = r.get(cfg_data.label_key) if cfg_data.label_key else None
         out.append(PromptItem(text, None if label is None else str(label), ids))
     if rows and not out:
-        from .loading import DataError
+        from rlhf.data.loading import DataError
 
         raise DataError(f"all {len(rows)} prompts are empty (no tokens in --input_key {cfg_data.input_key!r}): check "
                         f"--input_key names the column that holds the prompts, or use --apply_chat_template")

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 from rlhf.console import print0
-
-from .formatting import format_prompt, format_response, has_prompt, pair_texts, tokenize_pair
+from rlhf.data.formatting import format_prompt, format_response, has_prompt, pair_texts, tokenize_pair
 
 RESPONSE_KEYS = {"sft": ("output_key",), "rm": ("chosen_key", "rejected_key"), "dpo": ("chosen_key", "rejected_key")}
 
@@ -66,7 +65,7 @@ def screen_rows(rows: List[Dict], tokenizer, data, kind: str, split: str = "trai
     keys = [getattr(d, k) for k in RESPONSE_KEYS[kind]]
     rep = DataReport(split, d.max_len, rows=len(rows))
     if kind == "sft" and (d.multiturn or pretrain_mode):  # whole conversations / texts
-        from .sft_modes import mode_of, screen_mode_rows
+        from rlhf.data.sft_modes import mode_of, screen_mode_rows
         return screen_mode_rows(rows, tokenizer, d, mode_of(d, pretrain_mode), split, rep), rep
     kept, whole = [], 0
     for i, row in enumerate(rows):
@@ -108,7 +107,7 @@ def _texts(row: Dict, tokenizer, d, kind: str):
     """(prompt, [responses]) as training renders them: SFT's prompt -> output, or a preference pair
     (``pair_texts``: with a prompt column, or OpenRLHF's whole conversations without one). Message lists are checked
     first (``check_messages``), so a malformed one is named here, not inside the chat template."""
-    from .sft_modes import check_messages
+    from rlhf.data.sft_modes import check_messages
 
     for flag in ("input_key",) + RESPONSE_KEYS[kind]:
         check_messages(row.get(getattr(d, flag)), flag, getattr(d, flag))

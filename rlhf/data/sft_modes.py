@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-from .formatting import format_response, is_messages
+from rlhf.data.formatting import format_response, is_messages
 
 Sample = Tuple[List[int], List[int]]
 

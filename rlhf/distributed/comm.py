@@ -75,7 +75,7 @@ def init(timeout_s: int = 1800) -> tuple:
     _S.timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
-            from .failfast import check_agent
+            from rlhf.distributed.failfast import check_agent
 
             check_agent()  # torchrun's agent already gone: stop now, not after the store's timeout
             kw = {"device_id": device} if device.type == "cuda" and "nccl" in backend else {}

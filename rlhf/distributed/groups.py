@@ -5,10 +5,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from . import comm
-from .mesh import RoleMesh
-from .placement import ROLES, Placement
-from .sequence_parallel import SP
+from rlhf.distributed import comm
+from rlhf.distributed.mesh import RoleMesh
+from rlhf.distributed.placement import ROLES, Placement
+from rlhf.distributed.sequence_parallel import SP
 
 
 def nnodes_from_env() -> int:
@@ -103,6 +103,6 @@ def build_groups(plan: Placement, rank: int) -> Groups:
 def supervised_mesh(world_size: int, gpus_per_node: int, sp: int, rank: int) -> RoleMesh:
     """The mesh of a supervised job's one model (every rank; ``dp x sp``), built by ``build_groups`` over
     ``placement.supervised_placement``: the same groups on every rank, in order."""
-    from .placement import supervised_placement
+    from rlhf.distributed.placement import supervised_placement
 
     return build_groups(supervised_placement(world_size, gpus_per_node, sp), rank).mesh("actor")

@@ -17,15 +17,15 @@ with plain process groups behind this small class instead of a ``DeviceMesh``: a
 and the roles' ranks overlap when colocated (one world-wide ``init_device_mesh`` per role does not fit), group
 creation must stay one logged sequence on every rank (``comm.new_group``, ``comm.check_groups_agree``), and
 DeepSpeed sets up its own world-wide groups.  ``DeviceMesh.from_group(mesh.group)`` wraps the role's group where
-FSDP2 wants one (rlhf.backends.fsdp2).
+FSDP2 wants one (rlhf.engines.fsdp2).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .sequence_parallel import SP
-from .sharding import shard_rows
+from rlhf.distributed.sequence_parallel import SP
+from rlhf.distributed.sharding import shard_rows
 
 
 @dataclass
@@ -134,7 +134,7 @@ def mesh_of(name: str, ranks: List[int], rank: int, dims: Dict[str, int]) -> Rol
 def world_mesh() -> RoleMesh:
     """Every rank of the job as one data-parallel dimension, over the default group (an engine built without a
     role: tests, tools)."""
-    from . import comm
+    from rlhf.distributed import comm
 
     world = comm.world_size()
     return RoleMesh("world", list(range(world)), comm.rank(), {"dp": world}, group=comm.world_group())

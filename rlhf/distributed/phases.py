@@ -6,7 +6,7 @@ may ``share`` a role that stays awake beside it (weight sync: actor parameters a
 KV cache).  The ledger records each transition so tests can assert the protocol.
 
 What a role holds (``memory_state``: ``full``, ``weights`` for a vLLM engine whose KV cache sleeps, ``asleep``) is
-the role's own answer, backed by its engine (vLLM: ``rlhf.rollout.vllm_memory.EngineMemory``; the HF engine and
+the role's own answer, backed by its engine (vLLM: ``rlhf.engines.vllm_memory.EngineMemory``; the HF engine and
 the train engines: resident or offloaded).  The scheduler keeps no copy: "awake" means a state other than
 ``asleep``, asked each time.  ``sync_follows(role)`` passes on that a weight sync comes before the role's next
 generate, so its next sleep may discard its weights (vLLM sleep level 2).  veRL's rollout contract names the same
@@ -18,13 +18,13 @@ import contextlib
 import threading
 from typing import Dict, Iterable, List, Optional, Protocol, Tuple
 
-from . import comm
+from rlhf.distributed import comm
 
 MEMORY_STATES = ("full", "weights", "asleep")
 
 
 class Sleepable(Protocol):
-    """A role holding memory (rlhf.trainers.roles.Role)."""
+    """A role holding memory (rlhf.roles.base.Role)."""
 
     def sleep(self) -> None: ...
 

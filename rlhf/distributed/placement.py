@@ -49,7 +49,7 @@ class Placement:
         * ``trainers``: the ranks holding a model role, where rollout ranks of their own exist (--async_train
           gathers the inference forwards over them, so the rollout ranks generate meanwhile);
         * ``rollout_reward``: the rollout ranks of their own + the reward model's (--async_train scores each batch
-          over them as soon as the engines produced it, rlhf.trainers.async_rollout)."""
+          over them as soon as the engines produced it, rlhf.rl.async_queue)."""
         out: Dict[str, List[int]] = {}
         if self.sync_ranks:
             out["sync"] = list(self.sync_ranks)

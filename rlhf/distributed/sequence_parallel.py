@@ -40,7 +40,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from . import comm
+from rlhf.distributed import comm
 
 ATTN_NAME = "rlhf_ulysses"
 

@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from . import comm
+from rlhf.distributed import comm
 
 
 def shard_rows(n_rows: int, index: int, size: int) -> slice:

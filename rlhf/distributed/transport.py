@@ -15,7 +15,7 @@ never split across two loads (``split_last_layer``: vLLM's in-place reload fuses
 
 This module calls torch.distributed's ProcessGroup classes directly, on purpose: the group it builds is not the
 trainer's default group that ``rlhf.distributed.comm`` owns.  The sender is ``rlhf.distributed.weight_sync``; the
-receiver runs inside vLLM's worker (``rlhf.rollout.vllm_worker``).
+receiver runs inside vLLM's worker (``rlhf.engines.vllm_worker``).
 """
 from __future__ import annotations
 

@@ -16,10 +16,9 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
+from rlhf.distributed import comm
+from rlhf.distributed import transport as transfer  # the weight-transfer group and its wire format
 from rlhf.errors import WeightSyncTimeout
-
-from . import comm
-from . import transport as transfer  # the weight-transfer group and its wire format
 
 Meta = Tuple[str, Tuple[int, ...], torch.dtype]
 

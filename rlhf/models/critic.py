@@ -9,8 +9,7 @@ from torch import nn
 
 from rlhf.console import print0
 from rlhf.distributed.sequence_parallel import sp_of
-
-from .forward import position_ids_from_mask, sp_values
+from rlhf.models.forward import position_ids_from_mask, sp_values
 
 
 class CriticModel(nn.Module):
@@ -38,7 +37,7 @@ class CriticModel(nn.Module):
         said on rank 0."""
         from transformers import AutoModel
 
-        from .load import attn_implementation, from_pretrained_or_meta, weight_dtype
+        from rlhf.models.load import attn_implementation, from_pretrained_or_meta, weight_dtype
 
         kw = dict(dtype=weight_dtype(False, trainable=True), attn_implementation=attn_implementation(flash_attn))
         if on_meta:
@@ -107,7 +106,7 @@ class CriticModel(nn.Module):
 def is_reward_model(config) -> bool:
     """A config saved by a sequence-classification reward model (HF *ForSequenceClassification, OpenRLHF's
     RewardModel / CriticModel): the architectures ``load.check_model_dir`` reads for --reward_pretrain."""
-    from .load import REWARD_SUFFIXES
+    from rlhf.models.load import REWARD_SUFFIXES
 
     return any(str(a).endswith(REWARD_SUFFIXES) for a in (getattr(config, "architectures", None) or []))
 
@@ -117,7 +116,7 @@ def reward_head_weight(path: str, value_head_prefix: Optional[str] = None) -> to
     (--value_head_prefix, config.json's value_head_prefix, else HF's 'score'): straight from the safetensors files
     (a hub name: those of its snapshot, which loading the backbone fetched), else (a .bin checkpoint) through
     ``load_reward_model`` on the CPU."""
-    from .load import _head_key, load_reward_model, weight_index
+    from rlhf.models.load import _head_key, load_reward_model, weight_index
 
     local = path
     if not os.path.isdir(path):

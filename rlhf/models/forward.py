@@ -21,8 +21,7 @@ import torch
 
 from rlhf.algorithms.logprob import entropy_chunked, logprobs_from_logits
 from rlhf.distributed.sequence_parallel import SP, collect, local_hidden, positions_in, sp_of
-
-from .lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_params, head_removed
+from rlhf.models.lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_params, head_removed
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -194,7 +193,7 @@ def sp_rows_logprobs(model, head, ids, pos, tgt, sp: SP, temperature: float = 1.
 
 
 def sp_token_logprobs(model, batch: dict, chunk_size: int = 1024, keep_bytes: int = KEEP_BYTES) -> torch.Tensor:
-    """The SP form of rlhf.trainers.tasks.token_logprobs on a packed batch: (1, T-1) log p(x_{t+1} | x_<=t),
+    """The SP form of rlhf.supervised.tasks.token_logprobs on a packed batch: (1, T-1) log p(x_{t+1} | x_<=t),
     computed at the loss_mask[:, 1:] positions only (0 elsewhere)."""
     keep = batch["loss_mask"][:, 1:].bool()
     tgt = keep[0].nonzero().squeeze(1) + 1

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
-from .dims import ModelDims
-from .job import DEFAULT_GPU_GB, Job
-from .memory import plan_memory
-from .plan_types import MemoryPlan
-from .terms import GiB
+from rlhf.planning.dims import ModelDims
+from rlhf.planning.job import DEFAULT_GPU_GB, Job
+from rlhf.planning.memory import plan_memory
+from rlhf.planning.plan_types import MemoryPlan
+from rlhf.planning.terms import GiB
 
 
 def device_budget(gpu_memory_gb: Optional[float]) -> float:

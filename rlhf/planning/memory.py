@@ -16,17 +16,17 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from . import terms
-from .dims import ModelDims
-from .job import DEFAULT_GPU_GB, Job
-from .plan_types import GroupPlan, MemoryPlan, RoleModel, Stage
-from .terms import GiB, States
+from rlhf.planning import terms
+from rlhf.planning.dims import ModelDims
+from rlhf.planning.job import DEFAULT_GPU_GB, Job
+from rlhf.planning.plan_types import GroupPlan, MemoryPlan, RoleModel, Stage
+from rlhf.planning.terms import GiB, States
 
 CUDA_RESERVE = 1.5 * GiB       # CUDA context + cuBLAS workspace + NCCL buffers per rank (assumed; measured on the
 
 
                                # GPU check: see README "Memory planner")
-CPU_HEAD_COPY_MIN = 1 << 20    # rlhf/rollout/sampling.py SMALL_HEAD: smaller heads get no transposed copy
+CPU_HEAD_COPY_MIN = 1 << 20    # rlhf/engines/sampling.py SMALL_HEAD: smaller heads get no transposed copy
 
 
 SYNC_BUCKET = 256 << 20        # WeightSync's default bucket (rlhf/distributed/weight_sync.py), two in flight
@@ -87,7 +87,7 @@ def _forward(job: Job, d: ModelDims, b: int, s: int, grad: bool, lm: bool, dp: i
 def _rollout_parts(job: Job, d: ModelDims, tp: int, device_bytes: float, on_cuda: bool = True) -> Dict[str, float]:
     if job.rollout_engine == "vllm":
         return {"rollout:vllm": terms.vllm_share_bytes(job.vllm_gpu_memory_utilization, device_bytes)}
-    # HF engine (rlhf/rollout/hf_engine.py): its own model copy, a KV cache for a micro-batch, one decode step's
+    # HF engine (rlhf/engines/hf_engine.py): its own model copy, a KV cache for a micro-batch, one decode step's
     # logits and the prefill's activations; on CPU also the transposed head copy (rollout/sampling.py logits_head)
     # The peak is the later of two moments: the prefill (the prompts' KV + one block's buffers over P tokens)
     # or the last decode step (the whole KV cache + one step's logits).
@@ -103,7 +103,7 @@ def _rollout_parts(job: Job, d: ModelDims, tp: int, device_bytes: float, on_cuda
 
 def _resident(job: Job, name: str, st: States, asleep: bool, trainable: bool) -> Dict[str, float]:
     """A sleeping role holds nothing, except a frozen DeepSpeed ZeRO-3 model: its sleep only empties the gathered
-    parameters' cache, the partitions stay (rlhf/backends/deepspeed_engine.py ``sleep``)."""
+    parameters' cache, the partitions stay (rlhf/engines/deepspeed_engine.py ``sleep``)."""
     if asleep and not (job.backend == "deepspeed" and not trainable and job.zero_stage >= 3):
         return {}
     return {f"{name}:params": st.params, f"{name}:grads": st.grads, f"{name}:optimizer": st.optimizer}
@@ -112,7 +112,7 @@ def _resident(job: Job, name: str, st: States, asleep: bool, trainable: bool) ->
 def weights_only_wake(job: Job, sleeping: bool) -> bool:
     """Whether a role woken from sleep for a forward-only stage (reward, ref, values, old log-probs) leaves its
     optimizer state on the host: FSDP2's ``wake`` brings the weights only and ``step`` brings the optimizer state
-    (rlhf/backends/fsdp2.py ``wake`` / ``_onload_optimizer``; veRL's ``load_fsdp_optimizer`` in ``update_actor``
+    (rlhf/engines/fsdp2.py ``wake`` / ``_onload_optimizer``; veRL's ``load_fsdp_optimizer`` in ``update_actor``
     only).  DeepSpeed's wake reloads every state (``reload_states``).  Without sleep everything stays resident.
     The weight sync follows the actor's update with the actor still awake, so its optimizer state is there."""
     return sleeping and job.backend == "fsdp2"
@@ -123,7 +123,7 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
     """The stages of one rank holding ``roles`` (role -> RoleModel; "rollout" -> the actor's model) and its host
     bytes per rank.  Colocated with sleep, a stage keeps only its own role (and the one it shares) awake.
     ``scheduled``: the phase scheduler puts roles to sleep at all, which the RL trainer does only when every role
-    shares every rank (rlhf/trainers/rl_trainer.py: ``enabled=self.plan.colocated and (...)``); the supervised
+    shares every rank (rlhf/rl/trainer.py: ``enabled=self.plan.colocated and (...)``); the supervised
     trainers never do."""
     states = {r: role_states(job, m) for r, m in roles.items() if r != "rollout"}
     reserve = {"runtime": CUDA_RESERVE} if on_cuda else {}
@@ -158,7 +158,7 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
     if job.backend == "fsdp2" and states:  # the roles load one after another, before the rollout engine starts
         # (so "rollout" counts as awake: no vLLM share yet): the last role's one-tensor transient at most.  A role
         # on one rank reads its checkpoint itself and moves it tensor by tensor (``module.to`` / ``fully_shard``):
-        # no broadcast buffer (rlhf/backends/base.py ``loads_on_first``: FSDP2 over more than one rank)
+        # no broadcast buffer (rlhf/engines/train.py ``loads_on_first``: FSDP2 over more than one rank)
         transient = max(terms.load_transient_bytes(m.dims, terms.stored_bytes(job.c, m.trainable, m.adapters > 0))
                         if m.ranks > 1 else 0.0 for r, m in roles.items() if r != "rollout")
         add("shard", tuple(states) + ("rollout",), {"load:transient": transient} if transient else {},
@@ -202,7 +202,7 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
 
 def _sync_copies(job: Job, actor: RoleModel) -> bool:
     """Whether the sync's gather makes new tensors (``weight_sync.full_tensor``): a sharded FSDP2 model (over
-    several ranks, or under --bf16 / --adam_offload, rlhf/backends/fsdp2.py ``sharded``) all-gathers, ZeRO-3
+    several ranks, or under --bf16 / --adam_offload, rlhf/engines/fsdp2.py ``sharded``) all-gathers, ZeRO-3
     copies each gathered parameter out, a LoRA layer is merged into a new tensor; a plain model already in the
     sync dtype (one rank in fp32, DeepSpeed ZeRO < 3) hands its parameters over as they are."""
     if actor.adapters:
@@ -291,8 +291,7 @@ def role_dims(model) -> Dict[str, ModelDims]:
     """Each role's dimensions from its config.json, the paths in ``model`` (the --model flag group): --pretrain
     (the built-in kit when unset), --ref_pretrain, --critic_pretrain (default --pretrain), --reward_pretrain."""
     from rlhf.models.load import resolve_pretrain
-
-    from .dims import dims_of
+    from rlhf.planning.dims import dims_of
 
     m = model
     actor = dims_of(resolve_pretrain(m.pretrain))

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .dims import ModelDims
-from .job import Job
-from .terms import GiB
+from rlhf.planning.dims import ModelDims
+from rlhf.planning.job import Job
+from rlhf.planning.terms import GiB
 
 
 @dataclass

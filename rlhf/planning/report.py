@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from . import terms
-from .fixes import flags_text
-from .memory import CUDA_RESERVE
-from .plan_types import MemoryPlan, _ranges
-from .terms import GiB
+from rlhf.planning import terms
+from rlhf.planning.fixes import flags_text
+from rlhf.planning.memory import CUDA_RESERVE
+from rlhf.planning.plan_types import MemoryPlan, _ranges
+from rlhf.planning.terms import GiB
 
 
 def vllm_lines(plan: MemoryPlan) -> List[str]:

@@ -7,13 +7,12 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 from rlhf.errors import MemoryPlanError
-
-from .fixes import flags_text, plan_with_fixes
-from .job import Job
-from .memory import CUDA_RESERVE, plan_memory, role_dims
-from .plan_types import _ranges
-from .report import _gib
-from .terms import GiB
+from rlhf.planning.fixes import flags_text, plan_with_fixes
+from rlhf.planning.job import Job
+from rlhf.planning.memory import CUDA_RESERVE, plan_memory, role_dims
+from rlhf.planning.plan_types import _ranges
+from rlhf.planning.report import _gib
+from rlhf.planning.terms import GiB
 
 
 def free_device_bytes() -> Tuple[float, float, int]:

@@ -8,7 +8,7 @@
 Sources.  Model states: DeepSpeed's estimators (deepspeed/runtime/zero/stage3.py
 ``estimate_zero3_model_states_mem_needs``: 18 bytes/param over the ranks + 4 x the largest layer;
 stage_1_and_2.py ``estimate_zero2_model_states_mem_needs``: 2 bytes/param whole + 18 over the ranks), and for FSDP2
-our own engine (rlhf/backends/fsdp2.py: fp32 sharded masters, gradients and AdamW state; bf16 all-gathered copies
+our own engine (rlhf/engines/fsdp2.py: fp32 sharded masters, gradients and AdamW state; bf16 all-gathered copies
 per unit).  Activations: the per-layer accounting of Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models" (sbh(34 + 5as/h) bytes for a GPT layer at 16 bits: every tensor autograd saves, the
 s^2 term being the attention scores), redone for a Llama/Qwen2 block as transformers runs it (RMSNorm in fp32,
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict
 
-from .dims import ModelDims
+from rlhf.planning.dims import ModelDims
 
 GiB = 1 << 30
 
@@ -54,7 +54,7 @@ def stored_bytes(c: int, trainable: bool, lora: bool = False) -> int:
 
 def fsdp2_states(n: int, dp: int, c: int, zero_stage: int, trainable: bool, layer_params: int, root_params: int,
                  adam_offload: bool = False, no_sync: bool = False, adapters: int = 0) -> States:
-    """FSDP2 (rlhf/backends/fsdp2.py): parameters stored sharded, fp32 when trainable (frozen: c, ``stored_bytes``),
+    """FSDP2 (rlhf/engines/fsdp2.py): parameters stored sharded, fp32 when trainable (frozen: c, ``stored_bytes``),
 
         params    = 4 N / dp           (frozen: c N / dp)
         grads     = 4 N / dp           (trainable; --grad_accum_no_sync: 4 N, full unsharded fp32 gradients)
@@ -234,7 +234,7 @@ def largest_tensor(d: ModelDims) -> int:
 
 
 def load_transient_bytes(d: ModelDims, stored: int) -> float:
-    """What loading adds on every rank of an FSDP2 role beyond its shards (rlhf/backends/fsdp2.py
+    """What loading adds on every rank of an FSDP2 role beyond its shards (rlhf/engines/fsdp2.py
     ``fill_from_first``): the source rank keeps the full model on the host (detached ``host_copies``, which
     ``fully_shard``'s move of ``.data`` does not touch) and moves one full tensor at a time to the device; every
     member receives that tensor into a device buffer of the same size and keeps its own shard:
@@ -316,7 +316,7 @@ def lora_merge_bytes(d: ModelDims, c: int, target_modules: str, copies: bool) ->
 
 
 def load_host_bytes(n: int, stored: int, adapters: int = 0) -> float:
-    """Host memory of the rank that reads a role's checkpoint (FSDP2 ``load_on_first``: rlhf/backends/fsdp2.py
+    """Host memory of the rank that reads a role's checkpoint (FSDP2 ``load_on_first``: rlhf/engines/fsdp2.py
     ``host_copies``): the whole model in its stored dtype, stored x N (+ 4 A fp32 adapters), freed tensor by
     tensor as ``fill_from_first`` sends them; the other ranks build on meta and hold none."""
     return float(stored * n + 4 * adapters)
@@ -329,7 +329,7 @@ def kv_cache_bytes(d: ModelDims, seqs: int, tokens: int, c: int) -> float:
 
 def vllm_share_bytes(utilization: float, device_bytes: float) -> float:
     """vLLM v1 takes ``gpu_memory_utilization x total`` for weights, activations and KV cache
-    (vllm/v1/worker/gpu_worker.py ``determine_available_memory``; rlhf/rollout/vllm_launch.py
+    (vllm/v1/worker/gpu_worker.py ``determine_available_memory``; rlhf/engines/vllm_launch.py
     ``check_free_memory`` refuses less free memory at start)."""
     return utilization * device_bytes
 

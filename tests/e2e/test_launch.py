@@ -248,8 +248,8 @@ def test_refill_deadline_scales_with_rounds():
 def test_rl_trainer_waits_for_only_roles_it_does_not_hold():
     from types import SimpleNamespace as NS
 
-    from rlhf.trainers.rl_trainer import RLTrainer
-    from rlhf.trainers.stages import AdvantagesStage, RewardStage, UpdateStage, WeightSyncStage
+    from rlhf.rl.stages import AdvantagesStage, RewardStage, UpdateStage, WeightSyncStage
+    from rlhf.rl.trainer import RLTrainer
 
     roles = {"actor": NS(is_member=False), "rollout": NS(is_member=True), "critic": NS(is_member=False)}
     tr = NS(roles=NS(all=lambda: roles))
@@ -301,7 +301,7 @@ def test_load_and_save_deadlines_scale_with_the_bytes_they_move():
     import types
 
     from launch.sbatch import io_deadlines_s
-    from rlhf.trainers.rl_trainer import io_deadlines
+    from rlhf.rl.trainer import io_deadlines
 
     big = io_deadlines_s(2 * 70_000_000_000, 4 * 70_000_000_000, 4, 1200.0)
     assert big["save"] == pytest.approx(2.0 * (490 + 490)), big

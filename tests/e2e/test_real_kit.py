@@ -140,7 +140,7 @@ def test_stop_ids_are_vllms():
     """Requested ids, the tokenizer's eos, generation_config's eos (an int or a list): each once, as vLLM stops."""
     from types import SimpleNamespace
 
-    from rlhf.rollout.hf_engine import stop_ids
+    from rlhf.engines.hf_engine import stop_ids
 
     assert stop_ids((7,), 7, SimpleNamespace(eos_token_id=[7, 3])) == (3, 7)
     assert stop_ids((), 5, SimpleNamespace(eos_token_id=9)) == (5, 9)
@@ -151,8 +151,8 @@ def test_hf_engine_stops_at_end_of_turn(real_kit, real_sft):
     """The HF engine with the trainer's stop ids (the tokenizer's eos, i.e. <|im_end|>) on chat prompts."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf.rollout.base import SamplingParams
-    from rlhf.rollout.hf_engine import HFEngine
+    from rlhf.engines.hf_engine import HFEngine
+    from rlhf.engines.rollout import SamplingParams
 
     tok, prompts = _chat_prompt_ids(real_kit, real_sft[0])
     eng = HFEngine(AutoModelForCausalLM.from_pretrained(real_sft[0]), tok)
@@ -293,8 +293,8 @@ def test_vllm_engine_stops_at_end_of_turn(real_kit, real_sft):
     import torch.distributed as dist
     from helpers.net import free_port
 
-    from rlhf.rollout.base import SamplingParams
-    from rlhf.rollout.vllm_engine import VLLMEngine, _env
+    from rlhf.engines.rollout import SamplingParams
+    from rlhf.engines.vllm_engine import VLLMEngine, _env
 
     tok, prompts = _chat_prompt_ids(real_kit, real_sft[0])
     with _env(dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RANK=0, WORLD_SIZE=1, LOCAL_RANK=0)):

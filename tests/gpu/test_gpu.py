@@ -24,8 +24,8 @@ def single_rank_nccl(monkeypatch):
 def test_train_engine_sleep_frees_device_memory(tiny_kit, single_rank_nccl):
     from transformers import AutoModelForCausalLM
 
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
 
     eng = FSDP2Engine(AutoModelForCausalLM.from_pretrained(tiny_kit),
                       EngineSpec(lr=1e-3, train_batch_size=2, micro_batch_size=2, total_steps=4, bf16=True),
@@ -52,9 +52,9 @@ def test_supervised_step_batches_on_device_and_fp32_masters_under_bf16(tiny_kit,
     batch left on the CPU would run, slowly, on NCCL's CPU side or fail in a collective), and the optimizer
     updates fp32 master weights with fp32 Adam state (bf16 is the compute dtype only)."""
     from rlhf.config import parse
+    from rlhf.supervised.tasks import SFTTask
+    from rlhf.supervised.trainer import SupervisedTrainer
     from rlhf.train_sft import DEFAULTS
-    from rlhf.trainers.supervised import SupervisedTrainer
-    from rlhf.trainers.tasks import SFTTask
 
     argv = ["--pretrain", tiny_kit, "--dataset", os.path.join(tiny_kit, "data", "sft_train.jsonl"), "--bf16",
             "--max_global_steps", "1", "--train_batch_size", "4", "--micro_train_batch_size", "2", "--max_samples",
@@ -85,8 +85,8 @@ def test_fsdp2_load_peak_memory_vs_model_bytes(single_rank_nccl, load_on_first):
     tensor (the 32000 x 512 embedding is 35% of this model); 2x would mean a second full copy."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
 
     cfg = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
                       num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)

@@ -16,7 +16,7 @@ def skewed_experience(P: int = 6, R: int = 12, seed: int = 0):
     """A Batch of 8 rows with left-padded prompts and right-padded responses: one row fills the whole width
     (6 + 12 = 18 tokens), the other seven hold 2-3 tokens each (19 together); random advantages / log-probs.
     Under an 18-token budget the long row is a rank's only row while the other rank needs two micro-batches."""
-    from rlhf.trainers.batch import Batch
+    from rlhf.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
     shapes = [(P, R), (1, 2), (2, 1), (1, 2), (2, 1), (1, 2), (1, 1), (1, 1)]
@@ -35,10 +35,10 @@ def skewed_experience(P: int = 6, R: int = 12, seed: int = 0):
 
 def update_role(cls, cfg, engine, dp_rank: int, dp_size: int):
     """An Actor or Critic over ``engine`` at data-parallel coordinates (dp_rank, dp_size), as build_roles makes it
-    (rlhf.trainers.roles.model_role): for tests that drive one ``update``."""
+    (rlhf.roles.base.model_role): for tests that drive one ``update``."""
     from rlhf.distributed.mesh import RoleMesh
     from rlhf.distributed.sequence_parallel import SP
-    from rlhf.trainers.ppo_update import update_settings
+    from rlhf.roles.update_batches import update_settings
 
     m = getattr(engine, "mesh", None)  # test code: stand-in engines have none
     sp = m.sp if m is not None else SP()
@@ -91,13 +91,13 @@ def _mean_over_ranks(v: float, world: int) -> float:
 
 def check_dynamic_batch_equals_fixed(rank, world, kit):
     from rlhf.algorithms.seqlen_balancing import plan_step
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
     from rlhf.models.critic import CriticModel
     from rlhf.models.load import load_causal_lm
-    from rlhf.trainers.actor import Actor
-    from rlhf.trainers.critic_role import Critic
-    from rlhf.trainers.ppo_update import row_items
+    from rlhf.roles.actor import Actor
+    from rlhf.roles.critic import Critic
+    from rlhf.roles.update_batches import row_items
 
     exp = skewed_experience()
     budget = 18
@@ -138,8 +138,8 @@ def check_dynamic_batch_equals_fixed(rank, world, kit):
 def check_adam_offload(rank, world, kit):
     from torch.distributed.fsdp import FSDPModule
 
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
     from rlhf.models.load import load_causal_lm
 
     torch.manual_seed(1)
@@ -180,9 +180,9 @@ def check_deepspeed_token_budgets(rank, world, kit, stage):
     loss and gradient norm (1e-5), and the parameters moved once (AdamW moves each by at most ~lr per step)."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.deepspeed_engine import DeepSpeedEngine
-    from rlhf.trainers.actor import Actor
+    from rlhf.engines.deepspeed_engine import DeepSpeedEngine
+    from rlhf.engines.train import EngineSpec
+    from rlhf.roles.actor import Actor
 
     exp = skewed_experience()
     lr = 1e-3
@@ -213,8 +213,8 @@ def check_deepspeed_accumulates(rank, world, kit, stage):
     with DeepSpeed 0.19 the second micro-batch used to overwrite the first: 2.05 for 3.20.)"""
     from transformers import AutoModelForCausalLM
 
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.deepspeed_engine import DeepSpeedEngine
+    from rlhf.engines.deepspeed_engine import DeepSpeedEngine
+    from rlhf.engines.train import EngineSpec
 
     torch.manual_seed(0)
     ids = torch.randint(3, 100, (2 * world, 10))

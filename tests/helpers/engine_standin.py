@@ -1,7 +1,7 @@
-"""The base of the tests' stand-in rollout engines: the real contract (rlhf.rollout.base.RolloutEngine), so a stand-in
+"""The base of the tests' stand-in rollout engines: the real contract (rlhf.engines.rollout.RolloutEngine), so a stand-in
 answers every capability the trainer asks for with the library's documented defaults.  A stand-in overrides what its
 test exercises; a call its test does not expect fails loudly instead of passing silently."""
-from rlhf.rollout.base import RolloutEngine
+from rlhf.engines.rollout import RolloutEngine
 
 
 class StandInEngine(RolloutEngine):

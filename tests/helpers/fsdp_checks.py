@@ -66,8 +66,8 @@ class DeviceLoadMeter:
 
 def check_load_memory(rank, world, kit):
     """Rank 0's device bytes at load: its shard plus one tensor in flight, never the whole model."""
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
     from rlhf.models.load import load_causal_lm
 
     spec = EngineSpec(lr=1e-3, train_batch_size=2, micro_batch_size=1, total_steps=2)
@@ -94,8 +94,8 @@ def check_fill_from_other_rank(rank, world, kit):
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from rlhf.backends.fsdp2 import decoder_layers, fill_from_first, host_copies
     from rlhf.distributed import comm
+    from rlhf.engines.fsdp2 import decoder_layers, fill_from_first, host_copies
 
     cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
@@ -143,8 +143,8 @@ def _grad_bytes(model) -> tuple:
 def check_accumulation_memory(rank, world, kit):
     """Between two micro-batches of one optimizer step a rank holds sharded gradients only (1/world of the fp32
     model); --grad_accum_no_sync holds the full unsharded gradients instead."""
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
     from rlhf.models.load import load_causal_lm
 
     ids = torch.randint(3, 100, (2, 10))
@@ -169,8 +169,8 @@ def check_accumulation_memory(rank, world, kit):
 def check_bf16_precision(rank, world, kit, monkeypatch_attn):
     """--bf16 (with and without --flash_attn): fp32 parameters and AdamW state after a step, bf16 compute;
     frozen models in bf16."""
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
     from rlhf.models.critic import CriticModel
     from rlhf.models.load import load_causal_lm, load_reward_model
 
@@ -203,8 +203,8 @@ def check_bf16_precision(rank, world, kit, monkeypatch_attn):
 def check_fused_head_on_sharded_weights(rank, world, kit):
     """action_logprobs through the fused, chunked head on FSDP2's sharded head: the same log-probs and gradients
     as the plain logits path."""
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
     from rlhf.models.forward import action_logprobs
     from rlhf.models.lm_head import fusable_head
     from rlhf.models.load import load_causal_lm

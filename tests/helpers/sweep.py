@@ -26,7 +26,7 @@ BASE = {"generate_max_len": 4, "remote_rm_url": "builtin:arithmetic", "lr_warmup
         # greedy, one sample per eval prompt (OpenRLHF's defaults, 0.6 and 4, make every eval 4x)
         "eval_temperature": 0.0, "eval_n_samples_per_prompt": 1}
 RM = {"remote_rm_url": None, "reward_pretrain": "{kit}/reward"}
-# a reward function (rlhf.rollout: streamed on the rollout ranks under --async_train) whose scores vary by response
+# a reward function (rlhf.engines: streamed on the rollout ranks under --async_train) whose scores vary by response
 FAULT_RM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_reward.py")
 # scores that vary from sample to sample: a reward function, and a two-turn agent (feedback between the turns)
 VARIED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "varied_scores.py")
@@ -264,7 +264,7 @@ def _lines(path: str) -> int:
 
 def check_rewards_ahead(trainer) -> list:
     """Under --async_train with a reward model, each batch's scores are computed ahead, on the reward model's ranks
-    (rlhf.trainers.async_rollout.AsyncRollout.score_ahead): wrap ``take`` to score the taken batch anew, the
+    (rlhf.rl.async_queue.AsyncRollout.score_ahead): wrap ``take`` to score the taken batch anew, the
     synchronous way (every rank), and record the largest difference per step."""
     ar, diffs = trainer.async_rollout, []
     if ar is None or not ar.ahead:
@@ -312,9 +312,9 @@ def run_cases(cases: dict, kit: str, data: str, out: str, table: dict) -> None:
     import torch.distributed as dist
 
     from rlhf.config import parse
+    from rlhf.rl.trainer import RLTrainer
     from rlhf.train_grpo import GRPO_DEFAULTS
     from rlhf.train_ppo import PPO_DEFAULTS
-    from rlhf.trainers.rl_trainer import RLTrainer
 
     defaults = {"grpo": GRPO_DEFAULTS, "ppo": PPO_DEFAULTS}
     for name, spec in cases.items():

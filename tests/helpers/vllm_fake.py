@@ -1,6 +1,6 @@
 """A CPU stand-in for ``vllm`` that keeps vLLM's sleep-mode contract, including where vLLM fails.
 
-It replaces the ``vllm`` module that ``rlhf.rollout.vllm_engine.check_vllm`` returns, so the engine code under
+It replaces the ``vllm`` module that ``rlhf.engines.vllm_engine.check_vllm`` returns, so the engine code under
 test (``VLLMEngine`` and its ``EngineMemory``) is the real one; only ``vllm.LLM`` is fake.  Generation runs the HF
 model of the same checkpoint (``HFEngine``), weights arrive through ``collective_rpc("rlhf_load_weights")``.
 
@@ -139,8 +139,8 @@ class FakeLLM(SleepModeLLM):
     def __init__(self, model: str, seed: int = 0, enable_sleep_mode: bool = False, **kw):
         from transformers import AutoModelForCausalLM
 
+        from rlhf.engines.hf_engine import HFEngine
         from rlhf.models.load import load_tokenizer
-        from rlhf.rollout.hf_engine import HFEngine
 
         super().__init__(FakeLLM.device, enable_sleep_mode)
         self.kw = dict(kw, model=model, seed=seed, enable_sleep_mode=enable_sleep_mode)
@@ -183,7 +183,7 @@ class FakeLLM(SleepModeLLM):
 
     # ---- generation -------------------------------------------------------------------------------------------
     def generate(self, prompts, sp: SamplingParams, use_tqdm: bool = False):
-        from rlhf.rollout.base import SamplingParams as Ours
+        from rlhf.engines.rollout import SamplingParams as Ours
 
         self.calls.append(("generate", len(prompts)))
         if self.sleeping:
@@ -211,9 +211,9 @@ class FakeLLM(SleepModeLLM):
 
 
 def fake_vllm(monkeypatch, device: Optional[FakeDevice] = None) -> FakeDevice:
-    """Put the fake in place of vLLM for ``rlhf.rollout.vllm_engine`` (sleep mode available, not CUDA) and route
+    """Put the fake in place of vLLM for ``rlhf.engines.vllm_engine`` (sleep mode available, not CUDA) and route
     the engine's ``torch.cuda.empty_cache()`` to the fake device.  Returns the device."""
-    from rlhf.rollout import vllm_engine
+    from rlhf.engines import vllm_engine
 
     device = device or FakeDevice()
     FakeLLM.device = device

@@ -14,8 +14,8 @@ def _ds_worker(rank, world, kit, out_dir, stage):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.deepspeed_engine import DeepSpeedEngine
+    from rlhf.engines.deepspeed_engine import DeepSpeedEngine
+    from rlhf.engines.train import EngineSpec
 
     torch.manual_seed(0)
     ids = torch.randint(3, 100, (4, 12))
@@ -87,7 +87,7 @@ def _check_bf16_masters(kit, spec, stage):
 
     from transformers import AutoModelForCausalLM
 
-    from rlhf.backends.deepspeed_engine import DeepSpeedEngine
+    from rlhf.engines.deepspeed_engine import DeepSpeedEngine
 
     eng = DeepSpeedEngine(AutoModelForCausalLM.from_pretrained(kit), dataclasses.replace(spec, bf16=True))
     x = torch.randint(3, 100, (1, 8))
@@ -108,7 +108,7 @@ def _check_frozen(kit, spec, stage, x):
 
     from transformers import AutoModelForCausalLM
 
-    from rlhf.backends.deepspeed_engine import DeepSpeedEngine
+    from rlhf.engines.deepspeed_engine import DeepSpeedEngine
 
     plain = AutoModelForCausalLM.from_pretrained(kit)
     frozen = DeepSpeedEngine(AutoModelForCausalLM.from_pretrained(kit),
@@ -128,8 +128,8 @@ def _check_lora_merge(kit, spec):
 
     from transformers import AutoModelForCausalLM
 
-    from rlhf.backends.deepspeed_engine import DeepSpeedEngine
     from rlhf.distributed.weight_sync import WeightSync
+    from rlhf.engines.deepspeed_engine import DeepSpeedEngine
     from rlhf.models.load import apply_lora
 
     torch.manual_seed(1)  # the same LoRA init on every rank
@@ -156,8 +156,8 @@ def _check_sub_group_refused(kit, spec):
     """A DeepSpeed role on some of the ranks fails at once with the fix, not inside DeepSpeed's world barrier."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf.backends.deepspeed_engine import DeepSpeedEngine
     from rlhf.distributed import comm
+    from rlhf.engines.deepspeed_engine import DeepSpeedEngine
 
     g = comm.new_group([0])  # every rank creates it
     if comm.rank() == 0:

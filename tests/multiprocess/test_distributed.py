@@ -99,7 +99,7 @@ def _topology_worker(rank, world, out_dir):
 
     from helpers.vllm_fake import FakeDevice, SleepModeLLM
 
-    from rlhf.rollout.vllm_memory import EngineMemory
+    from rlhf.engines.vllm_memory import EngineMemory
 
     class Role:
         """A role with vLLM's sleep contract: the engine's EngineMemory over the fake of tests/helpers/vllm_fake.py, which
@@ -168,7 +168,7 @@ def test_bad_topology_fails_before_process_group(tiny_kit, monkeypatch):
 
     from rlhf.config import parse
     from rlhf.distributed import TopologyError
-    from rlhf.trainers.rl_trainer import RLTrainer
+    from rlhf.rl.trainer import RLTrainer
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     cfg = parse("grpo", ["--pretrain", tiny_kit, "--colocate_all_models", "--vllm_num_engines", "3",
@@ -183,9 +183,9 @@ def _fsdp_worker(rank, world, kit, out_dir):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
     from rlhf.checkpoint import save_hf
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
 
     torch.manual_seed(0)
     ids = torch.randint(3, 100, (4, 12))

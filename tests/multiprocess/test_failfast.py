@@ -110,8 +110,8 @@ def test_summary_line_names_a_full_disk_behind_a_wrapper():
 
 
 def test_steps_capped_by_data_are_said_and_batch_fix_passes_every_check():
-    from rlhf.trainers.cadence import planned_steps
-    from rlhf.trainers.rl_trainer import batch_size_fix
+    from rlhf.rl.trainer import batch_size_fix
+    from rlhf.utils.cadence import planned_steps
 
     assert planned_steps(11, 1, 1000, "--num_episodes") == (11, planned_steps(11, 1, 1000, "--num_episodes")[1])
     total, note = planned_steps(11, 1, 1000, "--num_episodes")

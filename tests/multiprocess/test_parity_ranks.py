@@ -15,12 +15,12 @@ def _two_rank_worker(rank, world, kit):
 
     from rlhf.algorithms import aggregate, compute_kl
     from rlhf.algorithms.policy_loss import ppo_clip_loss
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.batch import Batch
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
     from rlhf.models.forward import action_logprobs
-    from rlhf.trainers.actor import Actor
-    from rlhf.trainers.batch import Batch
-    from rlhf.trainers.ppo_update import step_totals, update_settings
+    from rlhf.roles.actor import Actor
+    from rlhf.roles.update_batches import step_totals, update_settings
 
     # the count is one collective that every rank runs, also with an empty shard
     tot = step_totals([torch.ones(2, 3)] if rank == 0 else [], None)

@@ -55,7 +55,7 @@ def _core_checks(rank, world, kit):
     from rlhf.distributed.sequence_parallel import SP, attach
     from rlhf.models.critic import CriticModel
     from rlhf.models.forward import packed_action_logprobs
-    from rlhf.trainers.tasks import token_logprobs
+    from rlhf.supervised.tasks import token_logprobs
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(kit, attn_implementation="sdpa", dtype=torch.float32)
@@ -160,11 +160,11 @@ def _assert_same_steps(what, a, b):
 
 
 def _engine(cfg, model, sp_size, rank, world, lr=1e-3):
-    from rlhf.backends.base import spec_from_config
-    from rlhf.backends.factory import make_engine
     from rlhf.distributed import comm
     from rlhf.distributed.mesh import RoleMesh
     from rlhf.distributed.sequence_parallel import SP, attach
+    from rlhf.engines.train import spec_from_config
+    from rlhf.engines.train_registry import make_engine
 
     mesh = RoleMesh("actor", list(range(world)), rank, {"dp": world // sp_size, "sp": sp_size},
                     group=comm.world_group(), sp=SP(sp_size, rank % sp_size, comm.world_group()))
@@ -178,7 +178,7 @@ def _update_role(cls, cfg, engine, dp_rank, dp_size):
     """An Actor or Critic over ``engine`` at data-parallel coordinates (dp_rank, dp_size), as build_roles makes it."""
     from rlhf.distributed.mesh import RoleMesh
     from rlhf.distributed.sequence_parallel import SP
-    from rlhf.trainers.ppo_update import update_settings
+    from rlhf.roles.update_batches import update_settings
 
     m = getattr(engine, "mesh", None)  # test code: stand-in engines have none
     sp = m.sp if m is not None else SP()
@@ -194,13 +194,13 @@ def _engine_checks(rank, world, kit):
     steps' full gradients (after FSDP2's reduce-scatter) and the logged losses must agree."""
     from transformers import AutoModel, AutoModelForCausalLM
 
+    from rlhf.batch import Batch
     from rlhf.config import parse
     from rlhf.distributed.sequence_parallel import dp_coords
     from rlhf.models.critic import CriticModel
-    from rlhf.trainers.actor import Actor
-    from rlhf.trainers.batch import Batch
-    from rlhf.trainers.critic_role import Critic
-    from rlhf.trainers.tasks import DPOTask, SFTTask
+    from rlhf.roles.actor import Actor
+    from rlhf.roles.critic import Critic
+    from rlhf.supervised.tasks import DPOTask, SFTTask
 
     def lm():
         return AutoModelForCausalLM.from_pretrained(kit, attn_implementation="sdpa", dtype=torch.float32)

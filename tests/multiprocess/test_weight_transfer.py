@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 from helpers.engine_standin import StandInEngine
 
-from rlhf.rollout import vllm_worker
+from rlhf.engines import vllm_worker
 
 TP = 2
 

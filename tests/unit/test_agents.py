@@ -11,8 +11,8 @@ from helpers.engine_standin import StandInEngine
 
 from rlhf.agents.load import load_agent
 from rlhf.agents.openrlhf_agent import ExecuteAdapter, openrlhf_names, result_to_row
+from rlhf.engines.rollout import Batch, SamplingParams
 from rlhf.models.load import load_tokenizer
-from rlhf.rollout.base import Batch, SamplingParams
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "agent_openrlhf.py")
 

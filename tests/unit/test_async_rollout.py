@@ -1,4 +1,4 @@
-"""The asynchronous rollout stream (rlhf.rollout.stream) and its flags, on a scripted engine: rounds, partial
+"""The asynchronous rollout stream (rlhf.rl.stream) and its flags, on a scripted engine: rounds, partial
 rollout (continued samples equal one-shot ones, token by token, with each token's weight version), oversampling,
 streaming rewards with dynamic filtering, bounded staleness, and the age metrics; against hand computations."""
 import pytest
@@ -7,14 +7,14 @@ from helpers.engine_standin import StandInEngine
 
 from rlhf.config import TrainConfig
 from rlhf.config.validate import ConfigError, default_staleness
-from rlhf.rollout.base import Batch, SamplingParams, batch_from_rows
-from rlhf.rollout.stream import RolloutStream, age_metrics, groups_to_batch, sample_ages
+from rlhf.engines.rollout import Batch, SamplingParams, batch_from_rows
+from rlhf.rl.stream import RolloutStream, age_metrics, groups_to_batch, sample_ages
 
 STOP = 2
 
 
 class ScriptedEngine(StandInEngine):
-    """rlhf.rollout.base.RolloutEngine.generate's contract (prompts in, left-padded prompt | right-padded response,
+    """rlhf.engines.rollout.RolloutEngine.generate's contract (prompts in, left-padded prompt | right-padded response,
     action mask on the generated tokens incl. the stop token, ``truncated`` when no stop token came within
     max_new_tokens, per-token log-probs), with a scripted policy: a context whose first id is L continues with
     token f(context) until it is L long, then emits STOP; the log-prob of a token is -0.01 x (its context length)
@@ -156,7 +156,7 @@ def test_streaming_rewards_filter_groups_as_they_complete():
 
 
 def agent_episodes(calls):
-    """An agent's ``episodes`` callback (rlhf.trainers.async_rollout.AsyncRollout._episodes' contract): every
+    """An agent's ``episodes`` callback (rlhf.rl.async_queue.AsyncRollout._episodes' contract): every
     group's samples whole -- a 2-token model turn, 1 feedback token (mask 0), a (1 + j)-token second turn -- and
     the environment's reward: 1 for odd prompts, 0 for even ones."""
     def episodes(groups, params):

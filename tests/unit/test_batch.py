@@ -1,4 +1,4 @@
-"""The step record (rlhf.trainers.batch): select / cat / pad / gather read the fields' declared metadata, so every
+"""The step record (rlhf.batch): select / cat / pad / gather read the fields' declared metadata, so every
 field survives every op (the bugs this replaced: a select that dropped the streamed rewards, a merge that kept 6
 of 11 fields) and a new field needs no code in the ops."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ from dataclasses import fields
 import pytest
 import torch
 
-from rlhf.trainers.batch import META, NAMED, ROW, SEQ, TOKEN, Batch, cat, gather_batch, row_fields, spec
+from rlhf.batch import META, NAMED, ROW, SEQ, TOKEN, Batch, cat, row_fields, spec
+from rlhf.distributed.batch_gather import gather_batch
 
 PAD = 7
 
@@ -236,7 +237,7 @@ def test_a_new_field_needs_no_code_in_the_ops(world):
     """A field declared on a subclass travels through select, cat, padded and gather untouched by the ops."""
     from dataclasses import dataclass
 
-    from rlhf.trainers import batch as batch_mod
+    from rlhf import batch as batch_mod
 
     @dataclass
     class Wider(Batch):

@@ -12,7 +12,7 @@ from rlhf import checkpoint as ckpt
 from rlhf.checkpoint import save as ckpt_save
 from rlhf.config import ConfigError, build_config
 from rlhf.config.preflight import preflight
-from rlhf.trainers.cadence import NonFiniteGuard
+from rlhf.utils.cadence import NonFiniteGuard
 
 SHARD = "model/shard_0.bin"
 

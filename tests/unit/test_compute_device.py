@@ -60,8 +60,8 @@ def checked_backward(engine, seen: list):
 
 def _supervised(kit, tmp_path, kind):
     from rlhf.config import parse
-    from rlhf.trainers.supervised import SupervisedTrainer
-    from rlhf.trainers.tasks import DPOTask, RMTask, SFTTask
+    from rlhf.supervised.tasks import DPOTask, RMTask, SFTTask
+    from rlhf.supervised.trainer import SupervisedTrainer
 
     task, data = {"sft": (SFTTask, "sft"), "rm": (RMTask, "pref"), "dpo": (DPOTask, "pref")}[kind]
     argv = ["--pretrain", kit, "--dataset", os.path.join(kit, "data", f"{data}_train.jsonl"), "--max_global_steps",
@@ -101,8 +101,8 @@ def test_supervised_batches_go_to_the_engines_compute_device(tiny_kit, tmp_path,
 # ---- RL: the actor / critic updates and the inference forwards ---------------------------------------------------
 
 def _engine(model, lr=1e-3):
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
 
     return FSDP2Engine(model, EngineSpec(lr=lr, train_batch_size=8, micro_batch_size=2, total_steps=2,
                                          warmup_ratio=0.0))
@@ -122,7 +122,7 @@ def _rl_config(packing: bool):
 
 def _role(name, engine):
     from rlhf.distributed.mesh import mesh_of
-    from rlhf.trainers.roles import ModelRole
+    from rlhf.roles.base import ModelRole
 
     role = ModelRole(name, mesh_of(name, [0], 0, {"dp": 1}))
     role.engine = engine
@@ -130,7 +130,7 @@ def _role(name, engine):
 
 
 def _batch(exp):
-    from rlhf.trainers.batch import Batch
+    from rlhf.batch import Batch
 
     return Batch(sequences=exp.sequences, attention_mask=exp.attention_mask, action_mask=exp.action_mask,
                  rollout_logprobs=exp.rollout_logprobs, prompt_len=exp.sequences.size(1) - exp.action_mask.size(1))
@@ -141,7 +141,7 @@ def test_actor_update_and_logprobs_on_the_compute_device(tiny_kit, packing):
     from helpers.batching_checks import skewed_experience, update_role
 
     from rlhf.models.load import load_causal_lm
-    from rlhf.trainers.actor import Actor
+    from rlhf.roles.actor import Actor
 
     exp = skewed_experience()
     eng = _engine(load_causal_lm(tiny_kit))
@@ -158,7 +158,7 @@ def test_critic_update_and_values_on_the_compute_device(tiny_kit):
     from helpers.batching_checks import skewed_experience, update_role
 
     from rlhf.models.critic import CriticModel
-    from rlhf.trainers.critic_role import Critic
+    from rlhf.roles.critic import Critic
 
     exp = skewed_experience()
     eng = _engine(CriticModel.from_pretrained(tiny_kit))
@@ -174,8 +174,8 @@ def test_critic_update_and_values_on_the_compute_device(tiny_kit):
 def test_reward_model_scores_on_the_compute_device(tiny_kit):
     from helpers.batching_checks import skewed_experience
 
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
     from rlhf.models.load import load_reward_model
     from rlhf.rewards.reward_model import score_sequences
 
@@ -193,9 +193,9 @@ def test_reward_model_scores_on_the_compute_device(tiny_kit):
 def test_compute_device_is_the_engines_device_else_the_collective_device():
     """The contract: an engine's ``device`` (FSDP2Engine's, what it was built for), else comm.device() (the
     DeepSpeed engine keeps none of its own); never a parameter's."""
-    from rlhf.backends.base import EngineSpec, TrainEngine
-    from rlhf.backends.fsdp2 import FSDP2Engine
     from rlhf.distributed import comm
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec, TrainEngine
 
     eng = FSDP2Engine(torch.nn.Linear(4, 4), EngineSpec(lr=0.1, train_batch_size=1, micro_batch_size=1, total_steps=1))
     eng.device = torch.device("meta")  # as if built for another device: the parameters stay on the CPU
@@ -213,14 +213,14 @@ def test_adam_offload_sft_and_actor_steps_on_cuda(tiny_kit, tmp_path):
     every forward input and loss is on CUDA, and an SFT step and a PPO actor step (log-probs + update) run."""
     from helpers.batching_checks import skewed_experience, update_role
 
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
     from rlhf.config import parse
     from rlhf.distributed import comm
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
     from rlhf.models.load import load_causal_lm
-    from rlhf.trainers.actor import Actor
-    from rlhf.trainers.supervised import SupervisedTrainer
-    from rlhf.trainers.tasks import SFTTask
+    from rlhf.roles.actor import Actor
+    from rlhf.supervised.tasks import SFTTask
+    from rlhf.supervised.trainer import SupervisedTrainer
 
     argv = ["--pretrain", tiny_kit, "--dataset", os.path.join(tiny_kit, "data", "sft_train.jsonl"), "--bf16",
             "--adam_offload", "--max_global_steps", "1", "--train_batch_size", "4", "--micro_train_batch_size", "2",

@@ -456,7 +456,7 @@ def test_train_rm_flash_attn_honoured(tiny_kit, monkeypatch):
     import torch
     from transformers import AutoTokenizer
 
-    from rlhf.trainers import tasks
+    from rlhf.supervised import tasks
 
     seen = {}
 

@@ -54,9 +54,9 @@ def test_critic_from_a_reward_model_values_its_last_token_as_the_reward_role_sco
     from rlhf.config import parse
     from rlhf.models.load import load_reward_model
     from rlhf.rewards.reward_model import score_sequences
+    from rlhf.rl.advantage_stage import reward_model_stats
+    from rlhf.roles.critic import load_critic
     from rlhf.train_ppo import PPO_DEFAULTS
-    from rlhf.trainers.advantage_stage import reward_model_stats
-    from rlhf.trainers.critic_role import load_critic
 
     argv = ["--pretrain", tiny_kit, "--reward_pretrain", rm_dir, "--critic_pretrain", rm_dir]
     cfg = parse("ppo", argv + (["--normalize_reward"] if normalize else []), PPO_DEFAULTS)

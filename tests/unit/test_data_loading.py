@@ -184,8 +184,8 @@ def test_sft_default_input_template_is_openrlhfs(tiny_kit):
     from the prompt's length on). RM / DPO / RL keep OpenRLHF's None there."""
     from rlhf.config import parse
     from rlhf.models.load import load_tokenizer
+    from rlhf.supervised.tasks import SFTTask
     from rlhf.train_sft import DEFAULTS
-    from rlhf.trainers.tasks import SFTTask
 
     tok = load_tokenizer(tiny_kit, padding_side="right")
     cfg = parse("sft", ["--max_len", "64"], DEFAULTS)
@@ -228,7 +228,7 @@ def test_preference_conversations_without_prompt_column(tiny_kit, tmp_path, caps
     from rlhf.config import parse
     from rlhf.data.screen import screen_rows
     from rlhf.models.load import load_tokenizer
-    from rlhf.trainers.tasks import DPOTask, RMTask
+    from rlhf.supervised.tasks import DPOTask, RMTask
 
     tok = load_tokenizer(tiny_kit, padding_side="right")
     user = {"role": "user", "content": "1+2="}
@@ -349,7 +349,7 @@ def test_dpo_and_rm_samples_keep_both_responses(tiny_kit):
     """The tasks' make_sample goes through tokenize_pair: a long prompt no longer erases either response."""
     from transformers import AutoTokenizer
 
-    from rlhf.trainers.tasks import DPOTask, RMTask
+    from rlhf.supervised.tasks import DPOTask, RMTask
 
     tok = AutoTokenizer.from_pretrained(tiny_kit)
     cfg = build_config({"max_len": 12}, "dpo")
@@ -373,7 +373,7 @@ def test_message_list_responses_are_chat_templated_like_openrlhf(tiny_kit, capsy
     from transformers import AutoTokenizer
 
     from rlhf.data.formatting import format_response
-    from rlhf.trainers.tasks import DPOTask, RMTask, SFTTask
+    from rlhf.supervised.tasks import DPOTask, RMTask, SFTTask
 
     tok = AutoTokenizer.from_pretrained(tiny_kit)
     chat = {"max_len": 32, "apply_chat_template": True}

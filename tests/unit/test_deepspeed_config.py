@@ -5,8 +5,8 @@ deepspeed = pytest.importorskip("deepspeed")
 
 
 def test_deepspeed_config_from_flags():
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.deepspeed_engine import deepspeed_config
+    from rlhf.engines.deepspeed_engine import deepspeed_config
+    from rlhf.engines.train import EngineSpec
 
     cfg = deepspeed_config(EngineSpec(lr=1e-5, train_batch_size=128, micro_batch_size=4, total_steps=10, bf16=True,
                                       zero_stage=3, max_norm=0.5), dp=8, offload_optimizer=True)

@@ -51,8 +51,8 @@ class Moves:
 def test_zero3_places_one_parameter_at_a_time(one_rank_gloo, monkeypatch, trainable):
     """ZeRO-3 (trainable and the frozen eval config): the whole model never goes to the device in one move; the
     module is a ZeRO-Init model when ``deepspeed.initialize`` gets it; a step still trains (parameters change)."""
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.deepspeed_engine import DeepSpeedEngine
+    from rlhf.engines.deepspeed_engine import DeepSpeedEngine
+    from rlhf.engines.train import EngineSpec
 
     model = tiny_llama()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -86,7 +86,7 @@ def test_zero3_places_one_parameter_at_a_time(one_rank_gloo, monkeypatch, traina
 
 
 def test_zero_below_3_refuses_a_model_larger_than_the_free_memory():
-    from rlhf.backends.deepspeed_engine import check_whole_module_fits, module_bytes
+    from rlhf.engines.deepspeed_engine import check_whole_module_fits, module_bytes
 
     n70b = 70_553_706_496
     gib = 2 ** 30

@@ -98,8 +98,8 @@ def test_flags_and_parse_time_errors(capsys):
 
 
 def test_deepspeed_config_offloads_optimizer():
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.deepspeed_engine import deepspeed_config
+    from rlhf.engines.deepspeed_engine import deepspeed_config
+    from rlhf.engines.train import EngineSpec
 
     spec = EngineSpec(lr=1e-5, train_batch_size=8, micro_batch_size=2, total_steps=4, zero_stage=2, adam_offload=True)
     cfg = deepspeed_config(spec, dp=2)
@@ -129,8 +129,8 @@ def _trainer(tiny_kit, task_name, dynamic, budget=64):
 
     from rlhf.config.schema import TrainConfig
     from rlhf.models.load import load_causal_lm, load_tokenizer
-    from rlhf.trainers.supervised import SupervisedTrainer
-    from rlhf.trainers.tasks import DPOTask, SFTTask
+    from rlhf.supervised.tasks import DPOTask, SFTTask
+    from rlhf.supervised.trainer import SupervisedTrainer
 
     cfg = TrainConfig()
     cfg.optim.train_batch_size, cfg.optim.micro_train_batch_size = 8, 2
@@ -174,7 +174,7 @@ def test_supervised_token_budgets_weigh_the_step(tiny_kit):
     model, samples = sft.engine.model, sft.train_samples
     model.zero_grad(set_to_none=True)
     b = sft.task.batch(model, samples)
-    from rlhf.trainers.tasks import token_logprobs
+    from rlhf.supervised.tasks import token_logprobs
 
     m = b["loss_mask"][:, 1:].float()
     want = -(token_logprobs(model, b, 1024) * m).sum() / m.sum()
@@ -191,8 +191,8 @@ def test_inference_plan_reorders_and_restores(packed):
     micro-batches stay within the budget."""
     from helpers.batching_checks import skewed_experience
 
-    from rlhf.trainers.batch import Batch
-    from rlhf.trainers.experience import InferencePlan
+    from rlhf.batch import Batch
+    from rlhf.rl.components import InferencePlan
 
     e = skewed_experience()
     batch = Batch(sequences=e.sequences, attention_mask=e.attention_mask, action_mask=e.action_mask,

@@ -1,4 +1,4 @@
-"""The rollout-engine contract (rlhf.rollout.base.RolloutEngine), the engine registry (rlhf.rollout.registry) and the
+"""The rollout-engine contract (rlhf.engines.rollout.RolloutEngine), the engine registry (rlhf.engines.rollout_registry) and the
 phase scheduler asking the roles for their memory state (rlhf.distributed.phases): in-process, no vLLM."""
 import os
 import re
@@ -8,11 +8,11 @@ import torch
 from helpers.engine_standin import StandInEngine
 
 from rlhf.distributed import Ledger, PhaseScheduler
-from rlhf.rollout import registry
-from rlhf.rollout.base import RolloutEngine
-from rlhf.rollout.hf_engine import HFEngine
-from rlhf.rollout.vllm_engine import VLLMEngine
-from rlhf.rollout.vllm_memory import EngineMemory
+from rlhf.engines import rollout_registry as registry
+from rlhf.engines.hf_engine import HFEngine
+from rlhf.engines.rollout import RolloutEngine
+from rlhf.engines.vllm_engine import VLLMEngine
+from rlhf.engines.vllm_memory import EngineMemory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -108,9 +108,9 @@ class _FakeTrainer:
 def test_logprob_gap_measured_on_the_first_and_every_nth_step_without_touching_training():
     import click
 
-    from rlhf.trainers.batch import Batch
-    from rlhf.trainers.experience import Forwards, gap_due, measures_gap_only
-    from rlhf.trainers.stages import LogprobGapStage
+    from rlhf.batch import Batch
+    from rlhf.rl.components import Forwards, gap_due, measures_gap_only
+    from rlhf.rl.stages import LogprobGapStage
 
     cfg = _grpo_cfg("--logprob_gap_interval", "3")
     # 0-based steps 0 (first), 2, 5 (1-based 3, 6: the ones --logging_steps 3 logs)
@@ -183,8 +183,8 @@ def test_grpo_eval_pass_at_n_generations_and_gap_in_process(tiny_kit, tmp_path):
     from helpers.net import free_port
 
     from rlhf.config import parse
+    from rlhf.rl.trainer import run_rl
     from rlhf.train_grpo import GRPO_DEFAULTS
-    from rlhf.trainers.rl_trainer import run_rl
     from rlhf.utils.logging import read_metrics
 
     d = os.path.join(tiny_kit, "data")

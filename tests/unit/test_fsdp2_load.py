@@ -50,8 +50,8 @@ def test_source_rank_frees_full_tensors_unit_by_unit(one_rank_gloo, monkeypatch)
     """After each unit the source rank's "device" holds at most that unit's full tensors (the old code kept the
     live Parameters, whose .data fully_shard had moved: the whole model stayed on the device until the end), and
     its host full tensors fall by exactly the unit just filled, to zero; the loaded weights equal the source's."""
-    from rlhf.backends import fsdp2
-    from rlhf.backends.base import EngineSpec
+    from rlhf.engines import fsdp2
+    from rlhf.engines.train import EngineSpec
 
     model = tiny_llama(4)
     want = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -90,7 +90,7 @@ def test_source_rank_frees_full_tensors_unit_by_unit(one_rank_gloo, monkeypatch)
 
 def test_fill_units_cover_every_tensor_once():
     """Every parameter and buffer is filled exactly once, the decoder blocks first, each in its own unit."""
-    from rlhf.backends.fsdp2 import fill_units, model_tensors
+    from rlhf.engines.fsdp2 import fill_units, model_tensors
 
     model = tiny_llama(layers=3)
     names = list(model_tensors(model))

@@ -90,7 +90,7 @@ def test_model_level_fused_equals_plain(tiny_kit):
 
 
 def test_token_logprobs_fused_only_loss_positions(tiny_kit):
-    from rlhf.trainers.tasks import token_logprobs
+    from rlhf.supervised.tasks import token_logprobs
 
     m, seqs, att, _ = _batch(tiny_kit)
     lm = att.clone()

@@ -150,8 +150,8 @@ def test_supervised_trainer_marks_the_policy_and_reference_heads(tiny_kit, tmp_p
 
     from rlhf.config import parse
     from rlhf.distributed import comm
-    from rlhf.trainers.supervised import SupervisedTrainer
-    from rlhf.trainers.tasks import DPOTask
+    from rlhf.supervised.tasks import DPOTask
+    from rlhf.supervised.trainer import SupervisedTrainer
 
     argv = ["--pretrain", tiny_kit, "--dataset", os.path.join(tiny_kit, "data", "pref_train.jsonl"), "--bf16",
             "--lm_head_fp32", "--max_global_steps", "1", "--train_batch_size", "2", "--micro_train_batch_size", "2",

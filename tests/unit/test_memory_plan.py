@@ -280,7 +280,7 @@ def test_frozen_models_stored_in_bf16():
 
 
 def test_load_transient_one_full_tensor_before_the_rollout_engine():
-    """rlhf/backends/fsdp2.py ``fill_from_first``: the source rank moves one full tensor at a time (its host copy
+    """rlhf/engines/fsdp2.py ``fill_from_first``: the source rank moves one full tensor at a time (its host copy
     is detached, so torch's ``fully_shard`` move of ``.data``, torch/distributed/fsdp/_fully_shard/_fsdp_init.py
     ``_move_states_to_device``, does not pile the model up on its GPU) and every member receives it into a device
     buffer: the 'shard' stage holds every role's shards plus the largest tensor in its stored dtype (fp32 for the
@@ -297,7 +297,7 @@ def test_load_transient_one_full_tensor_before_the_rollout_engine():
     assert [s.name for s in plan.groups[0].stages][:2] == ["shard", "load"]
     sft = plan_memory(Job(kind="sft"), {"actor": SMALL}, world=2, device_bytes=GiB)
     assert _stage(sft, "shard").parts["load:transient"] == 4 * SMALL.vocab * SMALL.hidden
-    # one rank reads its own checkpoint and moves it tensor by tensor (rlhf/backends/base.py loads_on_first):
+    # one rank reads its own checkpoint and moves it tensor by tensor (rlhf/engines/train.py loads_on_first):
     # no broadcast buffer beside the parameters
     one = plan_memory(Job(kind="sft"), {"actor": SMALL}, world=1, device_bytes=GiB)
     assert "load:transient" not in _stage(one, "shard").parts
@@ -384,7 +384,7 @@ def test_lora_base_in_bf16_and_fp32_adapters():
 
 
 def test_fsdp2_optimizer_state_stays_on_the_host_in_forward_only_stages():
-    """rlhf/backends/fsdp2.py: after a sleep ``wake`` brings the weights only and ``step`` the optimizer state
+    """rlhf/engines/fsdp2.py: after a sleep ``wake`` brings the weights only and ``step`` the optimizer state
     (``_onload_optimizer``; veRL verl/workers/fsdp_workers.py ``load_fsdp_optimizer`` only in ``update_actor``), so
     under --deepspeed_enable_sleep the forward-only stages (values, old log-probs) hold no optimizer state; the
     weight sync follows the actor's update with the actor awake, so it does.  DeepSpeed's wake reloads it.  Nothing
@@ -414,7 +414,7 @@ def test_fsdp2_optimizer_state_stays_on_the_host_in_forward_only_stages():
 
 
 def test_load_host_copy_on_the_source_rank():
-    """rlhf/backends/fsdp2.py ``host_copies`` / ``fill_from_first``: the group's first rank reads the checkpoint
+    """rlhf/engines/fsdp2.py ``host_copies`` / ``fill_from_first``: the group's first rank reads the checkpoint
     whole into host memory in its stored dtype (fp32 for the trained actor, bf16 for a frozen model under --bf16)
     and empties it tensor by tensor; the roles load one after another, so the largest of them; other ranks read
     nothing.  The table names it."""

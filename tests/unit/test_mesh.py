@@ -106,7 +106,8 @@ def test_build_groups_meshes_and_named_groups(monkeypatch):
 
 def test_role_reads_its_mesh():
     from rlhf.distributed.sequence_parallel import SP
-    from rlhf.trainers.roles import ModelRole, RolloutRole
+    from rlhf.roles.base import ModelRole
+    from rlhf.roles.rollout import RolloutRole
 
     role = ModelRole("actor", RoleMesh("actor", [2, 3, 4, 5], 5, {"dp": 2, "sp": 2}, sp=SP(2, 1)))
     assert (role.members, role.index, role.dp_index, role.dp_size, role.rows(4)) == ([2, 3, 4, 5], 3, 1, 2, None)
@@ -128,7 +129,7 @@ def test_role_needs_are_the_placement_kwargs():
 def test_batch_check_counts_data_parallel_ranks_of_the_mesh():
     """--ring_attn_size 2 over 4 ranks: 2 data-parallel actor ranks, so 6 = 3 x (micro 1 x 2) passes and
     micro 2 x 2 = 4 does not divide it (the SP ranks of a group take the same micro-batches)."""
-    from rlhf.trainers.rl_trainer import InputError, check_batch_sizes
+    from rlhf.rl.trainer import InputError, check_batch_sizes
 
     p = make_placement(topo(colocate_all_models=True, ring_attn_size=2), 4)
     cfg = lambda micro: SimpleNamespace(optim=SimpleNamespace(train_batch_size=6, micro_train_batch_size=micro),  # noqa: E731

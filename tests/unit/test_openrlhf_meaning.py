@@ -37,9 +37,9 @@ def test_max_len_alone_gives_each_response_what_its_prompt_leaves(tiny_kit):
     """OpenRLHF (max_new_tokens unset): vLLM max_tokens = max_len - prompt tokens per sample
     (SingleTurnAgentExecutor: ``max(1, max_length - len(prompt_token_ids))``), prompts cut to max_len - 1.
     Here: the rollout engine's max_model_len is --max_len; the HF engine stops each row there."""
+    from rlhf.engines import HFEngine, SamplingParams
     from rlhf.models.load import load_causal_lm, load_tokenizer
-    from rlhf.rollout import HFEngine, SamplingParams
-    from rlhf.trainers.roles import rl_max_len
+    from rlhf.roles.build import rl_max_len
 
     cfg = parse("ppo", ["--max_len", "12"])
     d = cfg.data
@@ -102,7 +102,7 @@ def test_normalize_reward_rescales_the_reward_model_only(tiny_kit, tmp_path):
 
     from rlhf.models.load import load_reward_model
     from rlhf.rewards.reward_model import score_sequences
-    from rlhf.trainers.advantage_stage import reward_model_stats, running_reward_norm
+    from rlhf.rl.advantage_stage import reward_model_stats, running_reward_norm
 
     shutil.copytree(f"{tiny_kit}/reward", tmp_path / "rm")
     (tmp_path / "rm" / "reward_norm.json").unlink(missing_ok=True)
@@ -134,8 +134,8 @@ def test_normalize_reward_with_a_reward_function_says_it_does_nothing(capsys):
 def test_stage_leaves_function_rewards_alone_with_normalize_reward():
     """The advantage stage with --normalize_reward and no running norm: shaped reward = reward (OpenRLHF does not
     touch reward-function rewards); with --running_reward_norm they are standardised."""
-    from rlhf.trainers.advantage_stage import advantage_stage, running_reward_norm
-    from rlhf.trainers.batch import Batch
+    from rlhf.batch import Batch
+    from rlhf.rl.advantage_stage import advantage_stage, running_reward_norm
 
     r = torch.tensor([1.0, 3.0])
     x = Batch(rewards=r, scores=r.clone(), valid=torch.ones(2, dtype=torch.bool), action_mask=torch.ones(2, 1, dtype=torch.long),

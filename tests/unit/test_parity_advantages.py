@@ -59,7 +59,7 @@ def test_scale_rewards_batch_and_none():
 
 
 def test_gamma_forced_to_one_for_group_estimators():
-    from rlhf.trainers.advantage_stage import advantage_stage
+    from rlhf.rl.advantage_stage import advantage_stage
 
     cfg = _stage_cfg("rloo", gamma=0.5)
     x = _stage_inputs(T([1.0, 0.0]), valid=T([True, True]), mask=T([[1, 1], [1, 1]]))
@@ -87,7 +87,7 @@ def test_reward_clip_after_baseline_default_range():
 
 
 def test_kl_in_reward_requires_actor_logprobs():
-    from rlhf.trainers.advantage_stage import needs_old_logprobs
+    from rlhf.rl.advantage_stage import needs_old_logprobs
 
     cfg = _stage_cfg("group_norm")
     cfg.algorithm.init_kl_coef, cfg.algorithm.use_kl_loss = 0.1, False
@@ -173,7 +173,7 @@ def _stage_cfg(est, **alg):
 
 
 def _stage_inputs(rewards, valid, mask):
-    from rlhf.trainers.batch import Batch
+    from rlhf.batch import Batch
 
     b, r = mask.shape
     return Batch(rewards=rewards, scores=rewards.clone(), valid=valid, action_mask=mask,
@@ -181,7 +181,7 @@ def _stage_inputs(rewards, valid, mask):
 
 
 def test_stage_nan_metrics_counts_and_guard():
-    from rlhf.trainers.advantage_stage import InvalidRewardGuard, advantage_stage
+    from rlhf.rl.advantage_stage import InvalidRewardGuard, advantage_stage
 
     cfg = _stage_cfg("group_norm", max_invalid_reward_batches=2)
     mask = torch.ones(4, 2, dtype=torch.long)
@@ -245,7 +245,7 @@ def test_flash_reinforce_stage_single_sample_gamma_and_filtering():
     """Through the advantage stage: n_samples_per_prompt 1 is accepted (no group), --gamma is forced to 1 with a
     warning (OpenRLHF: "gamma is set to 1.0 for flash_reinforce"), and the batch mean is over the rows that train."""
     from rlhf.config import parse
-    from rlhf.trainers.advantage_stage import advantage_stage
+    from rlhf.rl.advantage_stage import advantage_stage
 
     cfg = parse("ppo", ["--advantage_estimator", "flash_reinforce", "--n_samples_per_prompt", "1",
                         "--rollout_batch_size", "4", "--train_batch_size", "4", "--micro_train_batch_size", "1",

@@ -232,7 +232,7 @@ def test_rm_margin_per_sample():
 def test_rm_margin_column_read_per_pair(tiny_kit, tmp_path):
     from rlhf.data.loading import DataError, load_rows
     from rlhf.models.load import load_tokenizer
-    from rlhf.trainers.tasks import RMTask
+    from rlhf.supervised.tasks import RMTask
 
     cfg = TrainConfig()
     cfg.algorithm.margin_loss = True
@@ -258,7 +258,7 @@ def test_rm_margin_column_read_per_pair(tiny_kit, tmp_path):
 def test_moe_aux_loss_is_read_and_added():
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from rlhf.trainers.ppo_update import AuxLossTap
+    from rlhf.roles.update_batches import AuxLossTap
 
     torch.manual_seed(0)
     model = MixtralForCausalLM(MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,

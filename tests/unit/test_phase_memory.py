@@ -54,8 +54,8 @@ class FakeDevice:
 def test_fsdp2_wake_moves_weights_and_step_moves_the_optimizer_state(one_rank_gloo, monkeypatch):
     """After a sleep, a wake (old log-probs, weight sync: forward-only phases) moves the module and none of Adam's
     state; the update's ``step`` moves every state tensor before the optimizer steps."""
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
 
     eng = FSDP2Engine(tiny_llama(), EngineSpec(lr=1e-3, train_batch_size=1, micro_batch_size=1, total_steps=4))
     _train_step(eng)  # Adam's state exists from here on
@@ -81,9 +81,9 @@ def test_colocated_sync_gathers_in_the_engine_dtype(one_rank_gloo, monkeypatch):
     bf16 tensor, so the gathered buffers and the wire are bf16; the synced values are the masters rounded once."""
     from torch.distributed.tensor import DTensor
 
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
     from rlhf.distributed.weight_sync import WeightSync
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
 
     model = tiny_llama()
     want = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
@@ -119,8 +119,8 @@ def test_colocated_sync_gathers_in_the_engine_dtype(one_rank_gloo, monkeypatch):
 def test_lora_base_is_bf16_under_bf16_and_adapters_fp32(tiny_kit, one_rank_gloo):
     """--lora_rank with --bf16: the frozen base loads in bf16 (half its memory; nothing steps it), the adapters are
     fp32 masters, and an FSDP2 step on the mixed-dtype model trains the adapters only."""
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
     from rlhf.models.load import load_causal_lm
 
     model = load_causal_lm(tiny_kit, bf16=True, lora_rank=4, lora_alpha=8, target_modules="q_proj,v_proj")

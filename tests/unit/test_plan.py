@@ -98,7 +98,7 @@ def test_deepspeed_roles_on_ranks_of_their_own_refused_before_process_groups():
     refused with the flags that fix it, before any process group exists."""
     from types import SimpleNamespace
 
-    from rlhf.trainers.rl_trainer import InputError, check_backend_placement
+    from rlhf.rl.trainer import InputError, check_backend_placement
 
     split = make_placement(topo(actor_num_gpus_per_node=2, ref_num_gpus_per_node=1, vllm_num_engines=1), 4)
     with pytest.raises(InputError, match="--colocate_all_models.*--backend fsdp2"):

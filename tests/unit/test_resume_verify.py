@@ -180,7 +180,7 @@ def test_rl_resume_verification_runs_under_the_load_deadline(monkeypatch):
     import types
 
     from rlhf.distributed.failfast import AbortBoard, Watchdog
-    from rlhf.trainers.rl_trainer import RLTrainer
+    from rlhf.rl.trainer import RLTrainer
 
     wd = Watchdog(default_s=60, deadlines={"load": 4900.0}, slow_s=60, board_=AbortBoard(None), start=False)
     seen = []

@@ -11,8 +11,8 @@ from helpers.models import tiny_llama
 
 
 def _engine(model, trainable=True):
-    from rlhf.backends.base import EngineSpec
-    from rlhf.backends.fsdp2 import FSDP2Engine
+    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.train import EngineSpec
 
     return FSDP2Engine(model, EngineSpec(lr=1e-2, train_batch_size=2, micro_batch_size=2, total_steps=2,
                                          trainable=trainable, warmup_ratio=0.0))
@@ -21,10 +21,10 @@ def _engine(model, trainable=True):
 def test_roles_are_stateful_and_only_trained_roles_are_checkpointed(one_rank_gloo, tmp_path):
     from rlhf.distributed.mesh import mesh_of
     from rlhf.models.critic import CriticModel
-    from rlhf.trainers.actor import Actor
-    from rlhf.trainers.critic_role import Critic
-    from rlhf.trainers.reference import Reference
-    from rlhf.trainers.roles import ModelRole, Roles
+    from rlhf.roles.actor import Actor
+    from rlhf.roles.base import ModelRole, Roles
+    from rlhf.roles.critic import Critic
+    from rlhf.roles.reference import Reference
 
     one = lambda name: mesh_of(name, [0], 0, {"dp": 1})  # noqa: E731
     actor, critic = Actor("actor", one("actor")), Critic("critic", one("critic"))
@@ -58,7 +58,7 @@ def test_roles_are_stateful_and_only_trained_roles_are_checkpointed(one_rank_glo
 
 def _recorder(name, seen):
     """A trained role on rank 0 that records the calls instead of running an engine."""
-    from rlhf.trainers.roles import ModelRole
+    from rlhf.roles.base import ModelRole
 
     class Recorder(ModelRole):
         trains = True
@@ -82,8 +82,8 @@ def test_rl_save_and_export_iterate_over_the_roles(tmp_path, monkeypatch):
     --save_value_network, the critic at ``<save_path>_critic``) without naming them."""
     from rlhf import checkpoint as ckpt
     from rlhf.config.schema import TrainConfig
-    from rlhf.trainers.rl_trainer import RLTrainer
-    from rlhf.trainers.roles import Roles
+    from rlhf.rl.trainer import RLTrainer
+    from rlhf.roles.base import Roles
 
     seen: list = []
     tr = RLTrainer.__new__(RLTrainer)

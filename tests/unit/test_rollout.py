@@ -2,9 +2,9 @@
 import torch
 from helpers.engine_standin import StandInEngine
 
+from rlhf.engines import Batch, HFEngine, SamplingParams, response_mask
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
 from rlhf.models.load import load_causal_lm, load_tokenizer
-from rlhf.rollout import Batch, HFEngine, SamplingParams, response_mask
 
 
 def _engine(kit):
@@ -117,7 +117,7 @@ def test_agent_episode_token_and_action_masks(tiny_kit):
 def test_top_k_top_p_filter_matches_hf_warpers():
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-    from rlhf.rollout.sampling import top_k_top_p_filter
+    from rlhf.engines.sampling import top_k_top_p_filter
 
     torch.manual_seed(0)
     z = torch.randn(16, 50) * 3
@@ -135,7 +135,7 @@ def test_top_k_top_p_filter_matches_hf_warpers():
 
 
 def test_inverse_cdf_sampler_frequencies_and_zero_mass():
-    from rlhf.rollout.sampling import sample_inverse_cdf
+    from rlhf.engines.sampling import sample_inverse_cdf
 
     p = torch.tensor([0.1, 0.0, 0.6, 0.3])
     g = torch.Generator().manual_seed(0)
@@ -152,8 +152,8 @@ def test_two_level_sampler_is_the_single_level_inverse_cdf_over_many_blocks():
     """V = 1300 (past SMALL_VOCAB, where one level is used): five full 256-token blocks and a short one,
     zero-mass tokens at block edges and whole zero blocks.  For the same uniforms the two-level draw is the index
     a plain cumsum + searchsorted gives, and the sampled log-prob is log_softmax(z / T)[token]."""
-    from rlhf.rollout import sampling
-    from rlhf.rollout.sampling import next_tokens, sample_inverse_cdf
+    from rlhf.engines import sampling
+    from rlhf.engines.sampling import next_tokens, sample_inverse_cdf
 
     assert sampling.BLOCK == 256 and sampling.SMALL_VOCAB < 1300
     g = torch.Generator().manual_seed(0)
@@ -182,7 +182,7 @@ def test_two_level_sampler_is_the_single_level_inverse_cdf_over_many_blocks():
 def test_decode_loop_greedy_equals_hf_generate_and_stops_rows_early(sft_model):
     """Mixed prompt lengths (left padding), n > 1, rows stopping at different steps and leaving the batch."""
     from rlhf.data.formatting import pad_batch
-    from rlhf.rollout.sampling import decode
+    from rlhf.engines.sampling import decode
 
     eng = _engine(sft_model)
     tok, m = eng.tokenizer, eng.model
@@ -212,7 +212,7 @@ def test_decode_loop_sliding_window_model_equals_hf_generate():
     """A sliding-window model (window 4 < sequence length): the cache is laid out like generate's."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from rlhf.rollout.sampling import decode
+    from rlhf.engines.sampling import decode
 
     torch.manual_seed(0)
     cfg = MistralConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -29,7 +29,7 @@ def test_role_rows_one_owner_per_sp_group():
     group's first reports them (sharding.gather_rows needs one owner per row)."""
     from rlhf.distributed.mesh import RoleMesh
     from rlhf.distributed.sequence_parallel import SP
-    from rlhf.trainers.roles import ModelRole
+    from rlhf.roles.base import ModelRole
 
     got = []
     for rank in range(4):

@@ -107,7 +107,7 @@ def test_pretrain_mode_loss_is_the_plain_causal_lm_loss(tiny_kit):
 
     from rlhf.algorithms.preference import sft_token_loss
     from rlhf.models.load import load_tokenizer
-    from rlhf.trainers.tasks import SFTTask, token_logprobs
+    from rlhf.supervised.tasks import SFTTask, token_logprobs
 
     tok = load_tokenizer(tiny_kit, padding_side="right")
     cfg = parse("sft", ["--pretrain_mode", "--input_key", "text", "--apply_chat_template", "--input_template",
@@ -158,8 +158,8 @@ def test_sft_modes_run_through_the_cli(tiny_kit, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from rlhf.models.load import load_tokenizer
+    from rlhf.supervised.tasks import SFTTask
     from rlhf.tools.lora_combiner import main as combine
-    from rlhf.trainers.tasks import SFTTask
 
     chats = [{"messages": [msg("user", f"{a}+{b}="), msg("assistant", str(a + b)), msg("user", f"+{a}="),
                            msg("assistant", str(2 * a + b))]} for a, b in zip(range(16), range(5, 21))]

@@ -12,7 +12,7 @@ import torch
 from helpers.e2e import flags_argv
 from helpers.vllm_fake import FakeCudaError, FakeDevice, FakeLLM, fake_vllm
 
-from rlhf.rollout.base import SamplingParams
+from rlhf.engines.rollout import SamplingParams
 
 PROMPTS = [[5, 6, 7], [8, 9], [11, 12, 13, 14]]
 
@@ -57,7 +57,7 @@ def test_fake_raises_where_vllm_fails(tiny_kit):
 @pytest.fixture
 def fake_engine(tiny_kit, monkeypatch):
     dev = fake_vllm(monkeypatch)
-    from rlhf.rollout.vllm_engine import VLLMEngine
+    from rlhf.engines.vllm_engine import VLLMEngine
 
     eng = VLLMEngine(tiny_kit, 1, mode="colocated", max_model_len=64, enable_sleep=True, sleep_level=2,
                      enforce_eager=True, dummy_weights=False, log=lambda *_: None)
@@ -188,8 +188,8 @@ def _argv(kit, tmp, name, **over):
 def _run(argv):
     """One RLTrainer in this process (a 1-rank group), fit, close; returns (train rows, eval rows, fake LLM)."""
     from rlhf.config import parse
+    from rlhf.rl.trainer import RLTrainer
     from rlhf.train_grpo import GRPO_DEFAULTS
-    from rlhf.trainers.rl_trainer import RLTrainer
     from rlhf.utils.logging import read_metrics
 
     cfg = parse("grpo", argv, GRPO_DEFAULTS)
@@ -205,7 +205,7 @@ def _run(argv):
 
 def _fake_backward_cache(monkeypatch, dev):
     """Each actor update leaves 80 of the device's 100 units in PyTorch's cache (the fake OOMs a wake on it)."""
-    from rlhf.trainers.actor import Actor
+    from rlhf.roles.actor import Actor
 
     real = Actor.update
 
@@ -275,7 +275,7 @@ def test_rl_refill_rounds_keep_weights_against_the_fake(tiny_kit, tmp_path, monk
 
 # ---- pure helpers ---------------------------------------------------------------------------------------------------
 def test_visible_devices_index_the_parent_mask():
-    from rlhf.rollout.vllm_launch import visible_devices
+    from rlhf.engines.vllm_launch import visible_devices
 
     assert visible_devices([0, 1], "4,5,6,7") == "4,5"
     assert visible_devices([2, 3], "4,5,6,7") == "6,7"
@@ -285,7 +285,7 @@ def test_visible_devices_index_the_parent_mask():
 
 
 def test_free_memory_check_names_a_utilization_that_fits():
-    from rlhf.rollout.vllm_launch import check_free_memory
+    from rlhf.engines.vllm_launch import check_free_memory
 
     g = 2**30
     check_free_memory(0.5, 60 * g, 100 * g)
@@ -294,7 +294,7 @@ def test_free_memory_check_names_a_utilization_that_fits():
 
 
 def test_engine_arguments_and_dtype():
-    from rlhf.rollout.vllm_launch import MAX_NUM_BATCHED_TOKENS, default_dtype, engine_kwargs
+    from rlhf.engines.vllm_launch import MAX_NUM_BATCHED_TOKENS, default_dtype, engine_kwargs
 
     common = dict(tp_size=1, max_model_len=1024, seed=5, dtype="bfloat16", enforce_eager=False, enable_sleep=True,
                   gpu_memory_utilization=0.4, kv_cache_memory_bytes=None)
@@ -303,6 +303,6 @@ def test_engine_arguments_and_dtype():
     assert engine_kwargs("m", cuda=True, **{**common, "max_model_len": 8192})["max_num_batched_tokens"] == 8192
     cpu = engine_kwargs("m", cuda=False, **common)
     assert "max_num_batched_tokens" not in cpu and cpu["kv_cache_memory_bytes"] == 256 << 20
-    assert cpu["worker_extension_cls"] == "rlhf.rollout.vllm_engine.RolloutWorkerExtension"
+    assert cpu["worker_extension_cls"] == "rlhf.engines.vllm_engine.RolloutWorkerExtension"
     assert (default_dtype(True, False), default_dtype(False, False), default_dtype(False, True)) == \
         ("bfloat16", "float32", "bfloat16")

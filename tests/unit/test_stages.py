@@ -1,4 +1,4 @@
-"""The RL step's stage list (rlhf.trainers.stages): chosen once from config and placement, each stage declaring its
+"""The RL step's stage list (rlhf.rl.stages): chosen once from config and placement, each stage declaring its
 role, the Batch fields it reads and writes and its watchdog deadline; the watchdog reads its deadlines from it."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import fields
 
 import pytest
 
-from rlhf.trainers.batch import Batch
-from rlhf.trainers.stages import StageParts, build_stages, stage_deadlines
+from rlhf.batch import Batch
+from rlhf.rl.stages import StageParts, build_stages, stage_deadlines
 
 ORDER = ["rollout", "reward", "rollout_refill", "produce", "ref", "values", "old_logprobs", "logprob_gap",
          "advantages", "critic_update", "actor_update", "reward_ahead", "weight_sync"]
@@ -82,7 +82,7 @@ def test_the_memory_planner_plans_the_stages_the_loop_runs():
     from rlhf.distributed.placement import make_placement
     from rlhf.planning.dims import ModelDims
     from rlhf.planning.memory import Job, plan_memory
-    from rlhf.trainers.stages import memory_stages
+    from rlhf.rl.stages import memory_stages
 
     dims = ModelDims(hidden=8, layers=3, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=50, tied=False)
     placement = make_placement(TopologyConfig(), 1, need_ref=True, need_critic=True, need_reward_model=True)

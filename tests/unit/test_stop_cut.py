@@ -39,8 +39,8 @@ def test_sigterm_in_a_long_reward_call_cuts_the_step_and_saves_the_last_one(monk
     step 2: no update, checkpoint of step 1, exit as preempted (75) - before, the whole step ran first, and a
     phase longer than torchrun's 30 s grace saved nothing."""
     from rlhf.config.cli import parse
+    from rlhf.rl.trainer import run_rl
     from rlhf.train_grpo import GRPO_DEFAULTS
-    from rlhf.trainers.rl_trainer import run_rl
 
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "RLHF_STOP_FILE"):
         monkeypatch.delenv(k, raising=False)

@@ -11,7 +11,7 @@ import signal
 import time
 
 import launch.sbatch as sbatch
-from rlhf.trainers import supervised
+from rlhf.supervised import trainer as supervised
 
 BIG = 70_000_000_000  # a 70B policy: a checkpoint of 980 GB, far past the fixed --watchdog_slow_timeout_s
 
@@ -37,7 +37,7 @@ def test_sft_deadlines_scale_resume_is_watched_and_sigterm_is_said_at_once(tiny_
     from rlhf import checkpoint as ckpt
     from rlhf.config import parse
     from rlhf.distributed import comm
-    from rlhf.trainers.tasks import SFTTask
+    from rlhf.supervised.tasks import SFTTask
 
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "RLHF_STOP_FILE",
               "SLURM_NNODES", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):

@@ -8,7 +8,7 @@ from helpers.net import free_port
 
 def _one_step(kit, tmp_path, estimator, extra=()):
     from rlhf.config import parse
-    from rlhf.trainers.rl_trainer import run_rl
+    from rlhf.rl.trainer import run_rl
 
     os.environ.update(MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
     d = os.path.join(kit, "data")
@@ -58,7 +58,7 @@ def test_every_estimator_runs_one_step(tiny_kit, tmp_path, estimator):
 def test_packed_and_padded_losses_agree(tiny_kit):
     from rlhf.config import parse
     from rlhf.models.load import load_causal_lm, load_tokenizer
-    from rlhf.trainers.tasks import DPOTask, SFTTask
+    from rlhf.supervised.tasks import DPOTask, SFTTask
 
     tok = load_tokenizer(tiny_kit, padding_side="right")
     model = load_causal_lm(tiny_kit)
@@ -83,8 +83,8 @@ def test_packed_and_padded_losses_agree(tiny_kit):
 ])
 def test_sft_lora_bf16_gradient_checkpointing(tiny_kit, tmp_path, flags, check):
     from rlhf.config import parse
-    from rlhf.trainers.supervised import run_supervised
-    from rlhf.trainers.tasks import SFTTask
+    from rlhf.supervised.tasks import SFTTask
+    from rlhf.supervised.trainer import run_supervised
     from rlhf.utils.logging import read_metrics
 
     os.environ.update(MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
@@ -104,7 +104,7 @@ def test_rm_packed_scores_equal_padded_and_dpo_precomputed_reference(tiny_kit):
 
     from rlhf.config import parse
     from rlhf.models.load import load_causal_lm, load_tokenizer
-    from rlhf.trainers.tasks import DPOTask, RMTask
+    from rlhf.supervised.tasks import DPOTask, RMTask
 
     tok = load_tokenizer(tiny_kit, padding_side="right")
     rm = AutoModelForSequenceClassification.from_pretrained(os.path.join(tiny_kit, "reward"), num_labels=1)
@@ -129,9 +129,9 @@ def test_rm_packed_scores_equal_padded_and_dpo_precomputed_reference(tiny_kit):
 
 
 def test_decode_queries_strips_prompt_padding_and_masked_response_tokens(tiny_kit):
+    from rlhf.engines import Batch
     from rlhf.models.load import load_tokenizer
-    from rlhf.rollout import Batch
-    from rlhf.trainers.experience import decode_queries
+    from rlhf.rl.components import decode_queries
 
     tok = load_tokenizer(tiny_kit)
     pad, eos = tok.pad_token_id, tok.eos_token_id
@@ -188,7 +188,7 @@ def test_supervised_batches_reach_the_models_device(tiny_kit, packing):
 
     from rlhf.config import parse
     from rlhf.models.load import load_tokenizer
-    from rlhf.trainers.tasks import DPOTask, RMTask, SFTTask
+    from rlhf.supervised.tasks import DPOTask, RMTask, SFTTask
 
     tok = load_tokenizer(tiny_kit, padding_side="right")
     lm, ref, rm = _ModelOnMeta(len(tok)), _ModelOnMeta(len(tok)), _ModelOnMeta(len(tok), reward=True)
@@ -250,7 +250,7 @@ def test_rm_training_and_ppo_score_the_same_position_when_pad_is_eos(tiny_kit):
     from rlhf.data.formatting import pad_batch
     from rlhf.models.load import load_tokenizer
     from rlhf.rewards.reward_model import score_positions, score_sequences
-    from rlhf.trainers.tasks import RMTask
+    from rlhf.supervised.tasks import RMTask
 
     tok = load_tokenizer(tiny_kit, padding_side="right")
     tok.pad_token = tok.eos_token

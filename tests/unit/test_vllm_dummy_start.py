@@ -11,8 +11,8 @@ from test_sleep_protocol import PROMPTS, _argv, _run, _sync
 
 def test_colocated_engine_builds_on_dummy_weights_and_waits_for_the_first_sync(tiny_kit, monkeypatch):
     fake_vllm(monkeypatch)
-    from rlhf.rollout.base import SamplingParams
-    from rlhf.rollout.vllm_engine import VLLMEngine
+    from rlhf.engines.rollout import SamplingParams
+    from rlhf.engines.vllm_engine import VLLMEngine
 
     eng = VLLMEngine(tiny_kit, 1, mode="colocated", max_model_len=64, enforce_eager=True, dummy_weights=True,
                      log=lambda *_: None)

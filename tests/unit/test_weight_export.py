@@ -66,7 +66,7 @@ def test_save_hf_stores_a_tied_matrix_once_and_reloads_identical(tmp_path):
 def test_rollout_logprob_gap_is_absent_when_not_measured():
     """The sync-health metric: a plain on-policy step computes no trainer log-probs, so no gap is logged (it used
     to log 0.0, which hid a stale vLLM head: issue 26 item 4); measured, it is the masked mean |old - rollout|."""
-    from rlhf.trainers.advantage_stage import _gap_metric
+    from rlhf.rl.advantage_stage import _gap_metric
 
     rollout = torch.tensor([[-1.0, -2.0, -3.0]])
     mask = torch.tensor([[1, 1, 0]])

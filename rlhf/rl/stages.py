@@ -20,10 +20,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .advantage_stage import _gap_metric, advantage_stage, needs_old_logprobs
-from .batch import Batch, cat, row_fields
-from .cadence import log0
-from .experience import Forwards, Rollouts, Sampler, Scorer, gap_due, measures_gap_only, on_policy_single_update, refills
+from rlhf.batch import Batch, cat, row_fields
+from rlhf.rl.advantage_stage import _gap_metric, advantage_stage, needs_old_logprobs
+from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer, gap_due, measures_gap_only, on_policy_single_update, refills
+from rlhf.utils.cadence import log0
 
 
 class Stage:
@@ -61,7 +61,7 @@ class RolloutStage(Stage):
         self.deadline_s = deadline_s
 
     def run(self, batch: Batch, roles) -> None:
-        if self.queue is not None:  # generated ahead (rlhf.trainers.async_rollout): gathered now
+        if self.queue is not None:  # generated ahead (rlhf.rl.async_queue): gathered now
             self.queue.take(batch)
             return
         batch.fill(self.rollouts.generate(roles, batch.prompts, self.sampler.params(batch.step)))
@@ -226,7 +226,7 @@ class LogprobGapStage(Stage):
 
 
 class AdvantagesStage(Stage):
-    """rlhf.trainers.advantage_stage on the gathered batch (no collective)."""
+    """rlhf.rl.advantage_stage on the gathered batch (no collective)."""
     name, trainers_only = "advantages", True
     reads = REWARD + ("action_mask", "truncated", "rollout_logprobs", "old_logprobs", "ref_logprobs", "values")
     writes = ("action_mask", "advantages", "returns")
@@ -299,7 +299,7 @@ class StageParts:
 def rewards_ahead(async_train: bool, agent_mode: bool, reward_model: bool, reward_source: bool) -> bool:
     """--async_train takes the rewards with the batch (streamed by the rollout ranks, or scored ahead by a reward
     model): no reward stage.  From config and placement: the same on every rank."""
-    from .async_rollout import scores_ahead, streams_rewards
+    from rlhf.rl.async_queue import scores_ahead, streams_rewards
 
     return async_train and (streams_rewards(agent_mode, reward_model, reward_source)
                             or scores_ahead(agent_mode, reward_model))

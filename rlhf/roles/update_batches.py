@@ -1,5 +1,5 @@
-"""The micro-batching of the PPO-style updates (``rlhf.trainers.actor.Actor.update``, any estimator, and
-``rlhf.trainers.critic_role.Critic.update``): optimizer steps of micro-batches with accumulation.
+"""The micro-batching of the PPO-style updates (``rlhf.roles.actor.Actor.update``, any estimator, and
+``rlhf.roles.critic.Critic.update``): optimizer steps of micro-batches with accumulation.
 
 Global loss normalisation: before the micro-batches of an optimizer step run, one all_reduce over the
 role's process group sums this step's token and sequence counts over every micro-batch on every rank

@@ -13,8 +13,7 @@ from typing import Optional
 
 from rlhf.distributed import Groups
 from rlhf.models.load import load_causal_lm
-
-from .roles import ModelRole, frozen_spec, model_role
+from rlhf.roles.base import ModelRole, frozen_spec, model_role
 
 
 class Reference(ModelRole):

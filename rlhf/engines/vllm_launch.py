@@ -64,7 +64,7 @@ def _tolerant_exit(llm):
 
 
 # ---- devices, memory budget, engine arguments (pure: tested without vLLM) ----------------------------------------
-WORKER_EXTENSION = "rlhf.rollout.vllm_engine.RolloutWorkerExtension"  # mixed into vLLM's workers
+WORKER_EXTENSION = "rlhf.engines.vllm_engine.RolloutWorkerExtension"  # mixed into vLLM's workers
 MAX_NUM_BATCHED_TOKENS = 4096  # TRL's value (trl 1.16 trl/generation/vllm_generation.py, colocate LLM(...):
 # "Latest vLLM v1 memory profiler is misled by the high default value (i.e., 32768) - thinking there's not enough
 # memory"; read in the 1.16.0 wheel)

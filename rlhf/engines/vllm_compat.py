@@ -1,6 +1,6 @@
 """vLLM compatibility: the supported version range, what this platform offers (sleep mode, CUDA), and whether
 vLLM pays off for a model (``auto_engine``, the ``--rollout_engine auto`` rule registered for vLLM in
-``rlhf.rollout.registry``).  Pure reads of the installed packages and the model's config: the same answer on every
+``rlhf.engines.rollout_registry``).  Pure reads of the installed packages and the model's config: the same answer on every
 rank."""
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def estimate_params(cfg) -> int:
 
 
 def vllm_fits(model_path: str, cuda: bool) -> Tuple[bool, str]:
-    """vLLM's rule for ``--rollout_engine auto`` (``rlhf.rollout.registry.auto_engine``): (fits, reason), from the
+    """vLLM's rule for ``--rollout_engine auto`` (``rlhf.engines.rollout_registry.auto_engine``): (fits, reason), from the
     config and the installed packages only, so every rank gets the same answer."""
     import importlib.util
 

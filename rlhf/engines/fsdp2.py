@@ -11,8 +11,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlhf.distributed import comm
 from rlhf.distributed.mesh import RoleMesh, world_mesh
-
-from .base import EngineSpec, TrainEngine, is_last, make_optimizer
+from rlhf.engines.train import EngineSpec, TrainEngine, is_last, make_optimizer
 
 
 def decoder_layers(model: torch.nn.Module):

@@ -31,8 +31,7 @@ import torch
 
 from rlhf.distributed import comm
 from rlhf.distributed.mesh import world_mesh
-
-from .base import EngineSpec, TrainEngine, is_last, make_optimizer
+from rlhf.engines.train import EngineSpec, TrainEngine, is_last, make_optimizer
 
 
 def deepspeed_config(spec: EngineSpec, dp: int, offload_optimizer: Optional[bool] = None,
@@ -98,7 +97,7 @@ def offload_optimizer_for(model: torch.nn.Module, spec: EngineSpec, device) -> t
         return (*make_optimizer(model, spec), False)
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from .base import lr_lambda
+    from rlhf.engines.train import lr_lambda
 
     opt = DeepSpeedCPUAdam([p for p in model.parameters() if p.requires_grad], lr=spec.lr, betas=tuple(spec.betas),
                            weight_decay=spec.weight_decay, adamw_mode=True)

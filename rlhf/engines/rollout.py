@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from rlhf.trainers.batch import Batch
+from rlhf.batch import Batch
 
 
 @dataclass
@@ -30,7 +30,7 @@ class RolloutEngine(abc.ABC):
     veRL's contract is the model (verl/workers/rollout/base.py ``BaseRollout``: ``resume(tags)`` /
     ``update_weights`` / ``release``, read at volcengine/verl b178a3c): ``wake(tags)`` is its ``resume(tags)``,
     ``sleep`` its ``release``, ``load_weights`` + ``reset_prefix_cache`` its ``update_weights``.  Engines come from
-    ``rlhf.rollout.registry`` (veRL's ``_ROLLOUT_REGISTRY``).
+    ``rlhf.engines.rollout_registry`` (veRL's ``_ROLLOUT_REGISTRY``).
 
     Memory states (``memory_state``): ``full`` (ready to generate), ``weights`` (weights only: a weight sync may
     load), ``asleep`` (woken before its next use).  The phase scheduler keeps no copy: it asks the role, which asks

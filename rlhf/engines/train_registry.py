@@ -8,9 +8,9 @@ from typing import Callable, Dict
 
 import torch
 
-from .base import EngineSpec, TrainEngine, loads_on_first
-from .deepspeed_engine import DeepSpeedEngine
-from .fsdp2 import FSDP2Engine
+from rlhf.engines.deepspeed_engine import DeepSpeedEngine
+from rlhf.engines.fsdp2 import FSDP2Engine
+from rlhf.engines.train import EngineSpec, TrainEngine, loads_on_first
 
 
 def _fsdp2(model: torch.nn.Module, spec: EngineSpec, mesh, device) -> TrainEngine:

@@ -13,7 +13,6 @@ import torch
 
 from rlhf import checkpoint as ckpt
 from rlhf.algorithms.seqlen_balancing import OVER_BUDGET, Item, plan_step
-from rlhf.backends.base import spec_from_config
 from rlhf.config.batching_checks import row_budgets
 from rlhf.config.preflight import preflight
 from rlhf.data.loading import load_train_eval
@@ -22,14 +21,14 @@ from rlhf.distributed import comm, micro_plan, shard_rows
 from rlhf.distributed.failfast import Watchdog, guarded
 from rlhf.distributed.groups import Groups, build_groups, nnodes_from_env
 from rlhf.distributed.placement import supervised_placement
+from rlhf.engines.train import spec_from_config
 from rlhf.models.load import load_tokenizer, resolve_pretrain
+from rlhf.roles.actor import Actor
+from rlhf.roles.base import Roles, model_role
+from rlhf.roles.reference import build_reference
+from rlhf.utils.cadence import Cadence, log0, planned_steps
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
-
-from .actor import Actor
-from .cadence import Cadence, log0, planned_steps
-from .reference import build_reference
-from .roles import Roles, model_role
 
 
 class Task:

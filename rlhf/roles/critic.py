@@ -12,9 +12,8 @@ from typing import Dict, Optional
 
 from rlhf.algorithms import value_loss
 from rlhf.distributed.mesh import RoleMesh
-
-from .ppo_update import UpdateSettings, mean_logs, micro_batch, padding_counts, step_batches, step_totals, token_budget
-from .roles import ModelRole
+from rlhf.roles.base import ModelRole
+from rlhf.roles.update_batches import UpdateSettings, mean_logs, micro_batch, padding_counts, step_batches, step_totals, token_budget
 
 
 class Critic(ModelRole):
@@ -81,8 +80,7 @@ def load_critic(cfg, path: str, on_meta: bool = False):
     critic's value at a sequence's last token is the reward role's score (rlhf.models.critic)."""
     from rlhf.models.critic import CriticModel
     from rlhf.models.load import saved_reward_stats
-
-    from .advantage_stage import reward_model_stats
+    from rlhf.rl.advantage_stage import reward_model_stats
 
     m = cfg.model
     src = m.critic_pretrain or path

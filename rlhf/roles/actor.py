@@ -24,8 +24,8 @@ from rlhf.algorithms.masked import masked_mean
 from rlhf.algorithms.registry import POLICY_LOSSES
 from rlhf.distributed.mesh import RoleMesh
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
-
-from .ppo_update import (
+from rlhf.roles.base import ModelRole
+from rlhf.roles.update_batches import (
     AuxLossTap,
     Micro,
     TokenBudget,
@@ -37,13 +37,12 @@ from .ppo_update import (
     step_totals,
     token_budget,
 )
-from .roles import ModelRole
 
 
 class Actor(ModelRole):
     """The policy.  ``algo``: the config's algorithm section (loss type, clipping, KL, entropy, IS correction);
     ``settings``: ``ppo_update.UpdateSettings``.  SFT, RM and DPO train an Actor too, with the supervised loop's
-    task loss (rlhf.trainers.supervised) instead of ``update``."""
+    task loss (rlhf.supervised.trainer) instead of ``update``."""
 
     trains = True
 
@@ -57,7 +56,7 @@ class Actor(ModelRole):
         rollout_logprobs, old_logprobs, ref_logprobs, advantages); this rank's metrics."""
         if self.settings is None:
             raise RuntimeError(f"{self!r} was built without update settings (a supervised trainer's Actor trains "
-                               f"through its task loss); build RL actors with rlhf.trainers.roles.build_roles")
+                               f"through its task loss); build RL actors with rlhf.roles.build.build_roles")
         s, engine, world = self.settings, self.engine, self.dp_size
         engine.model.train()
         aux = AuxLossTap(engine.model, self.algo.aux_loss_coef != 0)

@@ -18,26 +18,25 @@ from rlhf import checkpoint as ckpt
 from rlhf.algorithms import make_kl_controller
 from rlhf.algorithms.eval_metrics import pass_at_n
 from rlhf.algorithms.seqlen_balancing import OVER_BUDGET
+from rlhf.batch import Batch
 from rlhf.config.preflight import preflight
 from rlhf.data.formatting import build_prompts, format_prompt
 from rlhf.data.loading import load_train_eval
 from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, make_placement, nnodes_from_env, role_needs
 from rlhf.distributed.failfast import Watchdog, guarded, refill_deadlines
 from rlhf.distributed.sharding import all_gather_objects
+from rlhf.engines.rollout import SamplingParams
 from rlhf.errors import InputError
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.rewards.reward_func import builtin_reward_source, make_reward_source
-from rlhf.rollout.base import SamplingParams
+from rlhf.rl.advantage_stage import InvalidRewardGuard, running_reward_norm
+from rlhf.rl.async_queue import AsyncRollout, QueueSettings
+from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer, decode_queries
+from rlhf.rl.stages import Stage, StageParts, build_stages, stage_deadlines, sync_weights
+from rlhf.roles.build import build_roles
+from rlhf.utils.cadence import Cadence, log0, planned_steps
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
-
-from .advantage_stage import InvalidRewardGuard, running_reward_norm
-from .async_rollout import AsyncRollout, QueueSettings
-from .batch import Batch
-from .cadence import Cadence, log0, planned_steps
-from .experience import Forwards, Rollouts, Sampler, Scorer, decode_queries
-from .roles import build_roles
-from .stages import Stage, StageParts, build_stages, stage_deadlines, sync_weights
 
 # Phases a pending stop cuts a step after: long, and before anything of the run's state changes (the update,
 # reward normalisation and the KL controller come later), so the last completed step is a consistent checkpoint.

@@ -25,12 +25,10 @@ import os
 from typing import List, Optional, Sequence
 
 from rlhf.distributed.transport import layer_key, pack, split_last_layer
-from rlhf.models.load import load_tokenizer
-
-from .base import Batch, RolloutEngine, SamplingParams, batch_from_rows
-from .registry import EngineArgs
-from .vllm_compat import _cap_len, check_vllm, on_cuda, sleep_available
-from .vllm_launch import (
+from rlhf.engines.rollout import Batch, RolloutEngine, SamplingParams, batch_from_rows
+from rlhf.engines.rollout_registry import EngineArgs
+from rlhf.engines.vllm_compat import _cap_len, check_vllm, on_cuda, sleep_available
+from rlhf.engines.vllm_launch import (
     LAUNCHER_ENV,
     _env,
     _launcher_env,
@@ -40,8 +38,9 @@ from .vllm_launch import (
     engine_kwargs,
     visible_devices,
 )
-from .vllm_memory import EngineMemory, empty_device_cache, release_vllm_groups
-from .vllm_worker import WorkerExtension
+from rlhf.engines.vllm_memory import EngineMemory, empty_device_cache, release_vllm_groups
+from rlhf.engines.vllm_worker import WorkerExtension
+from rlhf.models.load import load_tokenizer
 
 MODES = ("colocated", "separate")
 

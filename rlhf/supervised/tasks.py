@@ -14,8 +14,7 @@ from rlhf.distributed.sequence_parallel import sp_of
 from rlhf.models.forward import sp_token_logprobs
 from rlhf.models.lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_params, head_removed
 from rlhf.models.load import RM_NORM_FILE, apply_lora, attn_implementation, from_pretrained_or_meta, load_causal_lm, weight_dtype
-
-from .supervised import Task
+from rlhf.supervised.trainer import Task
 
 
 def _prompt(cfg, tok, row):
@@ -216,7 +215,7 @@ class DPOTask(Task):
 
     def needs_reference(self, samples):
         """A reference forward unless every row carries precomputed reference log-probs (--ref_pretrain, default
-        --pretrain: rlhf.trainers.reference)."""
+        --pretrain: rlhf.roles.reference)."""
         return not all(s[2] is not None for s in samples)
 
     def make_sample(self, row):

@@ -40,9 +40,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from rlhf.trainers.batch import Batch, cat, row_fields
-
-from .base import SamplingParams, batch_from_rows
+from rlhf.batch import Batch, cat, row_fields
+from rlhf.engines.rollout import SamplingParams, batch_from_rows
 
 
 @dataclass
@@ -92,7 +91,7 @@ class StreamStats:
 
 class RolloutStream:
     """The pool of one rollout engine (see the module docstring).  ``draw()`` returns the next (stream index,
-    prompt ids) of this engine's prompt stream; ``engine.generate`` follows rlhf.rollout.base.RolloutEngine."""
+    prompt ids) of this engine's prompt stream; ``engine.generate`` follows rlhf.engines.rollout.RolloutEngine."""
 
     def __init__(self, engine, draw: Callable[[], tuple], *, n: int, capacity: int, quota: int,
                  max_new_tokens: int, chunk: Optional[int], max_staleness: int,

@@ -36,9 +36,8 @@ from rlhf.algorithms import (
     overlong_penalty,
     stop_properly_penalty,
 )
-
-from .batch import Batch
-from .cadence import StreakGuard
+from rlhf.batch import Batch
+from rlhf.utils.cadence import StreakGuard
 
 
 def kl_in_reward(cfg) -> bool:

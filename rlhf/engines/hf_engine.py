@@ -5,14 +5,13 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from rlhf.batch import Batch, cat
 from rlhf.data.formatting import pad_batch
 from rlhf.distributed.weight_sync import tied_aliases
+from rlhf.engines.rollout import RolloutEngine, SamplingParams, response_mask
+from rlhf.engines.rollout_registry import EngineArgs
+from rlhf.engines.sampling import decode_with_head, logits_head
 from rlhf.models.load import load_causal_lm, load_tokenizer
-from rlhf.trainers.batch import Batch, cat
-
-from .base import RolloutEngine, SamplingParams, response_mask
-from .registry import EngineArgs
-from .sampling import decode_with_head, logits_head
 
 
 def stop_ids(requested: Sequence[int], eos_id, generation_config=None) -> tuple:

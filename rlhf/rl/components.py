@@ -2,7 +2,7 @@
 how an inference forward runs (``Forwards``), how rows are scored (``Scorer``), how generated rows reach every rank
 (``Rollouts``), the sampling parameters of a generate call (``Sampler``), and the decisions every rank takes alike
 from config and placement (``on_policy_single_update``, ``refills``, ``gap_due``).  The stages themselves:
-rlhf.trainers.stages.
+rlhf.rl.stages.
 """
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import Callable, List, Optional
 
 import torch
 
+from rlhf.batch import Batch, row_fields
+from rlhf.distributed.batch_gather import gather_batch
 from rlhf.distributed.sharding import shard_rows
-from rlhf.rollout.base import SamplingParams
-
-from .advantage_stage import needs_old_logprobs
-from .batch import Batch, gather_batch, row_fields
+from rlhf.engines.rollout import SamplingParams
+from rlhf.rl.advantage_stage import needs_old_logprobs
 
 
 class InferencePlan:
@@ -32,8 +32,7 @@ class InferencePlan:
 
     def __init__(self, batch: Batch, size: int, budget: int, packed: bool):
         from rlhf.algorithms.seqlen_balancing import Item, plan_step
-
-        from .ppo_update import row_items
+        from rlhf.roles.update_batches import row_items
 
         width = batch.sequences.size(1)
         items = row_items(batch.attention_mask, batch.action_mask) if packed else \
@@ -205,7 +204,7 @@ def measures_gap_only(cfg) -> bool:
 
 def refills(cfg) -> bool:
     """Dynamic filtering refills the batch (synchronous rollouts; async ones filter each group as it completes and
-    draw a new prompt in its place: rlhf.rollout.stream)."""
+    draw a new prompt in its place: rlhf.rl.stream)."""
     a = cfg.algorithm
     return a.dynamic_filtering and a.dynamic_filtering_max_rounds > 0 and not cfg.rollout.async_train
 

@@ -18,20 +18,15 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from rlhf.backends.base import EngineSpec, TrainEngine, reads_weights, spec_from_config
-from rlhf.backends.factory import make_engine
+from rlhf.batch import Batch
 from rlhf.checkpoint import save_hf
 from rlhf.distributed import Groups, RoleMesh
 from rlhf.distributed.sequence_parallel import SP, attach
-from rlhf.distributed.sharding import gather_rows, micro_plan, run_micro, shard_rows
+from rlhf.distributed.sharding import gather_rows, micro_plan, run_micro
+from rlhf.engines.train import EngineSpec, TrainEngine, reads_weights, spec_from_config
+from rlhf.engines.train_registry import make_engine
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
-from rlhf.models.lm_head import use_fp32_head
-from rlhf.models.load import load_causal_lm, load_reward_model, load_tokenizer, resolve_pretrain
 from rlhf.rewards.reward_model import score_sequences
-from rlhf.rollout.base import SamplingParams
-from rlhf.rollout.registry import EngineArgs, EnginePlace, auto_engine, build_engine
-
-from .batch import Batch, gather_batch, row_fields
 
 
 class Role:
@@ -145,7 +140,7 @@ class ModelRole(Role):
         ranks under --async_train): members run ``fn`` on their micro-batches (the same count on every member:
         sharded forwards are collectives), then one gather over those ranks."""
         local, rows = None, self.rows(n_rows)
-        budget = getattr(micro, "plan", None)  # --use_dynamic_batch: rlhf.trainers.experience.InferencePlan
+        budget = getattr(micro, "plan", None)  # --use_dynamic_batch: rlhf.rl.components.InferencePlan
         if self.is_member and n_rows > 0:
             parts = budget(self.dp_index) if budget else micro_plan(n_rows, self.dp_index, self.dp_size, micro)
             local = run_micro(fn, parts, dummy=slice(0, 1))
@@ -183,78 +178,11 @@ class ModelRole(Role):
         return self.rows_forward(batch.sequences.size(0), micro, fn, 1, over).squeeze(1)
 
 
-class RolloutRole(Role):
-    """The rollout engines: ``engine_ranks`` lists each engine's TP ranks; prompts are split over engines, every
-    TP rank of an engine gets the same prompts, and the engine's first rank reports its rows."""
-
-    def __init__(self, name: str, mesh: RoleMesh):
-        super().__init__(name, mesh)
-        self.engine_ranks = mesh.ranks_along("tp")
-        self.agent = None  # AgentExecutor driving the engine (--agent_func_path)
-
-    @property
-    def engine_index(self) -> Optional[int]:
-        for i, e in enumerate(self.engine_ranks):
-            if self.rank in e:
-                return i
-        return None
-
-    def sync_follows(self) -> None:
-        """A weight sync comes before the next generate: the engine's next sleep may discard its weights."""
-        if self.engine is not None:
-            self.engine.sync_follows()
-
-    def prompt_rows(self, n_prompts: int, engine: int) -> slice:
-        return shard_rows(n_prompts, engine, len(self.engine_ranks))
-
-    def generate(self, prompts, params: SamplingParams) -> Optional[Batch]:
-        """This rank's engine generates for its engine's prompts (no world collective: the rollout ranks may
-        run this while other roles train).  Returns the rows on the engine's first rank, else None."""
-        e = self.engine_index
-        if e is None:
-            return None
-        mine = prompts[self.prompt_rows(len(prompts), e)]
-        if not mine:  # fewer prompts than engines: this engine idles (all its TP ranks alike)
-            return None
-        first = self.engine_ranks[e][0] == self.rank
-        if self.agent is not None:
-            return self.run_agent(mine, params, first)
-        batch = self.engine.generate([p.ids for p in mine], params)
-        return batch if first else None
-
-    def run_agent(self, mine, params: SamplingParams, first: bool) -> Optional[Batch]:
-        """The agent runs on the engine's first rank only (its environment steps once per episode); the engine's
-        other TP ranks take part in each of its generate calls (colocated: vLLM's TP ranks run in lock-step) or,
-        with vLLM in its own processes, have nothing to do."""
-        if not first:
-            self.engine.serve()
-            return None
-        try:
-            return self.agent.run([p.ids for p in mine], [p.prompt for p in mine], [p.label for p in mine], params)
-        finally:
-            self.engine.end_requests()
-
-    def gather(self, local: Optional[Batch], n_prompts: int, n_samples: int, pad_id: int,
-               with_rewards: bool = False) -> Batch:
-        """The full batch on every rank, re-padded to a common prompt and response width (``gather_batch``: one
-        max of the widths, one gather of the int fields, one of the float fields; every rank, whatever it holds).
-        ``with_rewards``: the rows carry the environment's rewards and scores (agents)."""
-        owned: Optional[slice] = None
-        e = self.engine_index
-        if local is not None:
-            pr = self.prompt_rows(n_prompts, e)
-            owned = slice(pr.start * n_samples, pr.stop * n_samples)
-            assert local.sequences.size(0) == owned.stop - owned.start, \
-                f"engine {e} returned {local.sequences.size(0)} rows for {owned.stop - owned.start}"
-        names = row_fields("rollout") + (["rewards", "scores"] if with_rewards else [])
-        return gather_batch(local, owned, n_prompts * n_samples, names, pad_id)
-
-
 @dataclass
 class Roles:
     """The roles of this job, as objects on every rank (None: the placement has no such role)."""
     actor: ModelRole
-    rollout: Optional[RolloutRole] = None      # none in the supervised trainers
+    rollout: Optional[RolloutRole] = None  # noqa: F821 (rlhf.roles.rollout)      # none in the supervised trainers
     ref: Optional[ModelRole] = None
     critic: Optional[ModelRole] = None
     reward: Optional[ModelRole] = None          # sequence-classification reward model
@@ -296,83 +224,3 @@ def frozen_spec(cfg, total_steps: int) -> Callable[[ModelRole], EngineSpec]:
                                          group_size=role.size)
 
 
-def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
-    """Role objects on every rank from the plan; engines built on the members only."""
-    from .actor import Actor
-    from .critic_role import Critic, load_critic
-    from .ppo_update import update_settings
-    from .reference import build_reference
-
-    m, o, t = cfg.model, cfg.optim, cfg.topology
-    path = resolve_pretrain(m.pretrain)
-    settings = update_settings(cfg)
-
-    def trainable(lr):
-        return lambda role: spec_from_config(cfg.model, cfg.optim, cfg.topology, lr, total_steps)
-
-    actor = model_role(Actor, "actor", groups, t.backend, device, trainable(o.actor_learning_rate),
-                       lambda on_meta: load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank,
-                                                      m.lora_alpha, m.target_modules, on_meta=on_meta),
-                       algo=cfg.algorithm, settings=settings)
-    ref = build_reference(cfg, groups, path, device, total_steps)
-    if m.lm_head_fp32:  # the actor's and the reference's log-probs from float32 logits
-        for r in (actor, ref):
-            if r is not None and r.engine is not None:
-                use_fp32_head(r.engine.model)
-    critic = model_role(Critic, "critic", groups, t.backend, device, trainable(o.critic_learning_rate),
-                        lambda on_meta: load_critic(cfg, path, on_meta), algo=cfg.algorithm, settings=settings)
-    stats = {}
-
-    def load_rm(on_meta):
-        rm, stats["v"] = load_reward_model(m.reward_pretrain, m.bf16, m.flash_attn, on_meta=on_meta,
-                                            value_head_prefix=m.value_head_prefix)
-        return rm
-
-    reward = model_role(ModelRole, "reward", groups, t.backend, device, frozen_spec(cfg, total_steps), load_rm)
-    if cfg.rollout.async_train:  # the rollout ranks of their own generate meanwhile (rlhf.trainers.async_rollout)
-        for r in (actor, ref, critic, reward):
-            if r is not None:
-                r.gather_group = groups.group("trainers")
-    rollout = RolloutRole("rollout", groups.mesh("rollout"))
-    if rollout.is_member:
-        rollout.engine = build_rollout_engine(cfg.rollout, cfg.topology, path, groups, device, bf16=m.bf16,
-                                              seed=cfg.optim.seed, max_model_len=rl_max_len(cfg))
-        if cfg.rollout.agent_func_path:
-            from rlhf.agents.load import load_agent
-
-            inst, exe = load_agent(cfg.rollout.agent_func_path)
-            rollout.agent = exe(inst, cfg.rollout.max_steps, cfg.data.generate_max_len * cfg.rollout.max_steps,
-                                rollout.engine, load_tokenizer(path))
-    from .advantage_stage import reward_model_stats
-
-    return Roles(actor=actor, rollout=rollout, ref=ref, critic=critic, reward=reward,
-                 reward_stats=reward_model_stats(cfg, stats.get("v")))
-
-
-def rl_max_len(cfg) -> int:
-    """Prompt + response tokens of one sample: --prompt_max_len + --generate_max_len, within RL's --max_len (OpenRLHF's
-    prompt + response budget, its vLLM max_model_len; rlhf.config.openrlhf_meaning)."""
-    d = cfg.data
-    return min(d.prompt_max_len + d.generate_max_len, d.max_len)
-
-
-def build_rollout_engine(r, t, path: str, groups: Groups, device, *, bf16: bool, seed: int, max_model_len: int):
-    """The rollout engine of this rank, from the registry (rlhf.rollout.registry): --rollout_engine, or what
-    ``auto`` picks (said once, by rank 0), built from the engine's flags (``r`` the rollout config, ``t`` the
-    topology; ``seed`` --seed: engine i gets seed + i) and its place in the placement."""
-    kind = r.rollout_engine
-    if kind == "auto":
-        kind, why = auto_engine(path, torch.cuda.is_available())
-        if groups.rank == 0:
-            print(f"[rollout] --rollout_engine auto -> {kind} ({why})", flush=True)
-    plan = groups.plan
-    index = plan.engine_of(groups.rank)
-    place = EnginePlace(groups.rank, plan.engine_ranks[index], tp_group=groups.mesh("rollout").group_of("tp"),
-                        # in-process vLLM takes the whole default group as its world: only when every rank holds one
-                        separate=plan.ranks["rollout"] != list(range(plan.world_size)),
-                        gpus_per_node=plan.gpus_per_node)
-    args = EngineArgs(path, device, max_model_len, seed=seed + index, bf16=bf16,
-                      micro_batch_size=r.micro_rollout_batch_size, tp_size=t.vllm_tensor_parallel_size,
-                      gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep=t.vllm_enable_sleep,
-                      sleep_level=r.vllm_sleep_level, enforce_eager=r.enforce_eager, place=place)
-    return build_engine(kind, args)

@@ -7,7 +7,7 @@ never imported for an HF job).  A new engine is one file (a ``RolloutEngine`` an
 registration order, and falls back to ``hf``.
 
 What every builder gets is ``EngineArgs``: the flags an engine reads and where it runs (``EnginePlace``), resolved
-once by the caller (rlhf.trainers.roles ``build_rollout_engine``), never the whole config.
+once by the caller (rlhf.roles.build ``build_rollout_engine``), never the whole config.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class EngineArgs:
     """What a rollout engine is built from."""
     model_path: str                 # --pretrain, resolved
     device: Any                     # torch.device of this rank
-    max_model_len: int              # prompt + response tokens of one sample (rlhf.trainers.roles.rl_max_len)
+    max_model_len: int              # prompt + response tokens of one sample (rlhf.roles.build.rl_max_len)
     seed: int = 0                   # this engine's seed (OpenRLHF: --seed + engine index)
     bf16: bool = False              # --bf16
     micro_batch_size: int = 8       # --micro_rollout_batch_size (the HF engine's generation chunk)
@@ -90,5 +90,5 @@ def build_engine(kind: str, args: EngineArgs):
     return _load(_ENGINES[kind])(args)
 
 
-register_engine("hf", "rlhf.rollout.hf_engine:build_hf_engine")
-register_engine("vllm", "rlhf.rollout.vllm_engine:build_vllm_engine", auto="rlhf.rollout.vllm_compat:vllm_fits")
+register_engine("hf", "rlhf.engines.hf_engine:build_hf_engine")
+register_engine("vllm", "rlhf.engines.vllm_engine:build_vllm_engine", auto="rlhf.engines.vllm_compat:vllm_fits")

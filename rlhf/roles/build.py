@@ -1,0 +1,95 @@
+"""Every role of an RL job from the placement (``build_roles``): the model roles through ``model_role``, the rollout
+engines through the engine registry, the agent executor where --agent_func_path asks."""
+from __future__ import annotations
+
+import torch
+
+from rlhf.distributed import Groups
+from rlhf.engines.rollout_registry import EngineArgs, EnginePlace, auto_engine, build_engine
+from rlhf.engines.train import spec_from_config
+from rlhf.models.lm_head import use_fp32_head
+from rlhf.models.load import load_causal_lm, load_reward_model, load_tokenizer, resolve_pretrain
+from rlhf.roles.actor import Actor
+from rlhf.roles.base import ModelRole, Roles, frozen_spec, model_role
+from rlhf.roles.critic import Critic, load_critic
+from rlhf.roles.reference import build_reference
+from rlhf.roles.rollout import RolloutRole
+from rlhf.roles.update_batches import update_settings
+
+
+def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
+    """Role objects on every rank from the plan; engines built on the members only."""
+
+    m, o, t = cfg.model, cfg.optim, cfg.topology
+    path = resolve_pretrain(m.pretrain)
+    settings = update_settings(cfg)
+
+    def trainable(lr):
+        return lambda role: spec_from_config(cfg.model, cfg.optim, cfg.topology, lr, total_steps)
+
+    actor = model_role(Actor, "actor", groups, t.backend, device, trainable(o.actor_learning_rate),
+                       lambda on_meta: load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank,
+                                                      m.lora_alpha, m.target_modules, on_meta=on_meta),
+                       algo=cfg.algorithm, settings=settings)
+    ref = build_reference(cfg, groups, path, device, total_steps)
+    if m.lm_head_fp32:  # the actor's and the reference's log-probs from float32 logits
+        for r in (actor, ref):
+            if r is not None and r.engine is not None:
+                use_fp32_head(r.engine.model)
+    critic = model_role(Critic, "critic", groups, t.backend, device, trainable(o.critic_learning_rate),
+                        lambda on_meta: load_critic(cfg, path, on_meta), algo=cfg.algorithm, settings=settings)
+    stats = {}
+
+    def load_rm(on_meta):
+        rm, stats["v"] = load_reward_model(m.reward_pretrain, m.bf16, m.flash_attn, on_meta=on_meta,
+                                            value_head_prefix=m.value_head_prefix)
+        return rm
+
+    reward = model_role(ModelRole, "reward", groups, t.backend, device, frozen_spec(cfg, total_steps), load_rm)
+    if cfg.rollout.async_train:  # the rollout ranks of their own generate meanwhile (rlhf.rl.async_queue)
+        for r in (actor, ref, critic, reward):
+            if r is not None:
+                r.gather_group = groups.group("trainers")
+    rollout = RolloutRole("rollout", groups.mesh("rollout"))
+    if rollout.is_member:
+        rollout.engine = build_rollout_engine(cfg.rollout, cfg.topology, path, groups, device, bf16=m.bf16,
+                                              seed=cfg.optim.seed, max_model_len=rl_max_len(cfg))
+        if cfg.rollout.agent_func_path:
+            from rlhf.agents.load import load_agent
+
+            inst, exe = load_agent(cfg.rollout.agent_func_path)
+            rollout.agent = exe(inst, cfg.rollout.max_steps, cfg.data.generate_max_len * cfg.rollout.max_steps,
+                                rollout.engine, load_tokenizer(path))
+    from rlhf.rl.advantage_stage import reward_model_stats
+
+    return Roles(actor=actor, rollout=rollout, ref=ref, critic=critic, reward=reward,
+                 reward_stats=reward_model_stats(cfg, stats.get("v")))
+
+
+def rl_max_len(cfg) -> int:
+    """Prompt + response tokens of one sample: --prompt_max_len + --generate_max_len, within RL's --max_len (OpenRLHF's
+    prompt + response budget, its vLLM max_model_len; rlhf.config.openrlhf_meaning)."""
+    d = cfg.data
+    return min(d.prompt_max_len + d.generate_max_len, d.max_len)
+
+
+def build_rollout_engine(r, t, path: str, groups: Groups, device, *, bf16: bool, seed: int, max_model_len: int):
+    """The rollout engine of this rank, from the registry (rlhf.engines.rollout_registry): --rollout_engine, or what
+    ``auto`` picks (said once, by rank 0), built from the engine's flags (``r`` the rollout config, ``t`` the
+    topology; ``seed`` --seed: engine i gets seed + i) and its place in the placement."""
+    kind = r.rollout_engine
+    if kind == "auto":
+        kind, why = auto_engine(path, torch.cuda.is_available())
+        if groups.rank == 0:
+            print(f"[rollout] --rollout_engine auto -> {kind} ({why})", flush=True)
+    plan = groups.plan
+    index = plan.engine_of(groups.rank)
+    place = EnginePlace(groups.rank, plan.engine_ranks[index], tp_group=groups.mesh("rollout").group_of("tp"),
+                        # in-process vLLM takes the whole default group as its world: only when every rank holds one
+                        separate=plan.ranks["rollout"] != list(range(plan.world_size)),
+                        gpus_per_node=plan.gpus_per_node)
+    args = EngineArgs(path, device, max_model_len, seed=seed + index, bf16=bf16,
+                      micro_batch_size=r.micro_rollout_batch_size, tp_size=t.vllm_tensor_parallel_size,
+                      gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep=t.vllm_enable_sleep,
+                      sleep_level=r.vllm_sleep_level, enforce_eager=r.enforce_eager, place=place)
+    return build_engine(kind, args)
