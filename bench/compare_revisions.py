@@ -1,0 +1,106 @@
+"""Old vs new: our side of a bench, from two checkouts, interleaved in one run.
+
+    git worktree add /tmp/base <base commit>            # or any copy of the old tree
+    python bench/compare_revisions.py /tmp/base . --bench grpo --rounds 8 -- --size medium
+    python bench/compare_revisions.py /tmp/base . --bench dpo --rounds 8 -- --size medium
+
+Each checkout runs its own ``bench/<bench>_vs_trl.py --side rlhf`` (so its own ``rlhf``, on PYTHONPATH=checkout)
+in a process of its own that stays alive; after each side's warm-up (one after the other) they run one block at a
+time in the order A B | B A | A B ... for ``--rounds`` rounds (bench/common.py ``alternate``, the protocol of the
+TRL comparisons), so a slow spell of the shared machine hits both revisions of a round.  Both use the same kit
+(built once, by A, in ``--kit_dir``).  The arguments after ``--`` go to both benches unchanged (only flags both
+revisions know).
+
+Printed: per revision the median over blocks of CPU-seconds per step (process user + sys; with one thread the work
+done, robust to other tenants) and of wall seconds per step; the per-round paired ratio B/A in CPU time, its median
+and spread (half the inter-quartile range over the median), min and max; and whether the median is within
+``--limit`` (default 3%, issue 43's budget) of 1.  Exit status 1 with ``--check`` when it is not, or when the
+spread is wider than the limit (then the run cannot tell).  Writes bench/results/compare_<bench>_<label>.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+from typing import Dict, List
+
+import click
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, Side, alternate, side_summary, spread  # noqa: E402
+
+BENCHES = {"grpo": "grpo_vs_trl.py", "dpo": "dpo_vs_trl.py"}
+
+
+def paired_ratios(a: List[Dict], b: List[Dict], key: str = "cpu_s") -> List[float]:
+    """Per round: B's ``key`` per step over A's (blocks of one round are paired by index)."""
+    return [(y[key] / y["steps"]) / (x[key] / x["steps"]) for x, y in zip(a, b)]
+
+
+def verdict(ratios: List[float], limit: float) -> Dict:
+    """Median B/A, spread, range, and the reading: "within" (|median - 1| <= limit and the spread no wider than
+    the limit), "outside" (|median - 1| > limit with a spread under it), or "unclear" (spread over the limit)."""
+    med, sp = statistics.median(ratios), spread(ratios)
+    if sp is None or sp > limit:
+        reading = "unclear"
+    else:
+        reading = "within" if abs(med - 1.0) <= limit else "outside"
+    return {"ratio": med, "spread": sp, "min": min(ratios), "max": max(ratios), "reading": reading, "limit": limit}
+
+
+def same_reported(warm: Dict[str, Dict]) -> None:
+    """Refuse when both revisions report a setting (e.g. precision) and the values differ."""
+    a, b = warm["A"], warm["B"]
+    differ = {k: (a[k], b[k]) for k in ("precision", "gradient_checkpointing") if k in a and k in b and a[k] != b[k]}
+    if differ:
+        raise RuntimeError(f"the two revisions resolved different settings {differ}: pass the same flags to both")
+
+
+def report(rows: Dict[str, Dict], v: Dict, roots: Dict[str, str], bench: str, args: List[str]) -> str:
+    lines = [f"{bench} bench, rlhf side only, {' '.join(args)}",
+             f"{'':4} {'CPU-s/step':>11} {'s/step':>9} {'peak RSS MB':>12}  checkout"]
+    for k in ("A", "B"):
+        r = rows[k]
+        lines.append(f"{k:4} {r['cpu_s_per_step']:>11.4f} {r['s_per_step']:>9.4f} {r['peak_rss_mb']:>12.0f}  {roots[k]}")
+    sp = "n/a" if v["spread"] is None else f"+-{100 * v['spread']:.1f}%"
+    lines += [f"B/A CPU time per step: {v['ratio']:.4f} (spread {sp}, min {v['min']:.4f}, max {v['max']:.4f}, "
+              f"{len(rows['A']['blocks_cpu_s_per_step'])} rounds)",
+              f"reading: {v['reading']} the +-{100 * v['limit']:.0f}% budget"
+              + (" (spread over the budget: rerun with more --rounds)" if v["reading"] == "unclear" else "")]
+    return "\n".join(lines)
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("a_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("b_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("bench_args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--bench", type=click.Choice(sorted(BENCHES)), default="grpo")
+@click.option("--rounds", default=8, help="rounds of one block per revision, alternating which goes first")
+@click.option("--limit", default=0.03, help="the budget for |B/A - 1| (0.03: within 3%)")
+@click.option("--kit_dir", default=None, help="the kit both revisions use [a fresh temporary folder]")
+@click.option("--check", is_flag=True, help="exit 1 unless the reading is 'within'")
+def main(a_dir, b_dir, bench_args, bench, rounds, limit, kit_dir, check):
+    roots = {"A": os.path.abspath(a_dir), "B": os.path.abspath(b_dir)}
+    args = [*bench_args, "--rounds", str(rounds), "--kit_dir", kit_dir or tempfile.mkdtemp(prefix="rlhf-kit-")]
+    starts = {k: (lambda k=k: Side(os.path.join(roots[k], "bench", BENCHES[bench]), "rlhf", args, root=roots[k],
+                                   name=k)) for k in roots}
+    blocks, warm = alternate(starts, rounds, check=same_reported)
+    rows = {k: side_summary(blocks[k], warm[k]) for k in roots}
+    v = verdict(paired_ratios(blocks["A"], blocks["B"]), limit)
+    print(report(rows, v, roots, bench, list(bench_args)))
+    os.makedirs(RESULTS, exist_ok=True)
+    label = "_".join(a.lstrip("-") for a in bench_args) or "default"
+    path = os.path.join(RESULTS, f"compare_{bench}_{label}.json")
+    with open(path, "w") as fh:
+        json.dump({"roots": roots, "bench_args": list(bench_args), "rows": rows, "cpu_ratio_b_over_a": v,
+                   "wall_ratio_b_over_a": verdict(paired_ratios(blocks["A"], blocks["B"], "wall_s"), limit),
+                   "loadavg_at_end": os.getloadavg()}, fh, indent=2)
+    print("wrote", path)
+    if check and v["reading"] != "within":
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
