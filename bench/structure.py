@@ -36,7 +36,8 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 import click
 
 # Layers, bottom up: a module may import its own layer and the ones below.  A row lists the folders of rlhf/ that
-# share a rank (top-level modules and tools/ are the entry points); add a folder to a row, or a row, to extend.
+# share a rank ("<entry>": the entry-point files of ENTRY and rlhf/__init__.py; another file directly in rlhf/ goes
+# by its name, e.g. "errors.py"); add a folder to a row, or a row, to extend.
 LAYERS: List[Tuple[str, ...]] = [
     ("algorithms", "compat"),
     ("data",),
@@ -72,9 +73,12 @@ def module_name(path: str) -> str:
 
 
 def folder(path: str) -> str:
-    """The folder of rlhf/ a file is in ("<entry>" for rlhf/*.py)."""
+    """The folder of rlhf/ a file is in; a file directly in rlhf/ is "<entry>" when it is an entry point (or the
+    package's __init__), else its own name (e.g. "errors.py"), which then needs a row in LAYERS."""
     parts = path.split("/")
-    return parts[1] if len(parts) > 2 else "<entry>"
+    if len(parts) > 2:
+        return parts[1]
+    return "<entry>" if is_entry(path) or parts[1] == "__init__.py" else parts[1]
 
 
 def rank(path: str) -> int:
