@@ -11,13 +11,15 @@ How a comparison runs (robust on a shared, noisy machine):
   quoted as a result.  With one thread per side (the default here) CPU time is the work done and wall time adds
   the waits for a core that other tenants hold: on a shared machine the CPU-time ratio is the reproducible one;
 - each side reports its peak RSS (the process's high-water mark, imports and model loading included);
-- each side reports the precision it actually trains in (``Gate.info["precision"]``: TRL's resolved
-  ``accelerator.mixed_precision``, rlhf's ``--bf16``); the parent refuses to compare sides that differ, or that
-  differ from the ``--precision`` asked for (``check_precision``).  TRL 1.16's GRPOConfig/DPOConfig set
+- each side reports the precision and activation checkpointing it actually trains with (``Gate.info``: TRL's
+  resolved ``accelerator.mixed_precision`` and ``args.gradient_checkpointing``, our parsed config); the parent
+  refuses to time sides that differ from what was asked for (``check_like_with_like``).  TRL 1.16's
+  GRPOConfig/DPOConfig turn gradient checkpointing on by default and set
   ``bf16 = not fp16`` when bf16 is left unset (trl/trainer/base_config.py ``_BaseConfig.__post_init__``) and
   transformers' TrainingArguments then sets ``mixed_precision = "bf16"`` (training_args.py, "Mixed Precision"),
   so left alone TRL runs bf16 autocast while our default is fp32: on a CPU that only emulates bf16 that alone made
-  TRL's GRPO step ~6x slower.  Both sides are therefore told the same ``--precision`` (default fp32).
+  TRL's GRPO step ~6x slower.  Both sides are therefore told the same ``--precision`` (default fp32) and
+  ``--gradient_checkpointing`` (default off).
 """
 from __future__ import annotations
 
