@@ -301,12 +301,12 @@ def over_target(c: Counts) -> List[str]:
 
 
 def render(c: Counts, verbose: bool = True) -> str:
-    lines = [f"{'count':40} {'now':>5} {'target':>7}"]
+    lines = [f"{'count':44} {'now':>5} {'target':>7}"]
     for k, limit in TARGETS.items():
         flag = "  OVER" if len(c.hits[k]) > limit else ""
-        lines.append(f"{k:40} {len(c.hits[k]):>5} {'<= ' + str(limit):>7}{flag}")
+        lines.append(f"{k:44} {len(c.hits[k]):>5} {'<= ' + str(limit):>7}{flag}")
     for k, v in c.notes.items():
-        lines.append(f"{k:40} {len(v):>5}")
+        lines.append(f"{k:44} {len(v):>5}")
     if verbose:
         for k, v in [*c.hits.items(), *c.notes.items()]:
             lines += [f"\n{k}:"] + [f"  {x}" for x in v]
