@@ -83,7 +83,7 @@ def test_bench_like_with_like_and_revision_ratios():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import pytest
     from common import check_like_with_like, rlhf_flags, table, trl_args
-    from compare_revisions import paired_ratios, verdict
+    from compare_revisions import median_interval, paired_ratios, verdict
 
     assert trl_args("fp32", False) == {"bf16": False, "fp16": False, "gradient_checkpointing": False}
     assert trl_args("bf16", True)["bf16"] is True and rlhf_flags("bf16", True) == ["--bf16", "--gradient_checkpointing"]
@@ -98,9 +98,12 @@ def test_bench_like_with_like_and_revision_ratios():
     a = [{"steps": 2, "cpu_s": 2.0, "wall_s": 3.0}] * 4
     b = [{"steps": 1, "cpu_s": c, "wall_s": 1.5} for c in (1.0, 1.01, 0.99, 1.02)]
     assert paired_ratios(a, b) == [1.0, 1.01, 0.99, 1.02] and paired_ratios(a, b, "wall_s") == [1.0] * 4
-    assert verdict(paired_ratios(a, b), 0.03)["reading"] == "within"
-    assert verdict([1.05, 1.06, 1.05, 1.06], 0.03)["reading"] == "outside"
-    assert verdict([0.8, 1.0, 1.2, 1.4], 0.03)["reading"] == "unclear", "a spread over the budget cannot tell"
+    assert median_interval([5, 1, 4, 2, 3, 8, 7, 6]) == (2, 7), "n=8: x(2)..x(7) covers the median with 93%"
+    assert median_interval([1.0, 1.1, 0.9]) is None, "3 rounds: no 90% interval"
+    assert verdict(paired_ratios(a, b) * 2, 0.03)["reading"] == "within"
+    assert verdict([1.05, 1.06, 1.05, 1.06, 1.07, 1.05], 0.03)["reading"] == "outside"
+    assert verdict([0.97, 0.95, 0.99, 1.0, 0.96, 1.01, 0.94, 0.97], 0.03)["reading"] == "unclear", "straddles 0.97"
+    assert verdict([1.0, 1.01], 0.03)["reading"] == "unclear", "too few rounds to tell"
     row = {"s_per_step": 1.0, "cpu_s_per_step": 0.5, "tokens_per_s": 10.0, "peak_rss_mb": 100.0,
            "blocks_cpu_s_per_step": [0.5, 0.5]}
     assert "rlhf only" in table("x", {"rlhf": row}, same, []), "--ours_only: one side, no speed-up"
