@@ -16,7 +16,7 @@ done, robust to other tenants) and of wall seconds per step; the per-round paire
 a distribution-free 90% interval for that median (order statistics), the spread (half the inter-quartile range over
 the median), min and max; and the reading against ``--limit`` (default 3%, issue 43's budget): "within" when the
 interval lies inside 1 +- limit, "outside" when it lies wholly beyond, else "unclear".  Two copies of one commit
-read 0.968 (interval 0.94-1.00) at load 9-14 on 2 cores over 8 GRPO medium rounds: under load, processes differ by
+read 0.968 (interval 0.94-1.01) at load 9-14 on 2 cores over 8 GRPO medium rounds: under load, processes differ by
 a few per cent on their own, so quote a reading, not a bare median.  Exit status 1 with ``--check`` unless
 "within".  Writes bench/results/compare_<bench>_<label>.json.
 """
