@@ -150,7 +150,8 @@ class Side:
                 return json.loads(line[len("WAIT "):])
         self.proc.wait()
         self.err.seek(0)
-        raise RuntimeError(f"{self.which} side exited with {self.proc.returncode} before its next block:\n"
+        hint = " (its trainer ran out of data: fewer --rounds or a smaller --block)" if self.proc.returncode == 0 else ""
+        raise RuntimeError(f"{self.which} side exited with {self.proc.returncode} before its next block{hint}:\n"
                            + self.err.read()[-6000:])
 
     def go(self) -> Dict:
