@@ -17,7 +17,11 @@ a distribution-free 90% interval for that median (order statistics), the spread 
 the median), min and max; and the reading against ``--limit`` (default 3%, issue 43's budget): "within" when the
 interval lies inside 1 +- limit, "outside" when it lies wholly beyond, else "unclear".  Two copies of one commit
 read 0.968 (interval 0.94-1.01) at load 9-14 on 2 cores over 8 GRPO medium rounds: under load, processes differ by
-a few per cent on their own, so quote a reading, not a bare median.  Exit status 1 with ``--check`` unless
+a few per cent on their own, so quote a reading, not a bare median.  The effect follows the start order, not
+the code: with the roles swapped (B started first) the same two copies read 0.960 the other way round, i.e. the
+process started second ran at ~0.96x the first's CPU time.  So by default the whole comparison runs twice, A
+started first then B started first, and ``cancel_order`` combines the two (geometric mean; those three runs give
+1.002, interval 0.95-1.05); ``--one_order`` runs only the first.  Exit status 1 with ``--check`` unless
 "within".  Writes bench/results/compare_<bench>_<label>.json.
 """
 from __future__ import annotations
@@ -68,6 +72,24 @@ def verdict(ratios: List[float], limit: float) -> Dict:
             "reading": reading, "limit": limit}
 
 
+def cancel_order(v1: Dict, v2: Dict, limit: float) -> Dict:
+    """B/A with the start-order effect cancelled.  ``v1``: B/A with A started first, r1 = t * s; ``v2``: with B
+    started first, r2 = t / s (s: the second-started process's own speed factor; 0.96 measured here, see the module
+    docstring).  So t = sqrt(r1 * r2) and s = sqrt(r1 / r2); t's interval is sqrt(lo1 * lo2) .. sqrt(hi1 * hi2)
+    from the two 90% intervals (both hold with >= 81%), read against ``limit`` as in ``verdict``."""
+    t, s = math.sqrt(v1["ratio"] * v2["ratio"]), math.sqrt(v1["ratio"] / v2["ratio"])
+    ci = None
+    if v1["interval_90"] is not None and v2["interval_90"] is not None:
+        ci = tuple(math.sqrt(x * y) for x, y in zip(v1["interval_90"], v2["interval_90"]))
+    if ci is not None and 1 - limit <= ci[0] and ci[1] <= 1 + limit:
+        reading = "within"
+    elif ci is not None and (ci[0] > 1 + limit or ci[1] < 1 - limit):
+        reading = "outside"
+    else:
+        reading = "unclear"
+    return {"ratio": t, "second_started_factor": s, "interval": ci, "reading": reading, "limit": limit}
+
+
 def same_reported(warm: Dict[str, Dict]) -> None:
     """Refuse when both revisions report a setting (e.g. precision) and the values differ."""
     a, b = warm["A"], warm["B"]
@@ -102,26 +124,36 @@ def report(rows: Dict[str, Dict], v: Dict, roots: Dict[str, str], bench: str, ar
 @click.option("--limit", default=0.03, help="the budget for |B/A - 1| (0.03: within 3%)")
 @click.option("--kit_dir", default=None, help="the kit both revisions use [a fresh temporary folder]")
 @click.option("--check", is_flag=True, help="exit 1 unless the reading is 'within'")
-def main(a_dir, b_dir, bench_args, bench, rounds, limit, kit_dir, check):
+@click.option("--one_order", is_flag=True, help="start A first only (half the time; keeps the start-order effect)")
+def main(a_dir, b_dir, bench_args, bench, rounds, limit, kit_dir, check, one_order):
     roots = {"A": os.path.abspath(a_dir), "B": os.path.abspath(b_dir)}
     args = [*bench_args, "--rounds", str(rounds), "--kit_dir", kit_dir or tempfile.mkdtemp(prefix="rlhf-kit-")]
-    starts = {k: (lambda k=k: Side(os.path.join(roots[k], "bench", BENCHES[bench]), "rlhf", args, root=roots[k],
-                                   name=k)) for k in roots}
-    blocks, warm = alternate(starts, rounds, check=same_reported)
-    rows = {k: side_summary(blocks[k], warm[k]) for k in roots}
-    v = verdict(paired_ratios(blocks["A"], blocks["B"]), limit)
-    print(report(rows, v, roots, bench, list(bench_args)))
+    runs = []
+    for order in (("A", "B"),) if one_order else (("A", "B"), ("B", "A")):  # which revision's process starts first
+        starts = {k: (lambda k=k: Side(os.path.join(roots[k], "bench", BENCHES[bench]), "rlhf", args,
+                                       root=roots[k], name=k)) for k in order}
+        blocks, warm = alternate(starts, rounds, check=same_reported)
+        rows = {k: side_summary(blocks[k], warm[k]) for k in roots}
+        v = verdict(paired_ratios(blocks["A"], blocks["B"]), limit)
+        print(f"started first: {order[0]}\n" + report(rows, v, roots, bench, list(bench_args)), flush=True)
+        runs.append({"started_first": order[0], "rows": rows, "cpu_ratio_b_over_a": v,
+                     "wall_ratio_b_over_a": verdict(paired_ratios(blocks["A"], blocks["B"], "wall_s"), limit)})
+    final = runs[0]["cpu_ratio_b_over_a"]
+    if len(runs) == 2:
+        final = cancel_order(runs[0]["cpu_ratio_b_over_a"], runs[1]["cpu_ratio_b_over_a"], limit)
+        lo, hi = final["interval"] or (float("nan"),) * 2
+        print(f"both orders: B/A CPU time per step {final['ratio']:.4f} (interval {lo:.4f}-{hi:.4f}; the "
+              f"second-started process ran at {final['second_started_factor']:.3f}x the first's CPU time)\n"
+              f"reading: {final['reading']} the +-{100 * limit:.0f}% budget")
     os.makedirs(RESULTS, exist_ok=True)
     label = "_".join(a.lstrip("-") for a in bench_args) or "default"
     path = os.path.join(RESULTS, f"compare_{bench}_{label}.json")
     with open(path, "w") as fh:
-        json.dump({"roots": roots, "bench_args": list(bench_args), "rows": rows, "cpu_ratio_b_over_a": v,
-                   "wall_ratio_b_over_a": verdict(paired_ratios(blocks["A"], blocks["B"], "wall_s"), limit),
+        json.dump({"roots": roots, "bench_args": list(bench_args), "runs": runs, "final": final,
                    "loadavg_at_end": os.getloadavg()}, fh, indent=2)
     print("wrote", path)
-    if check and v["reading"] != "within":
+    if check and final["reading"] != "within":
         sys.exit(1)
-
 
 if __name__ == "__main__":
     main()

@@ -83,7 +83,7 @@ def test_bench_like_with_like_and_revision_ratios():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import pytest
     from common import check_like_with_like, rlhf_flags, table, trl_args
-    from compare_revisions import median_interval, paired_ratios, verdict
+    from compare_revisions import cancel_order, median_interval, paired_ratios, verdict
 
     assert trl_args("fp32", False) == {"bf16": False, "fp16": False, "gradient_checkpointing": False}
     assert trl_args("bf16", True)["bf16"] is True and rlhf_flags("bf16", True) == ["--bf16", "--gradient_checkpointing"]
@@ -104,6 +104,11 @@ def test_bench_like_with_like_and_revision_ratios():
     assert verdict([1.05, 1.06, 1.05, 1.06, 1.07, 1.05], 0.03)["reading"] == "outside"
     assert verdict([0.97, 0.95, 0.99, 1.0, 0.96, 1.01, 0.94, 0.97], 0.03)["reading"] == "unclear", "straddles 0.97"
     assert verdict([1.0, 1.01], 0.03)["reading"] == "unclear", "too few rounds to tell"
+    # the start-order effect cancels: A first reads t*s, B first reads t/s (t = 1.01, s = 0.96 here)
+    first, second = verdict([1.01 * 0.96] * 8, 0.03), verdict([1.01 / 0.96] * 8, 0.03)
+    both = cancel_order(first, second, 0.03)
+    assert abs(both["ratio"] - 1.01) < 1e-9 and abs(both["second_started_factor"] - 0.96) < 1e-9
+    assert first["reading"] == "outside" and both["reading"] == "within"
     row = {"s_per_step": 1.0, "cpu_s_per_step": 0.5, "tokens_per_s": 10.0, "peak_rss_mb": 100.0,
            "blocks_cpu_s_per_step": [0.5, 0.5]}
     assert "rlhf only" in table("x", {"rlhf": row}, same, []), "--ours_only: one side, no speed-up"
