@@ -144,7 +144,8 @@ def main(a_dir, b_dir, bench_args, bench, rounds, limit, kit_dir, check, one_ord
         lo, hi = final["interval"] or (float("nan"),) * 2
         print(f"both orders: B/A CPU time per step {final['ratio']:.4f} (interval {lo:.4f}-{hi:.4f}; the "
               f"second-started process ran at {final['second_started_factor']:.3f}x the first's CPU time)\n"
-              f"reading: {final['reading']} the +-{100 * limit:.0f}% budget")
+              f"reading: {final['reading']}" + {"within": " the", "outside": " the"}.get(
+                  final["reading"], ": the interval straddles the") + f" +-{100 * limit:.0f}% budget")
     os.makedirs(RESULTS, exist_ok=True)
     label = "_".join(a.lstrip("-") for a in bench_args) or "default"
     path = os.path.join(RESULTS, f"compare_{bench}_{label}.json")
