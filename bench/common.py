@@ -10,7 +10,16 @@ How a comparison runs (robust on a shared, noisy machine):
   relative to the median).  A speed-up whose spread is over ``MAX_SPREAD`` is flagged UNSTABLE and must not be
   quoted as a result.  With one thread per side (the default here) CPU time is the work done and wall time adds
   the waits for a core that other tenants hold: on a shared machine the CPU-time ratio is the reproducible one;
-- each side reports its peak RSS (the process's high-water mark, imports and model loading included).
+- each side reports its peak RSS (the process's high-water mark, imports and model loading included);
+- each side reports the precision and activation checkpointing it actually trains with (``Gate.info``: TRL's
+  resolved ``accelerator.mixed_precision`` and ``args.gradient_checkpointing``, our parsed config); the parent
+  refuses to time sides that differ from what was asked for (``check_like_with_like``).  TRL 1.16's
+  GRPOConfig/DPOConfig turn gradient checkpointing on by default and set
+  ``bf16 = not fp16`` when bf16 is left unset (trl/trainer/base_config.py ``_BaseConfig.__post_init__``) and
+  transformers' TrainingArguments then sets ``mixed_precision = "bf16"`` (training_args.py, "Mixed Precision"),
+  so left alone TRL runs bf16 autocast while our default is fp32: on a CPU that only emulates bf16 that alone made
+  TRL's GRPO step ~6x slower.  Both sides are therefore told the same ``--precision`` (default fp32) and
+  ``--gradient_checkpointing`` (default off).
 """
 from __future__ import annotations
 
@@ -22,11 +31,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 MAX_SPREAD = 0.10  # half the inter-quartile range of the per-round speed-ups, relative to their median
+PRECISIONS = ("fp32", "bf16")  # --precision: fp32 everywhere, or bf16 mixed precision (fp32 master weights)
 
 
 def peak_rss_mb() -> float:
@@ -54,6 +64,7 @@ class Gate:
         self.warmup, self.block = warmup, block
         self.total = warmup + rounds * block  # the steps the side's trainer must be told to run
         self.n, self.last, self.tokens, self.t0, self.c0 = 0, 0, 0.0, time.perf_counter(), time.process_time()
+        self.info: Dict = {}  # what the side reports about itself with every block (e.g. "precision")
 
     def step(self, tokens: float) -> None:
         self.n += 1
@@ -64,7 +75,7 @@ class Gate:
     def _wait(self) -> None:
         msg = {"steps": self.n - self.last, "wall_s": time.perf_counter() - self.t0,
                "cpu_s": time.process_time() - self.c0, "tokens": self.tokens,
-               "peak_rss_mb": peak_rss_mb()}
+               "peak_rss_mb": peak_rss_mb(), **self.info}
         print("WAIT " + json.dumps(msg), flush=True)
         line = sys.stdin.readline().strip()
         if line != "go":
@@ -87,13 +98,48 @@ def gate_rlhf_logger(gate: Gate, tokens) -> None:
     MetricsLogger.log = log_and_gate
 
 
+def need_trl(ours_only: bool) -> None:
+    """A comparison needs TRL in this environment: say how to get it, or how to run without it."""
+    import importlib.util
+
+    if not ours_only and importlib.util.find_spec("trl") is None:
+        raise SystemExit("TRL is not installed: pip install -e \".[bench]\" (TRL 1.16), or pass --ours_only to "
+                         "time our side alone")
+
+
+def trl_args(precision: str, gradient_checkpointing: bool) -> Dict:
+    """The TRL config fields that pin what TRL would otherwise choose itself: ``bf16`` (TRL: ``not fp16`` when
+    unset), ``fp16`` and ``gradient_checkpointing`` (TRL's default True, transformers' False)."""
+    return dict(bf16=precision == "bf16", fp16=False, gradient_checkpointing=gradient_checkpointing)
+
+
+def trl_resolved(trainer) -> Dict:
+    """What a built TRL trainer runs with: accelerate's mixed-precision mode ("no" is fp32) and checkpointing."""
+    mp = trainer.accelerator.mixed_precision
+    return {"precision": {"no": "fp32"}.get(mp, mp), "gradient_checkpointing": bool(trainer.args.gradient_checkpointing)}
+
+
+def rlhf_flags(precision: str, gradient_checkpointing: bool) -> List[str]:
+    """Our trainers' flags for the same settings (--bf16: bf16 compute over fp32 master weights)."""
+    return (["--bf16"] if precision == "bf16" else []) + (["--gradient_checkpointing"] if gradient_checkpointing
+                                                          else [])
+
+
+def rlhf_resolved(cfg) -> Dict:
+    """What our parsed config runs with."""
+    return {"precision": "bf16" if cfg.model.bf16 else "fp32",
+            "gradient_checkpointing": bool(cfg.model.gradient_checkpointing)}
+
+
 class Side:
     """The parent's handle on one side's process."""
 
-    def __init__(self, script: str, which: str, args: List[str]):
-        self.which = which
+    def __init__(self, script: str, which: str, args: List[str], root: str = ROOT, name: Optional[str] = None):
+        """``root``: the checkout whose ``rlhf`` the side imports (bench/compare_revisions.py runs two);
+        ``name``: how the parent calls it (default ``which``)."""
+        self.which = name or which
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1",
-                   WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+                   WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONPATH=root)
         self.err = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, script, "--side", which, *args], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err)
@@ -104,7 +150,8 @@ class Side:
                 return json.loads(line[len("WAIT "):])
         self.proc.wait()
         self.err.seek(0)
-        raise RuntimeError(f"{self.which} side exited with {self.proc.returncode} before its next block:\n"
+        hint = " (its trainer ran out of data: fewer --rounds or a smaller --block)" if self.proc.returncode == 0 else ""
+        raise RuntimeError(f"{self.which} side exited with {self.proc.returncode} before its next block{hint}:\n"
                            + self.err.read()[-6000:])
 
     def go(self) -> Dict:
@@ -123,31 +170,59 @@ class Side:
                 self.proc.wait()
 
 
-def run_interleaved(script: str, args: List[str], rounds: int, log=None) -> Tuple[Dict[str, Dict], List[float]]:
-    """Both sides' per-block results and the per-round paired speed-ups (TRL s/step over rlhf s/step).
-
-    The sides start one after the other (start-up and warm-up never overlap), then alternate blocks.
-    """
+def alternate(starts: Dict[str, Callable[[], Side]], rounds: int, log=None,
+              check: Optional[Callable[[Dict], None]] = None) -> Tuple[Dict[str, List[Dict]], Dict]:
+    """Start each side in turn (start-up and warm-up never overlap), then run ``rounds`` rounds of one block per
+    side, in the order of ``starts`` on even rounds and reversed on odd ones (A B | B A | A B ...).
+    ``check(warm)`` runs on the warm-up reports before the first timed block (it raises to refuse the run).
+    Returns each side's timed blocks and its warm-up report."""
     log = log or (lambda m: print(m, flush=True))
+    names = list(starts)
     sides: Dict[str, Side] = {}
-    blocks: Dict[str, List[Dict]] = {"trl": [], "rlhf": []}
+    blocks: Dict[str, List[Dict]] = {w: [] for w in names}
     warm: Dict[str, Dict] = {}
     try:
-        for which in ("trl", "rlhf"):
-            sides[which] = Side(script, which, args)
+        for which in names:
+            sides[which] = starts[which]()
             warm[which] = sides[which].wait_block()
             log(f"  {which}: started, warm-up done ({warm[which]['steps']} steps, {warm[which]['wall_s']:.1f} s)")
+        if check is not None:
+            check(warm)
         for r in range(rounds):
-            order = ("trl", "rlhf") if r % 2 == 0 else ("rlhf", "trl")
-            for which in order:
+            for which in (names if r % 2 == 0 else names[::-1]):
                 blocks[which].append(sides[which].go())
-            t, o = (blocks[w][-1] for w in ("trl", "rlhf"))
-            log(f"  round {r + 1}/{rounds}: trl {t['wall_s'] / t['steps']:.3f} s/step, "
-                f"rlhf {o['wall_s'] / o['steps']:.3f} s/step")
+            log(f"  round {r + 1}/{rounds}: " + ", ".join(
+                f"{w} {blocks[w][-1]['wall_s'] / blocks[w][-1]['steps']:.3f} s/step "
+                f"({blocks[w][-1]['cpu_s'] / blocks[w][-1]['steps']:.3f} CPU-s)" for w in names))
     finally:
         for s in sides.values():
             s.stop()
+    return blocks, warm
+
+
+def check_like_with_like(requested: Dict, warm: Dict[str, Dict]) -> None:
+    """Refuse a comparison where a side resolved a setting other than ``requested`` (e.g. ``{"precision":
+    "fp32", "gradient_checkpointing": False}``): each side's warm-up report carries what it actually runs with,
+    read back from its own config after construction; a side that reports nothing is refused too."""
+    wrong = {w: {k: r.get(k) for k in requested if r.get(k) != requested[k]} for w, r in warm.items()}
+    wrong = {w: d for w, d in wrong.items() if d}
+    if wrong:
+        asked = ", ".join(f"{k}={v}" for k, v in requested.items())
+        raise RuntimeError(f"asked for {asked} but the sides resolved {wrong}: the comparison would not be like "
+                           "with like (ACCELERATE_MIXED_PRECISION set? a TRL default changed?); pass --precision "
+                           f"{'|'.join(PRECISIONS)} and nothing that overrides it")
+
+
+def run_interleaved(script: str, args: List[str], rounds: int, log=None, which: Sequence[str] = ("trl", "rlhf"),
+                    same: Optional[Dict] = None) -> Tuple[Dict[str, Dict], List[float]]:
+    """The sides' summaries and the per-round paired speed-ups (TRL s/step over rlhf s/step; empty when only
+    one side runs, e.g. ``--ours_only``).  ``same``: the settings every side must report (``check_like_with_like``),
+    checked after the warm-up, before any timed block."""
+    starts = {w: (lambda w=w: Side(script, w, args)) for w in which}
+    blocks, warm = alternate(starts, rounds, log, check=lambda warm: check_like_with_like(same or {}, warm))
     rows = {w: side_summary(blocks[w], warm[w]) for w in blocks}
+    if not {"trl", "rlhf"} <= set(rows):
+        return rows, []
     ratios = [t / o for t, o in zip(rows["trl"]["blocks_s_per_step"], rows["rlhf"]["blocks_s_per_step"])]
     return rows, ratios
 
@@ -159,7 +234,8 @@ def side_summary(blocks: List[Dict], warm: Dict) -> Dict:
     wall = sum(b["wall_s"] for b in blocks)
     return {"s_per_step": statistics.median(per), "tokens_per_s": sum(b["tokens"] for b in blocks) / wall,
             "cpu_s_per_step": statistics.median(cpu), "steps_timed": sum(steps), "blocks_s_per_step": per,
-            "blocks_cpu_s_per_step": cpu,
+            "blocks_cpu_s_per_step": cpu, "precision": warm.get("precision"),
+            "gradient_checkpointing": warm.get("gradient_checkpointing"),
             "peak_rss_mb": max([warm["peak_rss_mb"]] + [b["peak_rss_mb"] for b in blocks])}
 
 
@@ -182,7 +258,21 @@ def cpu_ratios(rows: Dict[str, Dict]) -> List[float]:
     return [t / o for t, o in zip(rows["trl"]["blocks_cpu_s_per_step"], rows["rlhf"]["blocks_cpu_s_per_step"])]
 
 
+def table_ours(name: str, row: Dict, settings: Dict) -> str:
+    """``--ours_only``: our side's medians and its spread over the blocks (no peer, no speed-up)."""
+    sp = spread(row["blocks_cpu_s_per_step"])
+    return "\n".join([f"{name}, rlhf only  ({', '.join(f'{k}={x}' for k, x in settings.items())})",
+                      f"{'':8} {'s/step':>10} {'cpu s/step':>11} {'tokens/s':>10} {'peak RSS MB':>12}",
+                      f"{'rlhf':8} {row['s_per_step']:>10.4f} {row['cpu_s_per_step']:>11.4f} "
+                      f"{row['tokens_per_s']:>10.1f} {row['peak_rss_mb']:>12.0f}",
+                      f"{'blocks':8} {len(row['blocks_cpu_s_per_step']):>10d}   CPU-s per step per block: "
+                      + " ".join(f"{x:.3f}" for x in row["blocks_cpu_s_per_step"])
+                      + ("" if sp is None else f"   spread +-{100 * sp:.1f}%")])
+
+
 def table(name: str, rows: Dict[str, Dict], settings: Dict, ratios: List[float]) -> str:
+    if "trl" not in rows:
+        return table_ours(name, rows["rlhf"], settings)
     ours, peer = rows["rlhf"], rows["trl"]
     v, vc = verdict(ratios), verdict(cpu_ratios(rows))
     lines = [f"{name}  ({', '.join(f'{k}={x}' for k, x in settings.items())})",
@@ -212,7 +302,7 @@ def save(name: str, rows: Dict, settings: Dict, ratios: List[float]) -> str:
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"{name}.json")
     load = os.getloadavg()
+    both = {"speedup_per_round": ratios, **verdict(ratios), "cpu_speedup": verdict(cpu_ratios(rows))} if ratios else {}
     with open(path, "w") as fh:
-        json.dump({"settings": settings, "results": rows, "speedup_per_round": ratios, **verdict(ratios),
-                   "cpu_speedup": verdict(cpu_ratios(rows)), "loadavg_at_end": load}, fh, indent=2)
+        json.dump({"settings": settings, "results": rows, **both, "loadavg_at_end": load}, fh, indent=2)
     return path

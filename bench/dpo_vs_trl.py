@@ -8,7 +8,10 @@
 Single process on the CPU, sigmoid loss, beta 0.1, the frozen reference model computed on the fly on both sides,
 padded batches on both sides.  ``--resp_tokens L`` writes pairs whose chosen and rejected responses are the
 answer followed by a digit string, L/2..L tokens in all (digits are single tokens in the kits' tokenizer), so
-lengths vary within a batch as real data does.  The two sides alternate in short blocks (bench/common.py);
+lengths vary within a batch as real data does.  Like with like: the same ``--precision`` (fp32 by default; TRL
+would pick bf16 on its own) and ``--gradient_checkpointing`` (off; TRL's own default is on) on both sides, each
+side reporting what it resolved, the run refused if they differ (bench/common.py ``check_like_with_like``);
+``--ours_only`` runs our side alone.  The two sides alternate in short blocks (bench/common.py);
 writes bench/results/dpo_<size>_<resp_tokens>.json.
 """
 from __future__ import annotations
@@ -22,7 +25,20 @@ import tempfile
 import click
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Gate, gate_rlhf_logger, run_interleaved, save, set_threads, table  # noqa: E402
+from common import (  # noqa: E402
+    PRECISIONS,
+    Gate,
+    gate_rlhf_logger,
+    need_trl,
+    rlhf_flags,
+    rlhf_resolved,
+    run_interleaved,
+    save,
+    set_threads,
+    table,
+    trl_args,
+    trl_resolved,
+)
 from kits import build_kit, kit_settings  # noqa: E402
 
 SIZES = {  # defaults per kit size: pairs per step, response tokens (0: the kit's own pairs), warm-up, block
@@ -62,7 +78,7 @@ def tokens_per_pair(path: str, data: str) -> float:
     return n / len(rows)
 
 
-def side_trl(path, data, gate, batch, lr, max_len, per_step_tokens):
+def side_trl(path, data, gate, batch, lr, max_len, per_step_tokens, precision, ckpt):
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -81,14 +97,15 @@ def side_trl(path, data, gate, batch, lr, max_len, per_step_tokens):
     cfg = DPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=gate.total,
                     learning_rate=lr, beta=0.1, loss_type=["sigmoid"], use_cpu=True, report_to="none",
                     save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, max_length=max_len,
-                    dataloader_num_workers=0)
+                    dataloader_num_workers=0, **trl_args(precision, ckpt))
     tr = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(path),
                     ref_model=AutoModelForCausalLM.from_pretrained(path), args=cfg, train_dataset=ds,
                     processing_class=tok, callbacks=[Step()])
+    gate.info.update(trl_resolved(tr))
     tr.train()
 
 
-def side_rlhf(path, data, gate, batch, lr, max_len, per_step_tokens):
+def side_rlhf(path, data, gate, batch, lr, max_len, per_step_tokens, precision, ckpt):
     from rlhf.config import parse
     from rlhf.supervised.tasks import DPOTask
     from rlhf.supervised.trainer import run_supervised
@@ -98,7 +115,8 @@ def side_rlhf(path, data, gate, batch, lr, max_len, per_step_tokens):
                         "--train_batch_size", str(batch), "--micro_train_batch_size", str(batch),
                         "--max_global_steps", str(gate.total), "--learning_rate", str(lr), "--beta", "0.1",
                         "--logging_steps", "1", "--log_dir", log, "--save_path", os.path.join(log, "m"),
-                        "--no_progress_bar", "--max_len", str(max_len)])
+                        "--no_progress_bar", "--max_len", str(max_len), *rlhf_flags(precision, ckpt)])
+    gate.info.update(rlhf_resolved(cfg))
     gate_rlhf_logger(gate, lambda m: per_step_tokens)
     run_supervised(cfg, DPOTask, "pref")
 
@@ -113,7 +131,12 @@ def side_rlhf(path, data, gate, batch, lr, max_len, per_step_tokens):
 @click.option("--rounds", default=8, help="rounds of one block per side, alternating which goes first")
 @click.option("--lr", default=5e-5)
 @click.option("--kit_dir", default=None, help="where the kit is built [/tmp/rlhf-bench-kit-<size>]")
-def main(size, side, batch, resp_tokens, warmup, block, rounds, lr, kit_dir):
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32",
+              help="both sides: fp32, or bf16 mixed precision (TRL bf16=True, rlhf --bf16)")
+@click.option("--gradient_checkpointing", is_flag=True, help="both sides recompute activations in backward")
+@click.option("--ours_only", is_flag=True, help="run our side only (no TRL): its s/step, CPU-s/step and RSS")
+def main(size, side, batch, resp_tokens, warmup, block, rounds, lr, kit_dir, precision, gradient_checkpointing,
+         ours_only):
     d = SIZES[size]
     batch = batch or d["batch"]
     resp_tokens = d["resp_tokens"] if resp_tokens is None else resp_tokens
@@ -126,17 +149,24 @@ def main(size, side, batch, resp_tokens, warmup, block, rounds, lr, kit_dir):
         set_threads()
         gate = Gate(warmup, block, rounds)
         fn = side_trl if side == "trl" else side_rlhf
-        fn(path, data, gate, batch, lr, max_len, batch * tokens_per_pair(path, data))
+        fn(path, data, gate, batch, lr, max_len, batch * tokens_per_pair(path, data), precision,
+           gradient_checkpointing)
         return
+    need_trl(ours_only)
     args = ["--size", size, "--batch", str(batch), "--resp_tokens", str(resp_tokens), "--warmup", str(warmup),
-            "--block", str(block), "--rounds", str(rounds), "--lr", str(lr), "--kit_dir", kit_dir]
-    settings = {**kit_settings(path), "pairs_per_step": batch, "resp_tokens": resp_tokens or "kit",
+            "--block", str(block), "--rounds", str(rounds), "--lr", str(lr), "--kit_dir", kit_dir,
+            "--precision", precision] + (["--gradient_checkpointing"] if gradient_checkpointing else [])
+    same = {"precision": precision, "gradient_checkpointing": gradient_checkpointing}
+    settings = {**kit_settings(path), **same, "pairs_per_step": batch, "resp_tokens": resp_tokens or "kit",
                 "tokens_per_pair": round(tokens_per_pair(path, data), 1),
                 "threads": os.environ.get("OMP_NUM_THREADS", "1"), "warmup": warmup, "block": block, "rounds": rounds}
     print("DPO step: " + json.dumps(settings), flush=True)
-    rows, ratios = run_interleaved(__file__, args, rounds)
+    rows, ratios = run_interleaved(__file__, args, rounds, which=("rlhf",) if ours_only else ("trl", "rlhf"),
+                                   same=same)
     print(table("DPO step", rows, settings, ratios))
-    print("wrote", save(f"dpo_{size}_{resp_tokens}", rows, settings, ratios))
+    name = f"dpo_{size}_{resp_tokens}" + ("" if precision == "fp32" else f"_{precision}") + ("_ours" if ours_only
+                                                                                            else "")
+    print("wrote", save(name, rows, settings, ratios))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ def test_bench_rlhf_sides_report_blocks(tmp_path):
         assert [b["steps"] for b in blocks] == [1, 2, 2], "warm-up of 1 step, then 2 blocks of 2 steps"
         for b in blocks:
             assert b["wall_s"] > 0 and b["cpu_s"] > 0 and b["tokens"] > 0 and b["peak_rss_mb"] > 100
+            assert b["precision"] == "fp32" and b["gradient_checkpointing"] is False, "read back from the config"
 
 
 def test_bench_summary_and_spread_flag():
@@ -74,6 +75,43 @@ def test_bench_summary_and_spread_flag():
     tight = [2.0, 2.02, 1.98, 2.01]
     assert verdict(tight)["stable"] and "UNSTABLE wall" not in table("x", rows, {}, tight)
     assert not verdict([2.0])["stable"], "one round has no spread: never a result"
+
+
+def test_bench_like_with_like_and_revision_ratios():
+    """Both sides get the same precision and checkpointing (TRL would default to bf16 and checkpointing), a side
+    that resolved something else is refused before any timed block; compare_revisions' B/A ratios and reading."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import pytest
+    from common import check_like_with_like, rlhf_flags, table, trl_args
+    from compare_revisions import cancel_order, median_interval, paired_ratios, verdict
+
+    assert trl_args("fp32", False) == {"bf16": False, "fp16": False, "gradient_checkpointing": False}
+    assert trl_args("bf16", True)["bf16"] is True and rlhf_flags("bf16", True) == ["--bf16", "--gradient_checkpointing"]
+    assert rlhf_flags("fp32", False) == []
+    same = {"precision": "fp32", "gradient_checkpointing": False}
+    check_like_with_like(same, {"trl": dict(same), "rlhf": dict(same)})
+    with pytest.raises(RuntimeError, match="'trl': {'precision': 'bf16'}"):
+        check_like_with_like(same, {"trl": dict(same, precision="bf16"), "rlhf": dict(same)})
+    with pytest.raises(RuntimeError, match="precision"):
+        check_like_with_like(same, {"rlhf": {"gradient_checkpointing": False}})  # reported nothing: refused
+
+    a = [{"steps": 2, "cpu_s": 2.0, "wall_s": 3.0}] * 4
+    b = [{"steps": 1, "cpu_s": c, "wall_s": 1.5} for c in (1.0, 1.01, 0.99, 1.02)]
+    assert paired_ratios(a, b) == [1.0, 1.01, 0.99, 1.02] and paired_ratios(a, b, "wall_s") == [1.0] * 4
+    assert median_interval([5, 1, 4, 2, 3, 8, 7, 6]) == (2, 7), "n=8: x(2)..x(7) covers the median with 93%"
+    assert median_interval([1.0, 1.1, 0.9]) is None, "3 rounds: no 90% interval"
+    assert verdict(paired_ratios(a, b) * 2, 0.03)["reading"] == "within"
+    assert verdict([1.05, 1.06, 1.05, 1.06, 1.07, 1.05], 0.03)["reading"] == "outside"
+    assert verdict([0.97, 0.95, 0.99, 1.0, 0.96, 1.01, 0.94, 0.97], 0.03)["reading"] == "unclear", "straddles 0.97"
+    assert verdict([1.0, 1.01], 0.03)["reading"] == "unclear", "too few rounds to tell"
+    # the start-order effect cancels: A first reads t*s, B first reads t/s (t = 1.01, s = 0.96 here)
+    first, second = verdict([1.01 * 0.96] * 8, 0.03), verdict([1.01 / 0.96] * 8, 0.03)
+    both = cancel_order(first, second, 0.03)
+    assert abs(both["ratio"] - 1.01) < 1e-9 and abs(both["second_started_factor"] - 0.96) < 1e-9
+    assert first["reading"] == "outside" and both["reading"] == "within"
+    row = {"s_per_step": 1.0, "cpu_s_per_step": 0.5, "tokens_per_s": 10.0, "peak_rss_mb": 100.0,
+           "blocks_cpu_s_per_step": [0.5, 0.5]}
+    assert "rlhf only" in table("x", {"rlhf": row}, same, []), "--ours_only: one side, no speed-up"
 
 
 def test_async_rl_bench_smoke(tmp_path):
