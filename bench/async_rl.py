@@ -133,7 +133,7 @@ def skewed_sft_rows(src: str, dst: str, long_frac: float, long_min: int, long_ma
 
 def build_policy(work: str, smoke: bool, long_frac: float, eos_scale: float, log) -> Dict:
     """The kit (random tiny model + task data) and the policy the runs start from (see the module docstring)."""
-    from rlhf.tools.make_tiny import make_tiny
+    from rlhf.models.tiny_kit import make_tiny
 
     kit = os.path.join(work, "kit")
     if not os.path.isfile(os.path.join(kit, "config.json")):

@@ -51,7 +51,7 @@ def qwen05_dir() -> str:
     """A Qwen2-0.5B-shaped model (random init, bf16) with the tiny tokenizer, built locally (--smoke: the tiny kit)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from rlhf.tools.make_tiny import build_tokenizer, make_tiny
+    from rlhf.models.tiny_kit import build_tokenizer, make_tiny
 
     if SMOKE:
         path = os.path.join(tempfile.gettempdir(), "rlhf-gpu-bench-smoke-kit")
@@ -73,7 +73,7 @@ PROMPTS, NEW = (8, 8) if SMOKE else (256, 256)
 
 def vllm_kit_dir() -> str:
     """--smoke with vLLM installed: a tiny kit vLLM's CPU attention runs (head_dim 32)."""
-    from rlhf.tools.make_tiny import VLLM_KIT, make_tiny
+    from rlhf.models.tiny_kit import VLLM_KIT, make_tiny
 
     path = os.path.join(tempfile.gettempdir(), "rlhf-gpu-bench-smoke-vllm-kit")
     return path if os.path.isfile(os.path.join(path, "config.json")) else make_tiny(path, arch="qwen2", **VLLM_KIT)

@@ -39,7 +39,7 @@ KINDS = ("sft", "rm", "dpo", "grpo")
 def build_kit(path: str, smoke: bool) -> str:
     """The tiny kit's tokenizer and data with, unless ``smoke``, a Qwen2.5-0.5B-shaped random model (bf16 on disk,
     as released checkpoints are).  Built once per shape (a stamp file)."""
-    from rlhf.tools.make_tiny import make_tiny
+    from rlhf.models.tiny_kit import make_tiny
 
     want = {"shape": "tiny" if smoke else "qwen2.5-0.5b"}
     stamp = os.path.join(path, "gpu_check_kit.json")

@@ -23,7 +23,7 @@ STAMP = "bench_kit.json"
 
 def build_kit(size: str, path: str) -> str:
     """The kit ``size`` in ``path`` (built once; rebuilt when the folder holds another size)."""
-    from rlhf.tools.make_tiny import make_tiny
+    from rlhf.models.tiny_kit import make_tiny
 
     spec = KITS[size]
     stamp = os.path.join(path, STAMP)

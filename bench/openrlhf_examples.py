@@ -346,7 +346,7 @@ def run_serve(argv, work, timeout):
 
 @click.command()
 @click.option("--src", required=True)
-@click.option("--kit", default=None, help="a tiny kit (python -m rlhf.tools.make_tiny); built under --work if absent")
+@click.option("--kit", default=None, help="a tiny kit (python -m rlhf.models.tiny_kit); built under --work if absent")
 @click.option("--work", default="/tmp/openrlhf_examples")
 @click.option("--run", "do_run", is_flag=True, help="launch each command our parser accepts")
 @click.option("--only", default=None, help="only sources/commands whose label contains this")
@@ -356,7 +356,7 @@ def main(src, kit, work, do_run, only, timeout, json_out):
     if kit is None:
         kit = os.path.join(work, "kit")
         if not os.path.exists(kit):
-            from rlhf.tools.make_tiny import make_tiny
+            from rlhf.models.tiny_kit import make_tiny
             make_tiny(kit)
     results = []
     seen = {}

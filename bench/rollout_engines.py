@@ -26,7 +26,7 @@ SIZES = {"task": dict(hidden=128, heads=4, kv_heads=2, layers=2),
 
 
 def kit(size: str) -> str:
-    from rlhf.tools.make_tiny import make_tiny
+    from rlhf.models.tiny_kit import make_tiny
 
     path = os.path.join(tempfile.gettempdir(), f"rlhf-engines-{size}")
     if not os.path.isfile(os.path.join(path, "config.json")):

@@ -39,19 +39,20 @@ import click
 # share a rank ("<entry>": the entry-point files of ENTRY and rlhf/__init__.py; another file directly in rlhf/ goes
 # by its name, e.g. "errors.py"); add a folder to a row, or a row, to extend.
 LAYERS: List[Tuple[str, ...]] = [
-    ("algorithms", "compat"),
+    ("errors.py", "console.py", "batch.py", "algorithms", "compat"),
     ("data",),
-    ("utils",),
     ("distributed",),
-    ("backends",),
+    ("utils",),
+    ("checkpoint",),
     ("models",),
+    ("engines",),
     ("planning",),
-    ("rollout", "engines"),
-    ("rewards",),
     ("agents",),
+    ("rewards",),
     ("config",),
     ("roles",),
-    ("trainers", "rl", "supervised"),
+    ("rl", "supervised"),
+    ("rm_server",),
     ("<entry>", "tools"),
 ]
 ENTRY: Dict[str, Optional[Set[str]]] = {  # entry-point files (glob) -> the functions exempt there (None: all)

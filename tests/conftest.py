@@ -27,7 +27,7 @@ def one_rank_gloo(monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_kit(tmp_path_factory):
     """The built-in kit, built once per session into a temp dir."""
-    from rlhf.tools.make_tiny import make_tiny
+    from rlhf.models.tiny_kit import make_tiny
 
     return make_tiny(str(tmp_path_factory.mktemp("kit") / "tiny"))
 
@@ -68,6 +68,6 @@ def sft_model(tiny_kit, tmp_path_factory):
 def vllm_kit(tmp_path_factory):
     """A kit vLLM runs on CPU (head_dim 32: hidden 128, 4 heads) with a tied LM head (``VLLM_KIT``); same tokenizer
     and task data as tiny_kit."""
-    from rlhf.tools.make_tiny import VLLM_KIT, make_tiny
+    from rlhf.models.tiny_kit import VLLM_KIT, make_tiny
 
     return make_tiny(str(tmp_path_factory.mktemp("vkit") / "tiny"), **VLLM_KIT)

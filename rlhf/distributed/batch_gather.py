@@ -8,8 +8,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from rlhf.batch import NAMED, ROW, SEQ, TOKEN, Batch, spec
-
-from .sharding import all_gather_objects, gather_max, gather_rows
+from rlhf.distributed.sharding import all_gather_objects, gather_max, gather_rows
 
 
 def _width(kind: str, P: int, R: int, keys: int) -> int:

@@ -16,7 +16,7 @@ def resolve_pretrain(path: Optional[str]) -> str:
     """None means the built-in tiny kit (built on first use)."""
     if path:
         return os.path.expanduser(path)
-    from rlhf.tools.make_tiny import ensure_tiny
+    from rlhf.models.tiny_kit import ensure_tiny
 
     return ensure_tiny()
 

@@ -21,7 +21,7 @@ EOT = "<|im_end|>"
 
 @pytest.fixture(scope="module")
 def real_kit(tmp_path_factory):
-    from rlhf.tools.make_tiny import make_real
+    from rlhf.models.tiny_kit import make_real
 
     return make_real(str(tmp_path_factory.mktemp("realkit") / "real"))
 

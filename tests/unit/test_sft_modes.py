@@ -27,7 +27,7 @@ CHAT = [msg("system", "be brief"), msg("user", "1+2="), msg("assistant", "3"), m
 def tok(tiny_kit):
     from rlhf.models.load import load_tokenizer
 
-    # rlhf.tools.make_tiny's: "<|role|>content\n" per message, "<|assistant|>" as the generation prompt
+    # rlhf.models.tiny_kit's: "<|role|>content\n" per message, "<|assistant|>" as the generation prompt
     return load_tokenizer(tiny_kit, padding_side="right")
 
 

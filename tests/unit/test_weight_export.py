@@ -23,7 +23,7 @@ def test_transfer_group_missing_peer_fails_within_timeout():
 def _tied_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from rlhf.tools.make_tiny import make_tiny
+    from rlhf.models.tiny_kit import make_tiny
 
     kit = make_tiny(str(tmp_path / "tied"), tie=True)
     return AutoModelForCausalLM.from_pretrained(kit)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
 import structure as S  # noqa: E402
 
 
@@ -90,7 +90,7 @@ def test_unknown_folder_is_an_error_naming_the_table():
         S.rank("rlhf/newthing/x.py")
     with pytest.raises(KeyError, match="'errors.py'"):
         S.rank("rlhf/errors.py")  # a library file directly in rlhf/ is no entry point: it needs a row
-    assert S.rank("rlhf/train_sft.py") == S.rank("rlhf/__init__.py") == S.rank("rlhf/tools/make_tiny.py")
+    assert S.rank("rlhf/train_sft.py") == S.rank("rlhf/__init__.py") == S.rank("rlhf/models/tiny_kit.py")
 
 
 def test_check_flags_only_counts_over_target():

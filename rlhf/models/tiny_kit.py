@@ -1,7 +1,7 @@
 """Write an offline tiny kit: causal LM, reward model, tokenizer, task data.
 
-    python -m rlhf.tools.make_tiny --out DIR [--arch llama|qwen2] [--layers 2] [--hidden 64] [--heads 4] [--tie]
-    python -m rlhf.tools.make_tiny --out DIR --shape real     # shaped like a real small chat checkpoint
+    python -m rlhf.models.tiny_kit --out DIR [--arch llama|qwen2] [--layers 2] [--hidden 64] [--heads 4] [--tie]
+    python -m rlhf.models.tiny_kit --out DIR --shape real     # shaped like a real small chat checkpoint
 
 DIR            HF causal LM + tokenizer (AutoModelForCausalLM.from_pretrained(DIR))
 DIR/reward     HF sequence-classification reward model + tokenizer
