@@ -313,9 +313,7 @@ class VLLMEngine(RolloutEngine):
         if self.llm is None:
             return
         llm, self.llm = self.llm, None
-        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+        llm.llm_engine.engine_core.shutdown()  # vllm/v1/engine/core_client.py: every EngineCoreClient has it
 
 
 def build_vllm_engine(args: EngineArgs) -> VLLMEngine:

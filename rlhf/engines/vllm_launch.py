@@ -56,9 +56,10 @@ def _shutdown_if_world(core):
 def _tolerant_exit(llm):
     """In-process vLLM shuts down at exit and destroys its process groups; the trainer has usually destroyed the
     default group by then, and vLLM's teardown would raise.  Replace its exit hook with one that checks first."""
-    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    fin = getattr(client, "_finalizer", None)
-    core = getattr(client, "engine_core", None)
+    client = llm.llm_engine.engine_core  # vllm/v1/engine/llm_engine.py (every vLLM >= 0.30): an EngineCoreClient
+    # only the in-process client (vllm/v1/engine/core_client.py InprocClient, colocated mode) holds the engine core
+    # and a finalizer that shuts it down; the multi-process clients' finalizers free their own resources
+    fin, core = vars(client).get("_finalizer"), vars(client).get("engine_core")
     if fin is not None and core is not None and fin.detach() is not None:
         client._finalizer = weakref.finalize(client, _shutdown_if_world, core)
 

@@ -130,6 +130,19 @@ class SleepModeLLM:
         return not self.sleeping
 
 
+class FakeEngineCoreClient:
+    """``LLM.llm_engine.engine_core`` (vllm/v1/engine/llm_engine.py: ``self.engine_core =
+    EngineCoreClient.make_client(...)``, every vLLM >= 0.30): ``shutdown()`` as every client has it
+    (vllm/v1/engine/core_client.py ``EngineCoreClient.shutdown``); no ``_finalizer`` / ``engine_core`` of its own,
+    like the multi-process clients (the in-process ``InprocClient`` has both)."""
+
+    def __init__(self):
+        self.shut = False
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
 class FakeLLM(SleepModeLLM):
     """``vllm.LLM`` for ``VLLMEngine`` (colocated mode): sleep mode, weights, generate, prefix-cache reset."""
 
@@ -143,6 +156,7 @@ class FakeLLM(SleepModeLLM):
         from rlhf.models.load import load_tokenizer
 
         super().__init__(FakeLLM.device, enable_sleep_mode)
+        self.llm_engine = types.SimpleNamespace(engine_core=FakeEngineCoreClient())  # vllm.LLM.llm_engine (an LLMEngine)
         self.kw = dict(kw, model=model, seed=seed, enable_sleep_mode=enable_sleep_mode)
         hf = AutoModelForCausalLM.from_pretrained(model)
         hf.config.use_cache = True
