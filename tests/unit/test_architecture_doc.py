@@ -50,7 +50,8 @@ def test_every_batch_field_is_in_the_table_with_its_writer():
     assert set(rows) == {f.name for f in fields(Batch)}, "the table lists a field Batch no longer has"
 
 
-def stage_names() -> set:
+def stage_roles() -> dict:
+    """Stage name -> its declared role, for every stage class of rlhf.rl.stages (the update stages by role)."""
     from rlhf.rl import stages
 
     def subclasses(c):
@@ -58,15 +59,21 @@ def stage_names() -> set:
             yield s
             yield from subclasses(s)
 
-    names = {c.name for c in subclasses(stages.Stage) if c.name}
-    return names | {stages.UpdateStage(r).name for r in ("critic", "actor")}
+    out = {c.name: c.role for c in subclasses(stages.Stage) if c.name}
+    for r in ("critic", "actor"):
+        u = stages.UpdateStage(r)
+        out[u.name] = u.role
+    return out
 
 
-def test_every_stage_is_in_the_stage_table():
-    rows = table_rows(section("One RL step"))
-    names = stage_names()
+def test_every_stage_is_in_the_stage_table_with_its_role():
+    rows, declared = table_rows(section("One RL step")), stage_roles()
+    names = set(declared)
     assert names <= set(rows), f"stages missing from docs/ARCHITECTURE.md: {sorted(names - set(rows))}"
     assert set(rows) <= names, f"the stage table lists stages that no longer exist: {sorted(set(rows) - names)}"
+    for name, role in declared.items():
+        if role is not None:
+            assert rows[name][1].startswith(role), f"stage {name}: the table says role {rows[name][1]!r}, the code {role!r}"
 
 
 def test_every_role_and_registered_engine_is_named():
