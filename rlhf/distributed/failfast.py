@@ -32,6 +32,7 @@ from rlhf.distributed.abort import EXIT_FAILED, die, kill_children, say, world_s
 from rlhf.errors import Refusal
 
 EXIT_PREEMPTED = 75  # a stop request checkpointed an incomplete run (rlhf.config.cli.EXIT_PREEMPTED)
+EXIT_INPUT = 2  # bad input refused before any process group (click's usage-error code)
 
 # The parent when this module was first imported, early in a rank's life: a slow start-up (imports, data, model
 # checks) can outlive a killed agent, and a parent read only later would already be the re-parenting init.
@@ -108,14 +109,12 @@ def orphaned(agent_pid: int) -> None:
 
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
 
+
 def is_input_error(e: BaseException) -> bool:
     """A refusal: bad input whose message already says what to change (checked before any process group exists),
     or a reward function's failure that already carries the user code's traceback; our traceback would only bury
     it.  ``rlhf.errors.Refusal`` and click's usage errors (``ConfigUsageError``)."""
     return isinstance(e, (Refusal, click.UsageError))
-
-
-EXIT_INPUT = 2  # bad input refused before any process group (click's usage-error code)
 
 
 def refusal_code() -> int:

@@ -1,9 +1,10 @@
 """The PPO / GRPO trainer: checks, placement and roles, then a short loop over the step's stages.
 
 Order of work: everything that can fail on bad input (config, placement, data,
-reward function, agent file) is checked before any process group exists; then the
+reward function, agent file) is checked before any process group exists (``rlhf.rl.checks``); then the
 process groups, the role objects and the watchdog; then ``fit`` runs the stages ``stages.build_stages`` chose
-for each step and the cadence (log, eval, save, preempt).
+for each step and the cadence (log, eval, save, preempt).  One eval pass: ``rlhf.rl.evaluate``; the checkpoint,
+resume and final export: ``rlhf.rl.persistence``.
 """
 from __future__ import annotations
 
@@ -243,6 +244,7 @@ class RLTrainer:
             export_final(self.cfg.checkpoint, self.roles, self.tokenizer)
 
     def evaluate(self) -> dict:
+        """Collective: one eval pass with the current weights (``Evaluator.run``); {} with no eval prompts."""
         return self.evaluator.run(self.step, self.roles)
 
     # ---- loop ------------------------------------------------------------------------------------------------------
