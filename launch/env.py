@@ -38,7 +38,7 @@ NCCL_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
     "TORCH_NCCL_BLOCKING_WAIT": "0",     # wait() does not block the CPU; the watchdog thread enforces timeouts
     # Flight recorder: a ring buffer of the last collectives of every group, dumped per rank when a collective times
-    # out (TORCH_NCCL_DUMP_ON_TIMEOUT=1, ProcessGroupNCCL.hpp) -- and by our own watchdog (failfast.py) when a phase
+    # out (TORCH_NCCL_DUMP_ON_TIMEOUT=1, ProcessGroupNCCL.hpp) -- and by our own watchdog (watchdog.py) when a phase
     # deadline ends a stuck job first.  Read the dumps with `python -m torch.distributed.flight_recorder.fr_trace`.
     # Buffer size: TORCH_FR_BUFFER_SIZE (torch >= 2.9, FlightRecorder.hpp), TORCH_NCCL_TRACE_BUFFER_SIZE before it
     # (still read as an alias); 2000 entries is torch's own default, set so it does not depend on the version.

@@ -1,9 +1,10 @@
 """The PPO / GRPO trainer: checks, placement and roles, then a short loop over the step's stages.
 
 Order of work: everything that can fail on bad input (config, placement, data,
-reward function, agent file) is checked before any process group exists; then the
+reward function, agent file) is checked before any process group exists (``rlhf.rl.checks``); then the
 process groups, the role objects and the watchdog; then ``fit`` runs the stages ``stages.build_stages`` chose
-for each step and the cadence (log, eval, save, preempt).
+for each step and the cadence (log, eval, save, preempt).  One eval pass: ``rlhf.rl.evaluate``; the checkpoint,
+resume and final export: ``rlhf.rl.persistence``.
 """
 from __future__ import annotations
 
@@ -16,25 +17,24 @@ import torch
 
 from rlhf import checkpoint as ckpt
 from rlhf.algorithms import make_kl_controller
-from rlhf.algorithms.eval_metrics import pass_at_n
 from rlhf.algorithms.seqlen_balancing import OVER_BUDGET
 from rlhf.batch import Batch
 from rlhf.config.preflight import preflight
-from rlhf.data.formatting import build_prompts, format_prompt
-from rlhf.data.loading import load_train_eval
 from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, make_placement, nnodes_from_env, role_needs
-from rlhf.distributed.failfast import Watchdog, guarded, refill_deadlines
+from rlhf.distributed.failfast import guarded
 from rlhf.distributed.sharding import all_gather_objects
-from rlhf.engines.rollout import SamplingParams
-from rlhf.errors import InputError
+from rlhf.distributed.watchdog import Watchdog, refill_deadlines
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.rewards.reward_func import builtin_reward_source, make_reward_source
 from rlhf.rl.advantage_stage import InvalidRewardGuard, running_reward_norm
 from rlhf.rl.async_queue import AsyncRollout, QueueSettings
-from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer, decode_queries
+from rlhf.rl.checks import check_async_placement, check_backend_placement, check_batch_sizes, io_deadlines, load_prompt_sets, plan_steps
+from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer
+from rlhf.rl.evaluate import Evaluator
+from rlhf.rl.persistence import export_final, needs_first_sync, restore_run, run_state, save_run
 from rlhf.rl.stages import Stage, StageParts, build_stages, stage_deadlines, sync_weights
 from rlhf.roles.build import build_roles
-from rlhf.utils.cadence import Cadence, log0, planned_steps
+from rlhf.utils.cadence import Cadence, log0
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
@@ -51,99 +51,6 @@ class StepCut(Exception):
         self.stage = stage
 
 
-def load_prompt_sets(cfg, tokenizer, kit_dir: Optional[str]):
-    d = cfg.data
-    kit = None if kit_dir is None else tuple(os.path.join(kit_dir, "data", f"prompts_{s}.jsonl") for s in ("train", "eval"))
-    rows, ev = load_train_eval(d, {"input_key": d.input_key, "label_key": d.label_key}, d.prompt_data,
-                               d.prompt_data_probs, kit, "--prompt_data is required with --pretrain (the built-in task "
-                               "comes with the built-in kit); e.g. --prompt_data prompts.jsonl --input_key input "
-                               "--label_key label", cfg.optim.seed)
-    return build_prompts(rows, tokenizer, d), build_prompts(ev, tokenizer, d), datasources(ev, tokenizer, d)
-
-
-def datasources(rows, tokenizer, d) -> dict:
-    """Formatted prompt text -> its row's ``datasource`` (rows without one: none, read as "default"): OpenRLHF's
-    ``prompt_to_datasource`` (openrlhf/trainer/ppo_trainer.py compute_eval_metrics), which keys pass@k by source."""
-    return {format_prompt(r[d.input_key], tokenizer, d.apply_chat_template, d.input_template): str(r["datasource"])
-            for r in rows if r.get("datasource") is not None}
-
-
-def generation_rows(tokenizer, batch: Batch, res: Batch, labels: List, k: int) -> List[dict]:
-    """``k`` eval samples as {prompt, response, label, reward} (reward None when invalid): rows drawn with a fixed
-    seed, so every eval logs the same prompts' samples (veRL ``_maybe_log_val_generations``: a fixed-seed shuffle,
-    then the first N)."""
-    n = batch.sequences.size(0)
-    rows = torch.randperm(n, generator=torch.Generator().manual_seed(42))[:k].sort().values
-    queries, prompts = decode_queries(tokenizer, batch.select(rows), slice(None))
-    out = []
-    for i, q, p in zip(rows.tolist(), queries, prompts):
-        ok = bool(res.valid[i]) and bool(torch.isfinite(res.rewards[i]))
-        out.append({"prompt": p, "response": q[len(p):], "label": labels[i],
-                    "reward": float(res.rewards[i]) if ok else None})
-    return out
-
-
-def io_deadlines(cfg, path: str, plan, nodes: int, floor_s: float) -> dict:
-    """The watchdog's "load" and "save" deadlines from the bytes they move (launch/sbatch.py ``io_deadlines_s``):
-    a 70B actor + critic write ~2 TB per checkpoint and read it back for the manifest's hashes, far past a fixed
-    --watchdog_slow_timeout_s (the floor).  Sizes from each model's config.json (or the size in its name)."""
-    from launch.sbatch import io_deadlines_s, model_params
-
-    m = cfg.model
-
-    def size(p):
-        return (model_params(p)[0] or 0) if p else 0
-
-    actor = size(path)
-    critic = size(m.critic_pretrain or path) if plan.ranks.get("critic") else 0
-    ref = size(m.ref_pretrain or path) if plan.ranks.get("ref") else 0
-    reward = size(m.reward_pretrain) if plan.ranks.get("reward") else 0
-    return io_deadlines_s(actor + critic, actor + critic + ref + reward, nodes, floor_s)
-
-
-def check_backend_placement(cfg, plan) -> None:
-    """--backend deepspeed needs every model role on every rank: ZeRO's set-up runs a world-wide barrier
-    (deepspeed/runtime/zero/stage3.py ``_setup_for_real_optimizer``), so a role on ranks of its own would hang
-    there.  Checked before any process group exists."""
-    if cfg.topology.backend != "deepspeed":
-        return
-    world = list(range(plan.world_size))
-    partial = [r for r in ("actor", "ref", "critic", "reward") if plan.ranks.get(r) and plan.ranks[r] != world]
-    if partial:
-        raise InputError(f"--backend deepspeed needs every model role on every rank, but {', '.join(partial)} "
-                         f"sit on ranks of their own in this placement (DeepSpeed's ZeRO set-up waits on the whole "
-                         f"job): use --colocate_all_models (and no --vllm_num_engines ranks of their own), or "
-                         f"--backend fsdp2 for roles on ranks of their own")
-
-
-def check_batch_sizes(cfg, plan) -> None:
-    """Batch shapes the roles' engines need, checked against the placement before any process group."""
-    o = cfg.optim
-    samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
-    for role, lr_flag in (("actor", "actor"), ("critic", "critic")):
-        n = plan.dims(role)["dp"]  # data-parallel ranks (rlhf.distributed.mesh)
-        if n and o.train_batch_size % (o.micro_train_batch_size * n):
-            per = o.micro_train_batch_size * n
-            raise InputError(f"--train_batch_size {o.train_batch_size} must be a multiple of --micro_train_batch_size "
-                             f"{o.micro_train_batch_size} x {n} {role} ranks = {per} (every {role} rank takes the same "
-                             f"number of micro-batches per optimizer step); "
-                             + batch_size_fix(samples, o.train_batch_size, o.micro_train_batch_size, n))
-
-
-def batch_size_fix(samples: int, train_batch_size: int, micro: int, ranks: int) -> str:
-    """A fix that passes every batch check at once: a --train_batch_size that is a multiple of micro x ranks and
-    divides the step's samples (closest to the current one), else a --micro_train_batch_size that allows one."""
-    per = micro * ranks
-    fits = [k * per for k in range(1, samples // per + 1) if samples % (k * per) == 0]
-    if fits:
-        return f"e.g. --train_batch_size {min(fits, key=lambda b: (abs(b - train_batch_size), -b))}"
-    for m in range(micro - 1, 0, -1):
-        if samples % (m * ranks) == 0:
-            return f"e.g. --micro_train_batch_size {m} --train_batch_size {samples}"
-    return (f"no batch splits {samples} samples (--rollout_batch_size x --n_samples_per_prompt) over {ranks} ranks: "
-            f"make that a multiple of {ranks}")
-
-
 class RLTrainer:
     def __init__(self, cfg, run_name: str = "ppo"):
         self.cfg = cfg
@@ -153,11 +60,9 @@ class RLTrainer:
         preflight(cfg, "ppo", world)  # model kinds, writable paths, resume
         self.plan_nodes = t.nnodes_hint or nnodes_from_env()
         self.plan = make_placement(t, world, self.plan_nodes, **role_needs(a, cfg.model))
-        if r.async_train and not self.plan.separate_rollout:
-            raise InputError("--async_train needs rollout ranks of their own: set --vllm_num_engines > 0 and give "
-                             "the job those extra ranks")
-        check_batch_sizes(cfg, self.plan)
-        check_backend_placement(cfg, self.plan)
+        check_async_placement(r.async_train, self.plan)
+        check_batch_sizes(cfg.optim, r.rollout_batch_size * r.n_samples_per_prompt, self.plan)
+        check_backend_placement(t.backend, self.plan)
         self.agent_mode = bool(r.agent_func_path)
         if self.agent_mode:
             from rlhf.agents.load import load_agent
@@ -168,30 +73,18 @@ class RLTrainer:
             self.reward_source = builtin_reward_source(log0)
         self.path = resolve_pretrain(cfg.model.pretrain)
         self.tokenizer = load_tokenizer(self.path)
-        self.prompts, self.eval_prompts, self.eval_sources = load_prompt_sets(
-            cfg, self.tokenizer, None if cfg.model.pretrain else self.path)
+        self.prompts, eval_prompts, eval_sources = load_prompt_sets(
+            cfg.data, cfg.optim.seed, self.tokenizer, None if cfg.model.pretrain else self.path)
         rb = r.rollout_batch_size
-        if len(self.prompts) < rb:
-            raise InputError(f"{len(self.prompts)} training prompts is fewer than --rollout_batch_size {rb} (one "
-                             f"step's prompts): use --rollout_batch_size {len(self.prompts)} or fewer, or more data"
-                             + (f" (--eval_holdout {cfg.data.eval_holdout} held out {len(self.eval_prompts)} for eval)"
-                                if cfg.data.prompt_data and not cfg.data.eval_dataset and cfg.data.eval_holdout
-                                else ""))
-        self.steps_per_episode = len(self.prompts) // rb
-        total, capped = planned_steps(self.steps_per_episode, cfg.optim.num_episodes, cfg.optim.max_global_steps,
-                                      "--num_episodes")
+        self.steps_per_episode, total, notes = plan_steps(len(self.prompts), len(eval_prompts), rb, cfg.data,
+                                                          cfg.optim)
         self.total_steps = total
-        left = len(self.prompts) - self.steps_per_episode * rb
-        notes = [f"[data] {len(self.prompts)} training prompts -> {self.steps_per_episode} steps per episode of "
-                 f"--rollout_batch_size {rb}" + (f" ({left} prompts of each shuffled episode are left out)" if left
-                                                  else "") + f"; {len(self.eval_prompts)} eval prompts"
-                 + ("" if self.eval_prompts else " (eval off)")] + ([capped] if capped else [])
         # --- process groups, roles, watchdog ---
         self.rank, self.world, _, self.device = comm.init(t.dist_timeout_s)
         # the stages' own deadlines join these once the stages are built (``stage_deadlines``)
         self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
                                  deadlines={"eval": t.watchdog_slow_timeout_s,
-                                            **io_deadlines(cfg, self.path, self.plan, self.plan_nodes,
+                                            **io_deadlines(cfg.model, self.path, self.plan, self.plan_nodes,
                                                            t.watchdog_slow_timeout_s)})
         for n in notes:
             log0(n)
@@ -218,6 +111,10 @@ class RLTrainer:
                                     use_tensorboard=lg.use_tensorboard, progress_bar=lg.progress_bar,
                                     config=cfg.to_dict())
         self.cadence = Cadence(cfg.logging, cfg.checkpoint, self.logger, StopSignal())
+        self.evaluator = Evaluator(eval_prompts, eval_sources, r.eval_n_samples_per_prompt, lg.log_val_generations,
+                                   rollouts=self.rollouts, sampler=self.sampler, scorer=self.scorer,
+                                   watchdog=self.watchdog, scheduler=self.scheduler, tokenizer=self.tokenizer,
+                                   logger=self.logger, rank=self.rank)
         # a stop (SIGTERM: torchrun kills 30 s later) cuts the step after its long phases (sync mode: every rank
         # runs every stage, so the agreement is one all_reduce at the same point on every rank); said at once
         self.cut_stages = () if self.async_rollout is not None else CUT_STAGES
@@ -236,9 +133,6 @@ class RLTrainer:
         g = torch.Generator().manual_seed(self.cfg.optim.seed * 7919 + step * 131 + round_)
         idx = torch.randint(len(self.prompts), (k,), generator=g)
         return [self.prompts[i] for i in idx.tolist()]
-
-    def sampling(self, step: int, eval_mode: bool = False, salt: int = 0) -> SamplingParams:
-        return self.sampler.params(step, eval_mode, salt)
 
     def build_step(self, cfg) -> None:
         """The step's components, each from its part of the config, the async queue, and the stages that apply
@@ -269,7 +163,7 @@ class RLTrainer:
     def waits_for(self, stage: Stage) -> Optional[str]:
         """The role this rank only waits for in ``stage`` (it holds neither the stage's role nor the one it shares
         with), else None: then the watchdog reports "waiting for <role> (<stage>)" and holds this rank to the
-        stage's deadline plus what earlier waits owe (failfast.Watchdog)."""
+        stage's deadline plus what earlier waits owe (rlhf.distributed.watchdog.Watchdog)."""
         if stage.role is None:
             return None
         roles = self.roles.all()
@@ -316,22 +210,11 @@ class RLTrainer:
         """Actor -> rollout engines.  Colocated: every rank; separate: the actor and rollout ranks."""
         sync_weights(self.weight_sync, self.roles)
 
-    # ---- checkpoint ------------------------------------------------------------------------------------------------
+    # ---- checkpoint (rlhf.rl.persistence) --------------------------------------------------------------------------
     def save(self):
-        c = self.cfg.checkpoint
-
-        def write(tmp):
-            for role in self.roles.trained():
-                role.state_dict(os.path.join(tmp, role.state_dir))
-
-        state = {"step": self.step, "kl_coef": self.kl_ctl.value,
-                 "reward_norm": self.reward_norm.state_dict() if self.reward_norm else None,
-                 "async_queue": self.async_rollout.state() if self.async_rollout is not None else None}
+        state = run_state(self.step, self.kl_ctl.value, self.reward_norm, self.async_rollout)
         with self.watchdog.phase("save"):
-            path = ckpt.save_checkpoint(c.ckpt_path, self.step, write, state, c.max_ckpt_num,
-                                        identity=ckpt.run_identity(self.cfg))
-            if c.save_hf_ckpt:
-                self.save_hf(os.path.join(path, "hf"))
+            save_run(self.cfg.checkpoint, self.step, self.roles, state, ckpt.run_identity(self.cfg), self.tokenizer)
 
     def resume(self) -> bool:
         with self.watchdog.phase("load"):  # the verification reads the whole checkpoint (in shares): bytes-scaled
@@ -339,77 +222,30 @@ class RLTrainer:
         if path is None:  # preflight said so (check_resume: "no checkpoint ... starting from step 0")
             return False
         with self.watchdog.phase("load"):
-            for role in self.roles.trained():
-                role.load_state_dict(os.path.join(path, role.state_dir))
-            st = ckpt.load_trainer_state(path)
-            self.step = st["step"]
-            self.kl_ctl.value = st["kl_coef"]
-            if self.reward_norm is not None and st.get("reward_norm"):
-                self.reward_norm.load_state_dict(st["reward_norm"])
-            if self.async_rollout is not None:
-                self.async_rollout.restore(st.get("async_queue"))
-            ckpt.load_rank_state(path)
+            self.step = restore_run(path, self.roles, self.kl_ctl, self.reward_norm, self.async_rollout)
         with self.phase(self.stage_named("weight_sync")):
             self.sync_weights()
         log0(f"[resume] from {path} at step {self.step}")
         return True
 
     def first_sync(self) -> None:
-        """Colocated vLLM starts on dummy weights (VLLMEngine ``dummy_weights``) and takes the actor's here, before
-        the first generate, unless a resume synced already.  Collective: every rank learns whether any engine
-        needs it (ranks without a rollout engine take part in the sync as actor ranks)."""
-        engine = self.roles.rollout.engine  # None on ranks without a rollout engine
-        need = torch.tensor([1.0 if engine is not None and engine.needs_weights else 0.0])
-        if float(comm.all_reduce(need, "max")) > 0:
+        """Colocated vLLM takes the actor's weights here, before the first generate, unless a resume synced
+        already (``needs_first_sync``: collective)."""
+        if needs_first_sync(self.roles.rollout.engine):  # None on ranks without a rollout engine
             with self.phase(self.stage_named("weight_sync")):
                 self.sync_weights()
 
     def stage_named(self, name: str) -> Stage:
         return next(s for s in self.stages if s.name == name)
 
-    def save_hf(self, path: str):
-        """Collective: the actor ranks gather the full weights, the first actor rank writes them."""
-        self.roles.actor.export(path, self.tokenizer)
-        comm.barrier()
-
-    def exports(self) -> list:
-        """(role, directory) of the final export: the actor at --save_path, with --save_value_network the critic's
-        backbone and value head at ``<save_path>_critic`` (OpenRLHF's directory; --critic_pretrain reads it back)."""
-        c = self.cfg.checkpoint
-        out = [(self.roles.actor, c.save_path)]
-        if c.save_value_network and self.roles.critic is not None:
-            out.append((self.roles.critic, c.save_path.rstrip("/") + "_critic"))
-        return out
-
     def finish(self):
-        """Collective: each exported role's members gather and write it, then every rank waits for the write."""
+        """Collective: the final export (--save_path, with --save_value_network the critic's)."""
         with self.watchdog.phase("save"):
-            for role, path in self.exports():
-                role.export(path, self.tokenizer)
-                comm.barrier()
+            export_final(self.cfg.checkpoint, self.roles, self.tokenizer)
 
-    # ---- eval ------------------------------------------------------------------------------------------------------
     def evaluate(self) -> dict:
-        if not self.eval_prompts:  # the same list on every rank
-            return {}
-        n = self.cfg.rollout.eval_n_samples_per_prompt
-        st = Batch(step=self.step, prompts=self.eval_prompts, n_samples=n)
-        with self.watchdog.phase("eval"):
-            with self.scheduler.phase("eval_rollout", role="rollout"):
-                batch = self.rollouts.generate(self.roles, self.eval_prompts,
-                                               self.sampler.params(self.step, eval_mode=True))
-            with self.scheduler.phase("eval_reward", role="reward"):
-                res = self.scorer.score(batch, self.roles, st.labels)
-        r, valid = res.rewards, res.valid
-        out = {"reward": float(r[valid].mean()) if valid.any() else float("nan"),
-               "response_len": float(batch.action_mask.sum(1).float().mean()), "samples": float(r.numel())}
-        out.update({f"reward_{k}": float(v.mean()) for k, v in res.extra_logs.items()})
-        # eval_{datasource}_pass1 / _pass{n}: from the gathered rewards every rank holds (no collective)
-        out.update(pass_at_n(r, n, [self.eval_sources.get(p.prompt, "default") for p in self.eval_prompts], valid))
-        k = self.cfg.logging.log_val_generations
-        if k > 0 and self.rank == 0:  # decoding only, on the rank that writes the logs
-            self.logger.log_generations(self.step, generation_rows(self.tokenizer, batch, res, st.labels, k))
-        return out
+        """Collective: one eval pass with the current weights (``Evaluator.run``); {} with no eval prompts."""
+        return self.evaluator.run(self.step, self.roles)
 
     # ---- loop ------------------------------------------------------------------------------------------------------
     def fit(self):

@@ -18,9 +18,10 @@ from rlhf.config.preflight import preflight
 from rlhf.data.loading import load_train_eval
 from rlhf.data.screen import screen_rows
 from rlhf.distributed import comm, micro_plan, shard_rows
-from rlhf.distributed.failfast import Watchdog, guarded
+from rlhf.distributed.failfast import guarded
 from rlhf.distributed.groups import Groups, build_groups, nnodes_from_env
 from rlhf.distributed.placement import supervised_placement
+from rlhf.distributed.watchdog import Watchdog
 from rlhf.engines.train import spec_from_config
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.roles.actor import Actor

@@ -199,7 +199,7 @@ class _Board:
 
 
 def _dog(**kw):
-    from rlhf.distributed.failfast import Watchdog
+    from rlhf.distributed.watchdog import Watchdog
 
     return Watchdog(board_=_Board(), start=False, **kw)
 
@@ -239,7 +239,7 @@ def test_watchdog_nested_phases_and_explicit_deadline_leave_the_owed_wait_alone(
 
 
 def test_refill_deadline_scales_with_rounds():
-    from rlhf.distributed.failfast import refill_deadlines
+    from rlhf.distributed.watchdog import refill_deadlines
 
     assert refill_deadlines(600.0, 1200.0, 8) == (1800.0, 1800.0 * 9)
     assert refill_deadlines(600.0, 1200.0, 0) == (1800.0, 1800.0)
@@ -263,7 +263,7 @@ def test_rl_trainer_waits_for_only_roles_it_does_not_hold():
 
 
 def test_watchdog_thread_ends_a_stuck_rank_and_leaves_a_flight_recorder_dump(tmp_path):
-    code = ("import time\nfrom rlhf.distributed.failfast import Watchdog, AbortBoard\n"
+    code = ("import time\nfrom rlhf.distributed.watchdog import Watchdog, AbortBoard\n"
             "d = Watchdog(default_s=0.3, poll_s=0.05, board_=AbortBoard(None))\n"
             "with d.phase('values', waits_for='critic'):\n    time.sleep(20)\n")
     env = dict(os.environ, PYTHONPATH=ROOT, TORCH_FR_DUMP_TEMP_FILE=str(tmp_path / "fr" / "rank_"),
@@ -301,14 +301,13 @@ def test_load_and_save_deadlines_scale_with_the_bytes_they_move():
     import types
 
     from launch.sbatch import io_deadlines_s
-    from rlhf.rl.trainer import io_deadlines
+    from rlhf.rl.checks import io_deadlines
 
     big = io_deadlines_s(2 * 70_000_000_000, 4 * 70_000_000_000, 4, 1200.0)
     assert big["save"] == pytest.approx(2.0 * (490 + 490)), big
     assert big["load"] == pytest.approx(2.0 * (490 + 1960)), big  # its share read + rank 0 hashing 1960 GB
     assert io_deadlines_s(1_000_000, 2_000_000, 1, 1200.0) == {"load": 1200.0, "save": 1200.0}
-    cfg = types.SimpleNamespace(model=types.SimpleNamespace(critic_pretrain=None, ref_pretrain=None,
-                                                            reward_pretrain=None))
+    model = types.SimpleNamespace(critic_pretrain=None, ref_pretrain=None, reward_pretrain=None)
     plan = types.SimpleNamespace(ranks={"actor": [0], "critic": [0], "ref": [0], "rollout": [0]})
-    got = io_deadlines(cfg, "meta-llama/Meta-Llama-3-70B-Instruct", plan, 4, 1200.0)
+    got = io_deadlines(model, "meta-llama/Meta-Llama-3-70B-Instruct", plan, 4, 1200.0)
     assert got == pytest.approx(big | {"load": max(big["load"], 2.0 * 3 * 70e9 * 4 / 1e9)}), got

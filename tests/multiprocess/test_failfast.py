@@ -28,7 +28,7 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 
 
 def test_descendants_and_kill_without_psutil():
-    from rlhf.distributed.failfast import descendants, kill_descendants
+    from rlhf.distributed.abort import descendants, kill_descendants
 
     p = subprocess.Popen(["bash", "-c", "sleep 60 & (sleep 61 & wait) & wait"])
     try:
@@ -48,7 +48,8 @@ RANK = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {root!r})
     os.environ["TORCHELASTIC_RUN_ID"] = "test"
-    from rlhf.distributed.failfast import AbortBoard, Watchdog
+    from rlhf.distributed.abort import AbortBoard
+    from rlhf.distributed.watchdog import Watchdog
     import subprocess
     child = subprocess.Popen(["sleep", "60"])         # like vLLM's engine core or a reward sandbox
     Watchdog(default_s=600, poll_s=0.2, board_=AbortBoard(None))
@@ -110,7 +111,7 @@ def test_summary_line_names_a_full_disk_behind_a_wrapper():
 
 
 def test_steps_capped_by_data_are_said_and_batch_fix_passes_every_check():
-    from rlhf.rl.trainer import batch_size_fix
+    from rlhf.rl.checks import batch_size_fix
     from rlhf.utils.cadence import planned_steps
 
     assert planned_steps(11, 1, 1000, "--num_episodes") == (11, planned_steps(11, 1, 1000, "--num_episodes")[1])

@@ -13,7 +13,7 @@ BASES = {"ConfigError": ValueError, "HierarchicalError": ValueError, "InputError
 REFUSALS = {"ConfigError", "InputError", "DataError", "ModelKindError", "TopologyError", "MemoryPlanError",
             "RewardError"}
 HOMES = {"ConfigError": "rlhf.config.validate", "HierarchicalError": "rlhf.config.hierarchical",
-         "InputError": "rlhf.rl.trainer", "DataError": "rlhf.data.loading",
+         "InputError": "rlhf.rl.checks", "DataError": "rlhf.data.loading",
          "ModelKindError": "rlhf.models.load", "TopologyError": "rlhf.distributed.placement",
          "MemoryPlanError": "rlhf.planning", "CombineError": "rlhf.tools.lora_combiner",
          "AgentContractError": "rlhf.agents.base", "RewardError": "rlhf.rewards.reward_func",

@@ -129,11 +129,11 @@ def test_role_needs_are_the_placement_kwargs():
 def test_batch_check_counts_data_parallel_ranks_of_the_mesh():
     """--ring_attn_size 2 over 4 ranks: 2 data-parallel actor ranks, so 6 = 3 x (micro 1 x 2) passes and
     micro 2 x 2 = 4 does not divide it (the SP ranks of a group take the same micro-batches)."""
-    from rlhf.rl.trainer import InputError, check_batch_sizes
+    from rlhf.rl.checks import InputError, check_batch_sizes
 
     p = make_placement(topo(colocate_all_models=True, ring_attn_size=2), 4)
-    cfg = lambda micro: SimpleNamespace(optim=SimpleNamespace(train_batch_size=6, micro_train_batch_size=micro),  # noqa: E731
-                                        rollout=SimpleNamespace(rollout_batch_size=3, n_samples_per_prompt=2))
-    check_batch_sizes(cfg(1), p)
+    optim = lambda micro: SimpleNamespace(train_batch_size=6, micro_train_batch_size=micro)  # noqa: E731
+    samples = 3 * 2  # --rollout_batch_size 3 x --n_samples_per_prompt 2
+    check_batch_sizes(optim(1), samples, p)
     with pytest.raises(InputError, match=r"micro_train_batch_size 2 x 2 actor ranks = 4"):
-        check_batch_sizes(cfg(2), p)
+        check_batch_sizes(optim(2), samples, p)

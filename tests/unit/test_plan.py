@@ -96,16 +96,14 @@ def test_plan_cli_derives_world_size_from_role_flags(capsys):
 def test_deepspeed_roles_on_ranks_of_their_own_refused_before_process_groups():
     """ZeRO's set-up waits on the whole job: a DeepSpeed role on some ranks only would hang, so the placement is
     refused with the flags that fix it, before any process group exists."""
-    from types import SimpleNamespace
-
-    from rlhf.rl.trainer import InputError, check_backend_placement
+    from rlhf.rl.checks import InputError, check_backend_placement
 
     split = make_placement(topo(actor_num_gpus_per_node=2, ref_num_gpus_per_node=1, vllm_num_engines=1), 4)
     with pytest.raises(InputError, match="--colocate_all_models.*--backend fsdp2"):
-        check_backend_placement(SimpleNamespace(topology=SimpleNamespace(backend="deepspeed")), split)
-    check_backend_placement(SimpleNamespace(topology=SimpleNamespace(backend="fsdp2")), split)
+        check_backend_placement("deepspeed", split)
+    check_backend_placement("fsdp2", split)
     every = make_placement(topo(colocate_all_models=True), 4)
-    check_backend_placement(SimpleNamespace(topology=SimpleNamespace(backend="deepspeed")), every)
+    check_backend_placement("deepspeed", every)
 
 
 def test_plan_cli_memory_for_a_supervised_job(capsys, tmp_path):

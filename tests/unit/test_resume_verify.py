@@ -179,7 +179,8 @@ def test_rl_resume_verification_runs_under_the_load_deadline(monkeypatch):
     deadline scales with the checkpoint's bytes (rl_trainer.io_deadlines) -- before, it ran outside any phase."""
     import types
 
-    from rlhf.distributed.failfast import AbortBoard, Watchdog
+    from rlhf.distributed.abort import AbortBoard
+    from rlhf.distributed.watchdog import Watchdog
     from rlhf.rl.trainer import RLTrainer
 
     wd = Watchdog(default_s=60, deadlines={"load": 4900.0}, slow_s=60, board_=AbortBoard(None), start=False)

@@ -4,7 +4,8 @@ import os
 import signal
 import types
 
-from rlhf.distributed.failfast import AbortBoard, Watchdog, stop_notice
+from rlhf.distributed.abort import AbortBoard
+from rlhf.distributed.watchdog import Watchdog, stop_notice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
