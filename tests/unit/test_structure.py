@@ -88,9 +88,10 @@ def test_from_package_import_name_resolves_to_the_package_or_the_submodule():
 def test_unknown_folder_is_an_error_naming_the_table():
     with pytest.raises(KeyError, match="LAYERS"):
         S.rank("rlhf/newthing/x.py")
-    with pytest.raises(KeyError, match="'errors.py'"):
-        S.rank("rlhf/errors.py")  # a library file directly in rlhf/ is no entry point: it needs a row
-    assert S.rank("rlhf/train_sft.py") == S.rank("rlhf/__init__.py") == S.rank("rlhf/models/tiny_kit.py")
+    with pytest.raises(KeyError, match="'newmodule.py'"):
+        S.rank("rlhf/newmodule.py")  # a library file directly in rlhf/ is no entry point: it needs a row
+    assert S.rank("rlhf/errors.py") == S.rank("rlhf/batch.py") == S.rank("rlhf/algorithms/kl.py") == 0
+    assert S.rank("rlhf/train_sft.py") == S.rank("rlhf/__init__.py") == S.rank("rlhf/tools/flags_md.py")
 
 
 def test_check_flags_only_counts_over_target():
