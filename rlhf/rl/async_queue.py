@@ -29,10 +29,10 @@ import torch
 
 from rlhf.algorithms import dynamic_filter_mask
 from rlhf.batch import Batch, row_fields
+from rlhf.console import print0
 from rlhf.distributed.batch_gather import gather_batch
 from rlhf.distributed.sharding import all_gather_objects, gather_rows, shard_rows
 from rlhf.rl.stream import Group, RolloutStream, age_metrics, groups_to_batch, sample_ages
-from rlhf.utils.cadence import log0
 
 
 def streams_rewards(agent_mode: bool, reward_model: bool, reward_source: bool) -> bool:
@@ -258,6 +258,6 @@ class AsyncRollout:
     def restore(self, state: Optional[dict]) -> None:
         if state and self.stream is not None:
             self.drawn = int(state["drawn"].get(self.engine_index, state["drawn"].get(str(self.engine_index), 0)))
-        log0("[resume] the async queue restarts: its batches are generated again with the resumed weights; the "
+        print0("[resume] the async queue restarts: its batches are generated again with the resumed weights; the "
              "prompts each engine had drawn before the checkpoint (in flight or queued, never trained) are skipped"
              if state else "[resume] the checkpoint holds no async queue state: the prompt streams start over")

@@ -21,9 +21,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlhf.batch import Batch, cat, row_fields
+from rlhf.console import print0
 from rlhf.rl.advantage_stage import _gap_metric, advantage_stage, needs_old_logprobs
 from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer, gap_due, measures_gap_only, on_policy_single_update, refills
-from rlhf.utils.cadence import log0
 
 
 class Stage:
@@ -139,7 +139,7 @@ class RefillRolloutStage(Stage):
             prompts = f.draw(st.step, rounds, dynamic_filter_refill(len(kept), target, passed / seen,
                                                                     max_extra=4 * target))
         if len(kept) < target:
-            log0(f"[dynamic filtering] step {st.step + 1}: {len(kept)} of {target} prompt groups passed "
+            print0(f"[dynamic filtering] step {st.step + 1}: {len(kept)} of {target} prompt groups passed "
                  f"--dynamic_filtering_reward_range {tuple(f.reward_range)} after {rounds} rounds ({seen} prompts); "
                  f"the other {target - len(kept)} train nothing (masked). If this repeats, widen the range or raise "
                  f"--dynamic_filtering_max_rounds")

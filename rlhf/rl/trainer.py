@@ -20,6 +20,7 @@ from rlhf.algorithms.eval_metrics import pass_at_n
 from rlhf.algorithms.seqlen_balancing import OVER_BUDGET
 from rlhf.batch import Batch
 from rlhf.config.preflight import preflight
+from rlhf.console import print0
 from rlhf.data.formatting import build_prompts, format_prompt
 from rlhf.data.loading import load_train_eval
 from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, make_placement, nnodes_from_env, role_needs
@@ -34,7 +35,7 @@ from rlhf.rl.async_queue import AsyncRollout, QueueSettings
 from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer, decode_queries
 from rlhf.rl.stages import Stage, StageParts, build_stages, stage_deadlines, sync_weights
 from rlhf.roles.build import build_roles
-from rlhf.utils.cadence import Cadence, log0, planned_steps
+from rlhf.utils.cadence import Cadence, planned_steps
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
@@ -163,9 +164,9 @@ class RLTrainer:
             from rlhf.agents.load import load_agent
 
             load_agent(r.agent_func_path)  # fail on a bad file before any process group
-        self.reward_source = make_reward_source(r.remote_rm_url, r.reward_timeout_s, log0, r.remote_rm_retries)
+        self.reward_source = make_reward_source(r.remote_rm_url, r.reward_timeout_s, print0, r.remote_rm_retries)
         if self.reward_source is None and not cfg.model.reward_pretrain:
-            self.reward_source = builtin_reward_source(log0)
+            self.reward_source = builtin_reward_source(print0)
         self.path = resolve_pretrain(cfg.model.pretrain)
         self.tokenizer = load_tokenizer(self.path)
         self.prompts, self.eval_prompts, self.eval_sources = load_prompt_sets(
@@ -194,7 +195,7 @@ class RLTrainer:
                                             **io_deadlines(cfg, self.path, self.plan, self.plan_nodes,
                                                            t.watchdog_slow_timeout_s)})
         for n in notes:
-            log0(n)
+            print0(n)
         torch.manual_seed(cfg.optim.seed)
         self.groups = build_groups(self.plan, self.rank)
         samples = rb * r.n_samples_per_prompt
@@ -307,7 +308,7 @@ class RLTrainer:
             with self.scheduler.phase("save", role="actor", share=critic):
                 self.save()
         self.cadence.preempted = True
-        log0(f"[preempt] {self.cadence.stop.reason()}: step {self.step + 1} cut after its {stage} phase; checkpoint "
+        print0(f"[preempt] {self.cadence.stop.reason()}: step {self.step + 1} cut after its {stage} phase; checkpoint "
              f"of step {self.step} (the last completed) saved in {c.ckpt_path}; the run is NOT complete "
              f"({self.step}/{self.total_steps} steps): resume with --load_checkpoint")
 
@@ -351,7 +352,7 @@ class RLTrainer:
             ckpt.load_rank_state(path)
         with self.phase(self.stage_named("weight_sync")):
             self.sync_weights()
-        log0(f"[resume] from {path} at step {self.step}")
+        print0(f"[resume] from {path} at step {self.step}")
         return True
 
     def first_sync(self) -> None:

@@ -15,6 +15,7 @@ from rlhf import checkpoint as ckpt
 from rlhf.algorithms.seqlen_balancing import OVER_BUDGET, Item, plan_step
 from rlhf.config.batching_checks import row_budgets
 from rlhf.config.preflight import preflight
+from rlhf.console import print0
 from rlhf.data.loading import load_train_eval
 from rlhf.data.screen import screen_rows
 from rlhf.distributed import comm, micro_plan, shard_rows
@@ -26,7 +27,7 @@ from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.roles.actor import Actor
 from rlhf.roles.base import Roles, model_role
 from rlhf.roles.reference import build_reference
-from rlhf.utils.cadence import Cadence, log0, planned_steps
+from rlhf.utils.cadence import Cadence, planned_steps
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
@@ -168,7 +169,7 @@ class SupervisedTrainer:
         self.mesh = self.groups.mesh("actor")
         self.sp, self.dp_rank, self.dp_world = self.mesh.sp, self.mesh.dp_rank, self.mesh.dp_size
         if capped:
-            log0(capped)
+            print0(capped)
         self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
                                  deadlines=io_deadlines(cfg, self.path, self.task.name, t.nnodes_hint
                                                         or nnodes_from_env(), t.watchdog_slow_timeout_s))
@@ -198,7 +199,7 @@ class SupervisedTrainer:
         from rlhf.models.lm_head import use_fp32_head
 
         if self.task.name == "rm":
-            log0("[rm] --lm_head_fp32 has no effect on a reward model (its score head is not an LM head)")
+            print0("[rm] --lm_head_fp32 has no effect on a reward model (its score head is not an LM head)")
             return
         for role in (self.roles.actor, self.roles.ref):
             if role is not None:
@@ -288,7 +289,7 @@ class SupervisedTrainer:
                 role.load_state_dict(os.path.join(path, role.state_dir))
             self.step = ckpt.load_trainer_state(path)["step"]
             ckpt.load_rank_state(path)
-        log0(f"[resume] from {path} at step {self.step}")
+        print0(f"[resume] from {path} at step {self.step}")
         return True
 
     def accumulate(self, batches: List) -> Dict[str, List[float]]:
