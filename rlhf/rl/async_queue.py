@@ -65,11 +65,11 @@ class QueueSettings:
     filter_rounds: int
 
     @classmethod
-    def from_config(cls, cfg) -> QueueSettings:
-        r, a, d = cfg.rollout, cfg.algorithm, cfg.data
-        chunk = (r.partial_rollout_chunk or max(1, d.generate_max_len // 4)) if r.partial_rollout else None
+    def from_config(cls, r, a, generate_max_len: int) -> QueueSettings:
+        """From the rollout (``r``) and algorithm (``a``) groups and --generate_max_len."""
+        chunk = (r.partial_rollout_chunk or max(1, generate_max_len // 4)) if r.partial_rollout else None
         return cls(r.async_queue_size, r.n_samples_per_prompt, r.rollout_batch_size, r.vllm_generate_batch_size,
-                   chunk, d.generate_max_len, r.max_staleness,
+                   chunk, generate_max_len, r.max_staleness,
                    tuple(a.dynamic_filtering_reward_range) if a.dynamic_filtering else None,
                    a.dynamic_filtering_max_rounds)
 

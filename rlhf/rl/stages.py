@@ -231,11 +231,13 @@ class AdvantagesStage(Stage):
     reads = REWARD + ("action_mask", "truncated", "rollout_logprobs", "old_logprobs", "ref_logprobs", "values")
     writes = ("action_mask", "advantages", "returns")
 
-    def __init__(self, cfg, reward_norm, guard):
-        self.cfg, self.reward_norm, self.guard = cfg, reward_norm, guard
+    def __init__(self, algorithm, generate_max_len: int, group_size: int, reward_norm, guard):
+        self.algorithm, self.generate_max_len, self.group_size = algorithm, generate_max_len, group_size
+        self.reward_norm, self.guard = reward_norm, guard
 
     def run(self, batch: Batch, roles) -> None:
-        out = advantage_stage(self.cfg, batch, batch.kl_coef, self.reward_norm, self.guard)
+        out = advantage_stage(self.algorithm, batch, batch.kl_coef, self.generate_max_len, self.group_size,
+                              self.reward_norm, self.guard)
         batch.fill(out, self.writes)
         batch.metrics.update(out.metrics)
 
@@ -305,12 +307,13 @@ def rewards_ahead(async_train: bool, agent_mode: bool, reward_model: bool, rewar
                             or scores_ahead(agent_mode, reward_model))
 
 
-def build_stages(cfg, p: StageParts) -> List[Stage]:
-    """The stages of one RL step that apply here, in order: decided once, from config and placement."""
-    r, a = cfg.rollout, cfg.algorithm
+def build_stages(r, a, o, logging, data, p: StageParts) -> List[Stage]:
+    """The stages of one RL step that apply here, in order: decided once, from the flags of the rollout (``r``),
+    algorithm (``a``), optim (``o``), logging and data groups (rlhf.config.schema) and the placement (``p.has``)."""
     default_s, slow_s, round_s, refill_s = p.timeouts
     wait_s = slow_s + default_s if r.async_train else None  # async: waits for the rollout ranks' produce
-    refill = refills(cfg)
+    refill = refills(a, r.async_train)
+    old_logprobs = needs_old_logprobs(a, on_policy_single_update(r, o, a))
     out: List[Optional[Stage]] = [
         None if refill else RolloutStage(p.rollouts, p.sampler, p.scheduler, p.queue, slow_s),
         None if refill or rewards_ahead(r.async_train, p.agent_mode, p.has["reward"], p.reward_source is not None)
@@ -321,12 +324,12 @@ def build_stages(cfg, p: StageParts) -> List[Stage]:
         ProduceStage(p.queue, r.async_queue_size, p.total_steps, slow_s) if r.async_train else None,
         RefStage(p.forwards) if p.has["ref"] else None,
         ValuesStage(p.forwards) if p.has["critic"] else None,
-        OldLogprobsStage(p.forwards) if needs_old_logprobs(cfg, on_policy_single_update(cfg)) else None,
-        LogprobGapStage(p.forwards, p.scheduler, cfg.logging.logprob_gap_interval) if measures_gap_only(cfg)
-        else None,
-        AdvantagesStage(cfg, p.reward_norm, p.guard),
+        OldLogprobsStage(p.forwards) if old_logprobs else None,
+        LogprobGapStage(p.forwards, p.scheduler, logging.logprob_gap_interval)
+        if measures_gap_only(logging.logprob_gap_interval, old_logprobs) else None,
+        AdvantagesStage(a, data.generate_max_len, r.n_samples_per_prompt, p.reward_norm, p.guard),
         UpdateStage("critic") if p.has["critic"] else None,
-        UpdateStage("actor", cfg.optim.freezing_actor_steps),
+        UpdateStage("actor", o.freezing_actor_steps),
         RewardAheadStage(p.queue, r.async_queue_size, p.total_steps, wait_s)
         if r.async_train and p.has["reward"] else None,
         WeightSyncStage(p.weight_sync, wait_s),

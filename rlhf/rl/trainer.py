@@ -19,6 +19,7 @@ from rlhf.algorithms import make_kl_controller
 from rlhf.algorithms.eval_metrics import pass_at_n
 from rlhf.algorithms.seqlen_balancing import OVER_BUDGET
 from rlhf.batch import Batch
+from rlhf.config.batching_checks import dynamic_budgets
 from rlhf.config.preflight import preflight
 from rlhf.console import print0
 from rlhf.data.formatting import build_prompts, format_prompt
@@ -209,7 +210,7 @@ class RLTrainer:
         self.weight_sync = WeightSync(self.groups, rollout_engine, timeout_s=t.dist_timeout_s, device=self.device,
                                       dtype=torch.bfloat16 if cfg.model.bf16 else None)
         self.kl_ctl = make_kl_controller(a.init_kl_coef, a.kl_target, a.kl_horizon)
-        self.reward_norm = running_reward_norm(cfg)
+        self.reward_norm = running_reward_norm(a)
         self.invalid_rewards = InvalidRewardGuard(a.max_invalid_reward_batches)
         self.build_step(cfg)
         self.step = 0
@@ -245,19 +246,21 @@ class RLTrainer:
         """The step's components, each from its part of the config, the async queue, and the stages that apply
         (decided once, from config and placement); their deadlines join the watchdog's."""
         t, a = cfg.topology, cfg.algorithm
-        self.forwards = Forwards.from_config(cfg)
-        self.sampler = Sampler.from_config(cfg, self.tokenizer.eos_token_id, self.roles.rollout.engine_index)
+        self.forwards = Forwards.from_config(cfg.rollout, cfg.model, dynamic_budgets(cfg)[1])
+        self.sampler = Sampler.from_config(cfg.rollout, cfg.data.generate_max_len, cfg.optim.seed,
+                                           self.tokenizer.eos_token_id, self.roles.rollout.engine_index)
         self.rollouts = Rollouts(self.tokenizer.pad_token_id, with_rewards=self.agent_mode)
         self.scorer = Scorer(self.agent_mode, self.reward_source, self.tokenizer, self.watchdog, self.forwards,
                              self.rank, self.world)
-        self.async_rollout = AsyncRollout(QueueSettings.from_config(cfg), self.roles, self.groups, self.rank,
-                                          self.scorer, self.sampler, self.prompts_for, self.tokenizer.pad_token_id) \
+        queue = QueueSettings.from_config(cfg.rollout, a, cfg.data.generate_max_len)
+        self.async_rollout = AsyncRollout(queue, self.roles, self.groups, self.rank, self.scorer, self.sampler,
+                                          self.prompts_for, self.tokenizer.pad_token_id) \
             if cfg.rollout.async_train else None
         # a dynamic-filtering refill is up to max_rounds + 1 rounds of generation + scoring: each round has its own
         # deadline (RefillRolloutStage), the whole stage the sum
         round_s, refill_s = refill_deadlines(t.watchdog_timeout_s, t.watchdog_slow_timeout_s,
                                              a.dynamic_filtering_max_rounds)
-        self.stages: List[Stage] = build_stages(cfg, StageParts(
+        self.stages: List[Stage] = build_stages(cfg.rollout, a, cfg.optim, cfg.logging, cfg.data, StageParts(
             has={k: bool(self.plan.ranks.get(k)) for k in ("ref", "critic", "reward")}, agent_mode=self.agent_mode,
             reward_source=self.reward_source, forwards=self.forwards, rollouts=self.rollouts, scorer=self.scorer,
             sampler=self.sampler, scheduler=self.scheduler, watchdog=self.watchdog, weight_sync=self.weight_sync,

@@ -26,7 +26,7 @@ def _stages(cfg, ref=False, critic=False, reward=False, agent=False, source=True
                        reward_source=(lambda *a: None) if source else None, forwards=None, rollouts=None, scorer=None,
                        sampler=None, scheduler=None, watchdog=None, weight_sync=None, reward_norm=None, guard=None,
                        queue=None, refill_draw=None, total_steps=4, timeouts=(10.0, 100.0, 110.0, 330.0))
-    return build_stages(cfg, parts)
+    return build_stages(cfg.rollout, cfg.algorithm, cfg.optim, cfg.logging, cfg.data, parts)
 
 
 def test_grpo_on_policy_stage_list_and_deadlines():
