@@ -39,7 +39,7 @@ import click
 # share a rank ("<entry>": the entry-point files of ENTRY and rlhf/__init__.py; another file directly in rlhf/ goes
 # by its name, e.g. "errors.py"); add a folder to a row, or a row, to extend.
 LAYERS: List[Tuple[str, ...]] = [
-    ("errors.py", "console.py", "batch.py", "algorithms", "compat"),
+    ("errors.py", "console.py", "batch.py", "stage_table.py", "algorithms", "compat"),
     ("data",),
     ("distributed",),
     ("utils",),

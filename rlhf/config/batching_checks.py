@@ -17,6 +17,13 @@ def row_budgets(cfg) -> tuple:
     return train * sp, (cfg.rollout.rollout_max_tokens_per_gpu or train) * sp
 
 
+def dynamic_budgets(cfg) -> tuple:
+    """(training, inference) token budgets of one micro-batch under --use_dynamic_batch (``row_budgets``), else
+    (None, None): fixed --micro_train_batch_size / --micro_rollout_batch_size.  What the roles' update settings and
+    the inference forwards are given (they never read the config)."""
+    return row_budgets(cfg) if cfg.optim.use_dynamic_batch else (None, None)
+
+
 def validate_batching(cfg) -> None:
     """A token budget smaller than the longest sequence is not refused: such a sequence gets a micro-batch of its
     own, as in OpenRLHF (openrlhf/utils/seqlen_balancing.py ``get_minimum_num_micro_batch_size``: first fit opens

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional, Tuple
 
+from rlhf.engines.rollout_registry import engine_kinds
+
 
 def opt(default, help: str, choices=None, nargs=None, flag_type=None, optional_value=None):
     meta = {"help": help}
@@ -146,7 +148,7 @@ class TopologyConfig:
 class RolloutConfig:
     rollout_engine: str = opt("auto", "generation engine; auto = vllm on CUDA when installed, on CPU when installed and "
                                       "the model has >= ~5M parameters and a head_dim vLLM's CPU attention supports, "
-                                      "else hf (measured: README, vLLM section)", choices=("auto", "hf", "vllm"))
+                                      "else hf (measured: README, vLLM section)", choices=("auto",) + engine_kinds())
     rollout_batch_size: int = opt(8, "prompts per RL step (global)")
     micro_rollout_batch_size: int = opt(8, "samples (not prompts: as OpenRLHF) per generation / inference "
                                            "micro batch per rank (reference, old log-probs, values, reward model)")

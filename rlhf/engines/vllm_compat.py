@@ -41,14 +41,17 @@ CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM's CP
 CPU_VLLM_MIN_PARAMS = 5_000_000  # measured crossover on CPU (README, "vLLM"): below it the HF engine is as fast
 
 
-def estimate_params(cfg) -> int:
-    h, n = cfg.hidden_size, cfg.num_hidden_layers
-    inter = getattr(cfg, "intermediate_size", 4 * h)
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    hd = getattr(cfg, "head_dim", None) or h // heads
+def estimate_params(hf_config) -> int:
+    """Parameters of a decoder from its HF ``config.json`` (transformers ``PretrainedConfig``): per layer
+    h * head_dim * (2 * heads + 2 * kv_heads) + 3 * h * intermediate, plus 2 * vocab * h (embedding and head)."""
+    c = hf_config
+    h, n = c.hidden_size, c.num_hidden_layers
+    inter = getattr(c, "intermediate_size", 4 * h)
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    hd = getattr(c, "head_dim", None) or h // heads
     per_layer = h * hd * (2 * heads + 2 * kv) + 3 * h * inter
-    return n * per_layer + 2 * cfg.vocab_size * h
+    return n * per_layer + 2 * c.vocab_size * h
 
 
 def vllm_fits(model_path: str, cuda: bool) -> Tuple[bool, str]:
@@ -61,11 +64,11 @@ def vllm_fits(model_path: str, cuda: bool) -> Tuple[bool, str]:
     if not cuda:
         from transformers import AutoConfig
 
-        cfg = AutoConfig.from_pretrained(model_path)
-        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        hf_config = AutoConfig.from_pretrained(model_path)
+        hd = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         if hd not in CPU_HEAD_DIMS:
             return False, f"head_dim {hd} is not one vLLM's CPU attention supports {CPU_HEAD_DIMS}"
-        n = estimate_params(cfg)
+        n = estimate_params(hf_config)
         if n < CPU_VLLM_MIN_PARAMS:
             return False, (f"~{n / 1e6:.1f}M parameters: on CPU the HF engine is as fast below "
                            f"{CPU_VLLM_MIN_PARAMS / 1e6:.0f}M and starts 10+ s sooner")

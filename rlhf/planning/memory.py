@@ -8,9 +8,11 @@ buffers).  Which roles are resident follows the phase scheduler (rlhf/distribute
 --vllm_enable_sleep or --deepspeed_enable_sleep, only the stage's role (and the one it shares with) is awake and the
 others sleep on the host; otherwise every role of the rank stays on the device and vLLM keeps its whole share.
 
-Stages (RL): shard (FSDP2: the roles' parameters as they load, plus the one full tensor a load moves at a time),
-load (every role's parameters, then vLLM takes its share: vLLM refuses to start otherwise), rollout, reward, ref,
-values, old_logprobs, critic_update, actor_update, weight_sync.  Supervised: shard, load, ref (DPO), train.
+Stages: shard (FSDP2: the roles' parameters as they load, plus the one full tensor a load moves at a time),
+load (every role's parameters, then vLLM takes its share: vLLM refuses to start otherwise), then the step's stages
+as rlhf.stage_table declares them, each by its memory kind: RL rollout, reward, ref, values, old_logprobs,
+critic_update, actor_update, weight_sync (the rows of ``RL_STAGES`` the RL loop's stage classes take); supervised
+ref (DPO), train.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from rlhf.planning.dims import ModelDims
 from rlhf.planning.job import DEFAULT_GPU_GB, Job
 from rlhf.planning.plan_types import GroupPlan, MemoryPlan, RoleModel, Stage
 from rlhf.planning.terms import GiB, States
+from rlhf.stage_table import RL_STAGES, SUPERVISED_STAGES, awake
 
 CUDA_RESERVE = 1.5 * GiB       # CUDA context + cuBLAS workspace + NCCL buffers per rank (assumed; measured on the
 
@@ -131,7 +134,7 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
     stages: List[Stage] = []
 
     def resident(awake: Tuple[str, ...], first_step: bool = False, updating: str = "",
-                 forward_only: bool = False) -> Dict[str, float]:
+                 forward_only: bool = False, engine_apart: bool = True) -> Dict[str, float]:
         out: Dict[str, float] = {}
         for r, st in states.items():
             part = _resident(job, r, st, sleeping and r not in awake, roles[r].trainable)
@@ -142,15 +145,17 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
             if r != updating:  # gradients live from the first backward to the step's zero_grad(set_to_none=True)
                 part.pop(f"{r}:grads", None)
             out.update(part)
-        if "rollout" in roles and "rollout" not in awake and not sleeping:
+        if "rollout" in roles and engine_apart and not sleeping:  # an engine that never sleeps holds its share
             out.update(_rollout_parts(job, roles["rollout"].dims, rollout_tp, device_bytes, on_cuda))
         return out
 
     def add(name: str, awake: Tuple[str, ...], extra: Dict[str, float], updating: str = "", first_step: bool = False,
-            forward_only: bool = False):
+            forward_only: bool = False, engine_apart: bool = True):
+        """``engine_apart``: the rollout engine's memory is not in ``extra`` (every stage but shard, load and
+        the rollout itself)."""
         parts = dict(reserve)
         parts.update(resident(awake, first_step=first_step or name == "load", updating=updating,
-                              forward_only=forward_only))
+                              forward_only=forward_only, engine_apart=engine_apart))
         for k, v in extra.items():
             parts[k] = parts.get(k, 0.0) + v
         stages.append(Stage(name, parts))
@@ -162,34 +167,33 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
         transient = max(terms.load_transient_bytes(m.dims, terms.stored_bytes(job.c, m.trainable, m.adapters > 0))
                         if m.ranks > 1 else 0.0 for r, m in roles.items() if r != "rollout")
         add("shard", tuple(states) + ("rollout",), {"load:transient": transient} if transient else {},
-            first_step=True)
+            first_step=True, engine_apart=False)
     load_extra = {}
     if "rollout" in roles:
         load_extra = _rollout_parts(job, roles["rollout"].dims, rollout_tp, device_bytes, on_cuda)
-    add("load", tuple(states) + ("rollout",), load_extra)
-    if "rollout" in roles:
-        add("rollout", ("rollout",), _rollout_parts(job, roles["rollout"].dims, rollout_tp, device_bytes, on_cuda))
+    add("load", tuple(states) + ("rollout",), load_extra, engine_apart=False)
     b_inf, s_inf = _tokens(job, job.micro_rollout_batch_size, job.rollout_max_tokens_per_gpu)
     b_tr, s_tr = _tokens(job, job.micro_train_batch_size, job.train_max_tokens_per_gpu)
-    # old_logprobs: the actor's no-grad forward over the rollout (skipped for a single on-policy update, but then
-    # still run on the first step and every --logprob_gap_interval steps to log the rollout gap): planned always
-    for r, stage in (("reward", "reward"), ("ref", "ref"), ("critic", "values"), ("actor", "old_logprobs")):
-        if r in roles and job.kind == "rl":
+    # the step's stages as declared (rlhf.stage_table), each planned by its memory kind where its role is here
+    for row in (RL_STAGES if job.kind == "rl" else SUPERVISED_STAGES):
+        r, kind, on = row.role, row.memory, awake(row)
+        if kind == "rollout" and "rollout" in roles:
+            add(row.name, on, _rollout_parts(job, roles["rollout"].dims, rollout_tp, device_bytes, on_cuda),
+                engine_apart=False)
+        elif kind in ("forward", "pair_forward") and r in roles:
             m = roles[r]
-            fwd = _forward(job, m.dims, b_inf, s_inf, False, m.lm)
-            add(stage, (r,), {f"{r}:gathered": states[r].gathered, **fwd}, forward_only=True)
-    if job.kind == "dpo" and "ref" in roles:
-        m = roles["ref"]
-        add("ref", ("ref",), {"ref:gathered": states["ref"].gathered,
-                              **_forward(job, m.dims, 2 * job.micro_train_batch_size, job.seq, False, True)})
-    for r, stage in (("critic", "critic_update"), ("actor", "actor_update" if job.kind == "rl" else "train")):
-        if r in roles and roles[r].trainable:
+            if kind == "forward":
+                fwd = _forward(job, m.dims, b_inf, s_inf, False, m.lm)
+            else:  # DPO: the chosen + rejected rows of a training micro-batch, every position's logits
+                fwd = _forward(job, m.dims, 2 * job.micro_train_batch_size, job.seq, False, True)
+            add(row.name, on, {f"{r}:gathered": states[r].gathered, **fwd}, forward_only=kind == "forward")
+        elif kind == "update" and r in roles and roles[r].trainable:
             m = roles[r]
             b = 2 * b_tr if job.kind in ("dpo", "rm") else b_tr
             fwd = _forward(job, m.dims, b, s_tr, True, m.lm, m.ranks)
-            add(stage, (r,), {f"{r}:gathered": states[r].gathered, **fwd}, updating=r)
-    if job.kind == "rl" and ("rollout" in roles or "actor" in roles):
-        add("weight_sync", ("actor",), _sync_parts(job, roles, rollout_tp, sleeping))
+            add(row.name, on, {f"{r}:gathered": states[r].gathered, **fwd}, updating=r)
+        elif kind == "sync" and ("rollout" in roles or "actor" in roles):
+            add(row.name, on, _sync_parts(job, roles, rollout_tp, sleeping))
     # host memory per rank: every sleeping role's resident states (all asleep during the rollout), the
     # optimizer offload, and vLLM's level-1 sleep copy of its weights (start-up, eval)
     host = sum(st.host for st in states.values())

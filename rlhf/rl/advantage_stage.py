@@ -40,31 +40,32 @@ from rlhf.batch import Batch
 from rlhf.utils.cadence import StreakGuard
 
 
-def kl_in_reward(cfg) -> bool:
-    """The KL penalty is folded into the rewards (not a loss) and has a reference model to compare with."""
-    a = cfg.algorithm
+def kl_in_reward(a) -> bool:
+    """The KL penalty is folded into the rewards (not a loss) and has a reference model to compare with (``a``: the
+    algorithm group, AlgorithmConfig)."""
     return a.init_kl_coef > 0 and not a.use_kl_loss
 
 
-def needs_old_logprobs(cfg, on_policy_single_update: bool) -> bool:
+def needs_old_logprobs(a, on_policy_single_update: bool) -> bool:
     """Old log-probs must be computed unless the update is a single on-policy step AND nothing else needs them:
     KL in the reward must use the actor's log-probs (OpenRLHF), not the rollout engine's, which differ."""
-    return not on_policy_single_update or kl_in_reward(cfg)
+    return not on_policy_single_update or kl_in_reward(a)
 
 
-def reward_model_stats(cfg, saved: Optional[tuple]) -> tuple:
+def reward_model_stats(normalize_reward: bool, saved: Optional[tuple]) -> tuple:
     """(mean, std) the reward model's score is rescaled by, (r - mean) / std: the stats saved with the model
     (``load_reward_model``) with --normalize_reward, else (0, 1).  OpenRLHF openrlhf/models/model.py (RewardModel:
     ``if not self.training and self.normalize_reward: reward = (reward - self.mean) / self.std``, mean / std from
     config.json, the flag overriding config.json's normalize_reward); reward functions are never rescaled."""
-    if not cfg.algorithm.normalize_reward or saved is None:
+    if not normalize_reward or saved is None:
         return (0.0, 1.0)
     return (float(saved[0]), float(saved[1]))
 
 
-def running_reward_norm(cfg) -> Optional[RunningMeanStd]:
-    """The running mean / std every reward is normalised by (step 2), only with --running_reward_norm."""
-    return RunningMeanStd() if cfg.algorithm.running_reward_norm else None
+def running_reward_norm(a) -> Optional[RunningMeanStd]:
+    """The running mean / std every reward is normalised by (step 2), only with --running_reward_norm (``a``: the
+    algorithm group)."""
+    return RunningMeanStd() if a.running_reward_norm else None
 
 
 class InvalidRewardGuard(StreakGuard):
@@ -88,12 +89,13 @@ def _warn_once(key: str, msg: str) -> None:
         warnings.warn(msg, UserWarning, stacklevel=3)
 
 
-def advantage_stage(cfg, x: Batch, kl_coef: float, reward_norm=None,
+def advantage_stage(a, x: Batch, kl_coef: float, generate_max_len: int, group_size: int, reward_norm=None,
                     guard: Optional[InvalidRewardGuard] = None) -> Batch:
     """``x``'s rewards, scores, valid, extra_logs, action_mask, truncated and log-probs / values -> a copy with
     ``advantages``, ``returns`` (both 0 where nothing trains), ``action_mask`` zeroed on the rows that train nothing
-    (invalid or filtered) and ``metrics`` (this stage's only)."""
-    a, r = cfg.algorithm, cfg.rollout
+    (invalid or filtered) and ``metrics`` (this stage's only).  ``a``: the algorithm group (AlgorithmConfig);
+    ``generate_max_len`` (--generate_max_len) is the overlong penalty's limit, ``group_size``
+    (--n_samples_per_prompt) the rows of one prompt's group."""
     n = x.rewards.numel()
     valid = x.valid.bool() & torch.isfinite(x.rewards.float())
     rewards = torch.where(valid, x.rewards.float(), torch.zeros_like(x.rewards, dtype=torch.float32))
@@ -104,7 +106,7 @@ def advantage_stage(cfg, x: Batch, kl_coef: float, reward_norm=None,
     mask = x.action_mask.float()
     resp_len = x.action_mask.sum(1)
     # 1. length penalties
-    pen = overlong_penalty(resp_len, cfg.data.generate_max_len, a.overlong_buffer_len, a.overlong_penalty_factor)
+    pen = overlong_penalty(resp_len, generate_max_len, a.overlong_buffer_len, a.overlong_penalty_factor)
     shaped = stop_properly_penalty(rewards + pen, x.truncated, a.stop_properly_penalty_coef)
     # 2. running normalisation (--running_reward_norm; OpenRLHF's --normalize_reward rescales the RM's score instead)
     if reward_norm is not None:
@@ -116,7 +118,7 @@ def advantage_stage(cfg, x: Batch, kl_coef: float, reward_norm=None,
     keep = valid.clone()
     filtered = 0.0
     if a.dynamic_filtering:
-        dyn = dynamic_filter_mask(x.scores, r.n_samples_per_prompt, a.dynamic_filtering_reward_range, valid)
+        dyn = dynamic_filter_mask(x.scores, group_size, a.dynamic_filtering_reward_range, valid)
         filtered = 1.0 - dyn.float().mean().item()
         keep &= dyn
     # 4. KL
@@ -125,9 +127,9 @@ def advantage_stage(cfg, x: Batch, kl_coef: float, reward_norm=None,
     if x.ref_logprobs is not None:
         cur = x.old_logprobs
         if cur is None:
-            if kl_in_reward(cfg):
+            if kl_in_reward(a):
                 raise ValueError("KL in the reward needs the actor's log-probs (old_logprobs): compute them "
-                                 "whenever advantage_stage.needs_old_logprobs(cfg, ...) is True")
+                                 "whenever advantage_stage.needs_old_logprobs(algorithm, ...) is True")
             cur = x.rollout_logprobs  # KL is a loss here: this value is a metric only
         kl_tok = compute_kl(a.kl_estimator, cur, x.ref_logprobs, mask)
         kl_mean = float(masked_mean(kl_tok, mask * valid.unsqueeze(1)))
@@ -141,12 +143,12 @@ def advantage_stage(cfg, x: Batch, kl_coef: float, reward_norm=None,
                                                      f"gamma = 1 (as OpenRLHF)")
         gamma = 1.0
     adv, ret = compute_advantages(a.advantage_estimator, shaped, mask, values=x.values, kl=kl, kl_coef=kl_coef,
-                                  gamma=gamma, lambd=a.lambd, group_size=r.n_samples_per_prompt,
+                                  gamma=gamma, lambd=a.lambd, group_size=group_size,
                                   std_norm=not a.no_advantage_std_norm, scale=a.scale_rewards, valid=keep,
                                   clip_range=a.reward_clip_range)
     train_mask = x.action_mask * keep.long().unsqueeze(1)
     metrics = _metrics(x, valid, rewards, shaped, resp_len, mask, adv, kl_mean, kl_coef, filtered, pen,
-                       r.n_samples_per_prompt)
+                       group_size)
     return replace(x, advantages=adv * train_mask, returns=ret * train_mask, action_mask=train_mask, metrics=metrics)
 
 

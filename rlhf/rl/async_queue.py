@@ -29,10 +29,10 @@ import torch
 
 from rlhf.algorithms import dynamic_filter_mask
 from rlhf.batch import Batch, row_fields
+from rlhf.console import print0
 from rlhf.distributed.batch_gather import gather_batch
 from rlhf.distributed.sharding import all_gather_objects, gather_rows, shard_rows
 from rlhf.rl.stream import Group, RolloutStream, age_metrics, groups_to_batch, sample_ages
-from rlhf.utils.cadence import log0
 
 
 def streams_rewards(agent_mode: bool, reward_model: bool, reward_source: bool) -> bool:
@@ -65,11 +65,11 @@ class QueueSettings:
     filter_rounds: int
 
     @classmethod
-    def from_config(cls, cfg) -> QueueSettings:
-        r, a, d = cfg.rollout, cfg.algorithm, cfg.data
-        chunk = (r.partial_rollout_chunk or max(1, d.generate_max_len // 4)) if r.partial_rollout else None
+    def from_config(cls, r, a, generate_max_len: int) -> QueueSettings:
+        """From the rollout (``r``) and algorithm (``a``) groups and --generate_max_len."""
+        chunk = (r.partial_rollout_chunk or max(1, generate_max_len // 4)) if r.partial_rollout else None
         return cls(r.async_queue_size, r.n_samples_per_prompt, r.rollout_batch_size, r.vllm_generate_batch_size,
-                   chunk, d.generate_max_len, r.max_staleness,
+                   chunk, generate_max_len, r.max_staleness,
                    tuple(a.dynamic_filtering_reward_range) if a.dynamic_filtering else None,
                    a.dynamic_filtering_max_rounds)
 
@@ -258,6 +258,6 @@ class AsyncRollout:
     def restore(self, state: Optional[dict]) -> None:
         if state and self.stream is not None:
             self.drawn = int(state["drawn"].get(self.engine_index, state["drawn"].get(str(self.engine_index), 0)))
-        log0("[resume] the async queue restarts: its batches are generated again with the resumed weights; the "
+        print0("[resume] the async queue restarts: its batches are generated again with the resumed weights; the "
              "prompts each engine had drawn before the checkpoint (in flight or queued, never trained) are skipped"
              if state else "[resume] the checkpoint holds no async queue state: the prompt streams start over")

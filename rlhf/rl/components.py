@@ -15,7 +15,6 @@ from rlhf.batch import Batch, row_fields
 from rlhf.distributed.batch_gather import gather_batch
 from rlhf.distributed.sharding import shard_rows
 from rlhf.engines.rollout import SamplingParams
-from rlhf.rl.advantage_stage import needs_old_logprobs
 
 
 class InferencePlan:
@@ -72,12 +71,12 @@ class Forwards:
     packing: bool
 
     @classmethod
-    def from_config(cls, cfg) -> Forwards:
-        from rlhf.config.batching_checks import row_budgets
-
-        t = cfg.rollout.temperature
-        return cls(cfg.rollout.micro_rollout_batch_size, row_budgets(cfg)[1] if cfg.optim.use_dynamic_batch else None,
-                   t if t > 0 else 1.0, cfg.model.logprob_chunk_size, cfg.model.packing_samples)
+    def from_config(cls, rollout, model, budget: Optional[int]) -> Forwards:
+        """From the rollout and model groups (rlhf.config.schema RolloutConfig, ModelConfig) and ``budget``, the
+        inference token budget (rlhf.config.batching_checks ``dynamic_budgets``; None: fixed micro-batches)."""
+        t = rollout.temperature
+        return cls(rollout.micro_rollout_batch_size, budget, t if t > 0 else 1.0, model.logprob_chunk_size,
+                   model.packing_samples)
 
     def run(self, role, batch: Batch, call: Callable, packed: bool = False) -> torch.Tensor:
         """``call(batch, micro)`` (a role's logprobs / values / scores) with fixed micro-batches, or on the batch
@@ -110,10 +109,12 @@ class Sampler:
     engine_index: int
 
     @classmethod
-    def from_config(cls, cfg, eos_token_id: int, engine_index: Optional[int]) -> Sampler:
-        r = cfg.rollout
+    def from_config(cls, rollout, generate_max_len: int, seed: int, eos_token_id: int,
+                    engine_index: Optional[int]) -> Sampler:
+        """From the rollout group (RolloutConfig), --generate_max_len and --seed."""
+        r = rollout
         return cls(r.n_samples_per_prompt, r.temperature, r.eval_n_samples_per_prompt, r.eval_temperature, r.top_p,
-                   r.top_k, cfg.data.generate_max_len, eos_token_id, cfg.optim.seed, engine_index or 0)
+                   r.top_k, generate_max_len, eos_token_id, seed, engine_index or 0)
 
     def params(self, step: int, eval_mode: bool = False, salt: int = 0) -> SamplingParams:
         return SamplingParams(n=self.eval_n if eval_mode else self.n,
@@ -178,12 +179,14 @@ class Scorer:
         return gather_batch(local, sl, n, row_fields("reward"), self.tokenizer.pad_token_id)
 
 
-def on_policy_single_update(cfg) -> bool:
-    """One epoch and one optimizer step per rollout batch, and no async lag: old log-probs equal the current ones.
+def on_policy_single_update(r, o, a) -> bool:
+    """One epoch and one optimizer step per rollout batch, and no async lag: old log-probs equal the current ones
+    (``r``, ``o``, ``a``: the rollout, optim and algorithm groups),
+
+        max_epochs == 1 and rollout_batch_size * n_samples_per_prompt == train_batch_size and not async_train.
 
     With --enable_is_correction the old log-probs are still needed (they are the IS numerator), so not then.
     """
-    r, o, a = cfg.rollout, cfg.optim, cfg.algorithm
     return (o.max_epochs == 1 and r.rollout_batch_size * r.n_samples_per_prompt == o.train_batch_size
             and not r.async_train and not a.enable_is_correction)
 
@@ -195,18 +198,16 @@ def gap_due(n: int, step: int) -> bool:
     return n > 0 and (step == 0 or (step + 1) % n == 0)
 
 
-def measures_gap_only(cfg) -> bool:
-    """The old log-prob forward is skipped (one on-policy update, nothing else needs it) and --logprob_gap_interval
-    asks for the gap now and then: the ``logprob_gap`` stage applies."""
-    return (cfg.logging.logprob_gap_interval > 0
-            and not needs_old_logprobs(cfg, on_policy_single_update(cfg)))
+def measures_gap_only(interval: int, old_logprobs: bool) -> bool:
+    """The old log-prob forward is skipped (``old_logprobs``: ``needs_old_logprobs`` says False) and
+    --logprob_gap_interval (``interval``) asks for the gap now and then: the ``logprob_gap`` stage applies."""
+    return interval > 0 and not old_logprobs
 
 
-def refills(cfg) -> bool:
-    """Dynamic filtering refills the batch (synchronous rollouts; async ones filter each group as it completes and
-    draw a new prompt in its place: rlhf.rl.stream)."""
-    a = cfg.algorithm
-    return a.dynamic_filtering and a.dynamic_filtering_max_rounds > 0 and not cfg.rollout.async_train
+def refills(a, async_train: bool) -> bool:
+    """Dynamic filtering refills the batch (``a``: the algorithm group; synchronous rollouts only: async ones
+    filter each group as it completes and draw a new prompt in its place: rlhf.rl.stream)."""
+    return a.dynamic_filtering and a.dynamic_filtering_max_rounds > 0 and not async_train
 
 
 def decode_queries(tokenizer, batch: Batch, sl: slice):

@@ -6,8 +6,9 @@ A stage declares its ``role`` (what the phase scheduler wakes; with ``share`` / 
 (``trainers_only``) and its watchdog deadline (``deadline_s``; None: the default), and runs as
 ``run(batch, roles)``: it never sees the trainer.  What it needs besides (forwards, scorer, scheduler, ...) it is
 given when ``build_stages`` builds the list, which also decides once which stages apply, from the config and the
-placement (shared by every rank, never a rank's own data).  The trainer's loop, the watchdog's deadlines
-(``stage_deadlines``) and ``memory_stages`` (the memory planner's list) read this one list.  Inside a stage the
+placement (shared by every rank, never a rank's own data).  The trainer's loop and the watchdog's deadlines
+(``stage_deadlines``) read this one list; each class's role, share, tags and memory kind come from its row of
+rlhf.stage_table, the declaration the memory planner plans from.  Inside a stage the
 role's members compute their shard and the rows are gathered to every rank (``Role`` methods), so after each
 stage every rank holds the same batch.  The loop's shape follows torchtitan
 torchtitan/experiments/rl/controller.py (each phase says what it consumes and what it waits for); the build, the
@@ -21,13 +22,16 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlhf.batch import Batch, cat, row_fields
+from rlhf.console import print0
 from rlhf.rl.advantage_stage import _gap_metric, advantage_stage, needs_old_logprobs
 from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer, gap_due, measures_gap_only, on_policy_single_update, refills
-from rlhf.utils.cadence import log0
+from rlhf.stage_table import RL_STAGE
 
 
 class Stage:
-    """A stage of the RL step (see the module docstring); subclasses set the class attributes and ``run``."""
+    """A stage of the RL step (see the module docstring); subclasses set ``name``, the fields and ``run``; the
+    declared ``role``, ``share``, ``tags`` and ``memory`` come from the stage's row of rlhf.stage_table (the one
+    declaration the memory planner plans from), set when the class (or, for ``UpdateStage``, the object) names it."""
     name: str = ""
     role: Optional[str] = None        # the role the phase scheduler wakes (None: no model, or its own phase)
     share: Optional[str] = None       # the role that stays awake with it (same device)
@@ -38,9 +42,20 @@ class Stage:
     # over the model roles' ranks only (Groups.trainers); from the placement, so the same on every rank of a kind
     trainers_only: bool = False
     deadline_s: Optional[float] = None
-    # what the memory planner plans for it (rlhf.planning.memory ``group_stages``): "forward" (a no-grad forward
-    # of ``role``), "update" (``role``'s optimizer steps), None (planned there on its own terms, or nothing)
+    # how the memory planner plans it (rlhf.stage_table: "rollout", "forward", "update", "sync"; None: nothing)
     memory: Optional[str] = None
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if "name" in vars(cls):
+            cls._declare(cls, cls.name)
+
+    @staticmethod
+    def _declare(target, name: str) -> None:
+        """``target`` (a Stage class or object) takes the declared fields of the stage ``name``."""
+        row = RL_STAGE[name]
+        target.name, target.role, target.share, target.memory = row.name, row.role, row.share, row.memory
+        target.tags = list(row.tags) if row.tags is not None else None
 
     def run(self, batch: Batch, roles) -> None:
         raise NotImplementedError
@@ -54,7 +69,7 @@ REWARD = tuple(row_fields("reward"))
 
 
 class RolloutStage(Stage):
-    name, role, writes = "rollout", "rollout", ROLLOUT
+    name, writes = "rollout", ROLLOUT
 
     def __init__(self, rollouts: Rollouts, sampler: Sampler, scheduler, queue=None, deadline_s=None):
         self.rollouts, self.sampler, self.scheduler, self.queue = rollouts, sampler, scheduler, queue
@@ -71,8 +86,7 @@ class RolloutStage(Stage):
 
 class RewardStage(Stage):
     # async: streamed as the groups completed, or scored ahead (``reward_ahead``): then this stage does not apply
-    name, role, reads, writes, trainers_only = "reward", "reward", ("sequences", "prompts"), REWARD, True
-    memory = "forward"  # a reward model's (a reward function holds no device memory)
+    name, reads, writes, trainers_only = "reward", ("sequences", "prompts"), REWARD, True
 
     def __init__(self, scorer: Scorer):
         self.scorer = scorer
@@ -139,7 +153,7 @@ class RefillRolloutStage(Stage):
             prompts = f.draw(st.step, rounds, dynamic_filter_refill(len(kept), target, passed / seen,
                                                                     max_extra=4 * target))
         if len(kept) < target:
-            log0(f"[dynamic filtering] step {st.step + 1}: {len(kept)} of {target} prompt groups passed "
+            print0(f"[dynamic filtering] step {st.step + 1}: {len(kept)} of {target} prompt groups passed "
                  f"--dynamic_filtering_reward_range {tuple(f.reward_range)} after {rounds} rounds ({seen} prompts); "
                  f"the other {target - len(kept)} train nothing (masked). If this repeats, widen the range or raise "
                  f"--dynamic_filtering_max_rounds")
@@ -177,7 +191,7 @@ class RewardAheadStage(ProduceStage):
 
 class ForwardStage(Stage):
     """``role``'s no-grad forward over the batch, gathered to every rank, into the field it ``writes``."""
-    trainers_only, memory = True, "forward"
+    trainers_only = True
     reads = ("sequences", "attention_mask", "action_mask")
 
     def __init__(self, forwards: Forwards):
@@ -191,18 +205,18 @@ class ForwardStage(Stage):
 
 
 class RefStage(ForwardStage):
-    name, role, writes = "ref", "ref", ("ref_logprobs",)
+    name, writes = "ref", ("ref_logprobs",)
 
 
 class ValuesStage(ForwardStage):
-    name, role, writes = "values", "critic", ("values",)
+    name, writes = "values", ("values",)
 
     def forward(self, role, batch: Batch):
         return self.forwards.run(role, batch, role.values)
 
 
 class OldLogprobsStage(ForwardStage):
-    name, role, writes = "old_logprobs", "actor", ("old_logprobs",)
+    name, writes = "old_logprobs", ("old_logprobs",)
 
 
 class LogprobGapStage(Stage):
@@ -231,11 +245,13 @@ class AdvantagesStage(Stage):
     reads = REWARD + ("action_mask", "truncated", "rollout_logprobs", "old_logprobs", "ref_logprobs", "values")
     writes = ("action_mask", "advantages", "returns")
 
-    def __init__(self, cfg, reward_norm, guard):
-        self.cfg, self.reward_norm, self.guard = cfg, reward_norm, guard
+    def __init__(self, algorithm, generate_max_len: int, group_size: int, reward_norm, guard):
+        self.algorithm, self.generate_max_len, self.group_size = algorithm, generate_max_len, group_size
+        self.reward_norm, self.guard = reward_norm, guard
 
     def run(self, batch: Batch, roles) -> None:
-        out = advantage_stage(self.cfg, batch, batch.kl_coef, self.reward_norm, self.guard)
+        out = advantage_stage(self.algorithm, batch, batch.kl_coef, self.generate_max_len, self.group_size,
+                              self.reward_norm, self.guard)
         batch.fill(out, self.writes)
         batch.metrics.update(out.metrics)
 
@@ -243,12 +259,13 @@ class AdvantagesStage(Stage):
 class UpdateStage(Stage):
     """The critic's or the actor's optimizer steps on the batch (its members; the others pass).  The actor's
     waits --freezing_actor_steps (the step counter is shared: every rank skips alike)."""
-    trainers_only, memory = True, "update"
+    trainers_only = True
     reads = ("sequences", "attention_mask", "action_mask", "advantages", "returns", "old_logprobs", "ref_logprobs",
              "rollout_logprobs", "values")
 
     def __init__(self, role: str, frozen_steps: int = 0):
-        self.role, self.name, self.frozen = role, f"{role}_update", frozen_steps
+        self._declare(self, f"{role}_update")
+        self.frozen = frozen_steps
 
     def run(self, batch: Batch, roles) -> None:
         r = getattr(roles, self.role)
@@ -265,7 +282,7 @@ def sync_weights(weight_sync, roles) -> None:
 
 
 class WeightSyncStage(Stage):
-    name, role, share, tags = "weight_sync", "rollout", "actor", ["weights"]
+    name = "weight_sync"
 
     def __init__(self, weight_sync, deadline_s: Optional[float]):
         self.weight_sync, self.deadline_s = weight_sync, deadline_s
@@ -305,12 +322,13 @@ def rewards_ahead(async_train: bool, agent_mode: bool, reward_model: bool, rewar
                             or scores_ahead(agent_mode, reward_model))
 
 
-def build_stages(cfg, p: StageParts) -> List[Stage]:
-    """The stages of one RL step that apply here, in order: decided once, from config and placement."""
-    r, a = cfg.rollout, cfg.algorithm
+def build_stages(r, a, o, logging, data, p: StageParts) -> List[Stage]:
+    """The stages of one RL step that apply here, in order: decided once, from the flags of the rollout (``r``),
+    algorithm (``a``), optim (``o``), logging and data groups (rlhf.config.schema) and the placement (``p.has``)."""
     default_s, slow_s, round_s, refill_s = p.timeouts
     wait_s = slow_s + default_s if r.async_train else None  # async: waits for the rollout ranks' produce
-    refill = refills(cfg)
+    refill = refills(a, r.async_train)
+    old_logprobs = needs_old_logprobs(a, on_policy_single_update(r, o, a))
     out: List[Optional[Stage]] = [
         None if refill else RolloutStage(p.rollouts, p.sampler, p.scheduler, p.queue, slow_s),
         None if refill or rewards_ahead(r.async_train, p.agent_mode, p.has["reward"], p.reward_source is not None)
@@ -321,12 +339,12 @@ def build_stages(cfg, p: StageParts) -> List[Stage]:
         ProduceStage(p.queue, r.async_queue_size, p.total_steps, slow_s) if r.async_train else None,
         RefStage(p.forwards) if p.has["ref"] else None,
         ValuesStage(p.forwards) if p.has["critic"] else None,
-        OldLogprobsStage(p.forwards) if needs_old_logprobs(cfg, on_policy_single_update(cfg)) else None,
-        LogprobGapStage(p.forwards, p.scheduler, cfg.logging.logprob_gap_interval) if measures_gap_only(cfg)
-        else None,
-        AdvantagesStage(cfg, p.reward_norm, p.guard),
+        OldLogprobsStage(p.forwards) if old_logprobs else None,
+        LogprobGapStage(p.forwards, p.scheduler, logging.logprob_gap_interval)
+        if measures_gap_only(logging.logprob_gap_interval, old_logprobs) else None,
+        AdvantagesStage(a, data.generate_max_len, r.n_samples_per_prompt, p.reward_norm, p.guard),
         UpdateStage("critic") if p.has["critic"] else None,
-        UpdateStage("actor", cfg.optim.freezing_actor_steps),
+        UpdateStage("actor", o.freezing_actor_steps),
         RewardAheadStage(p.queue, r.async_queue_size, p.total_steps, wait_s)
         if r.async_train and p.has["reward"] else None,
         WeightSyncStage(p.weight_sync, wait_s),
@@ -340,11 +358,12 @@ def stage_deadlines(stages: Sequence[Stage]) -> Dict[str, float]:
 
 
 def memory_stages() -> Dict[str, List[Tuple[str, str]]]:
-    """(stage name, role) of the stages the memory planner plans by kind ("forward", "update"), in the loop's
-    order: every one that may apply (the planner keeps those whose role the job has)."""
-    every = [RewardStage, RefStage, ValuesStage, OldLogprobsStage, UpdateStage("critic"),
-             UpdateStage("actor")]
-    out: Dict[str, List[Tuple[str, str]]] = {"forward": [], "update": []}
+    """(stage name, role) of the stage classes the memory planner plans, by memory kind ("rollout", "forward",
+    "update", "sync"), in the loop's order: every one that may apply (the planner keeps those whose role the job
+    has).  The classes take these from rlhf.stage_table, the list the planner reads."""
+    every = [RolloutStage, RewardStage, RefStage, ValuesStage, OldLogprobsStage, UpdateStage("critic"),
+             UpdateStage("actor"), WeightSyncStage]
+    out: Dict[str, List[Tuple[str, str]]] = {"rollout": [], "forward": [], "update": [], "sync": []}
     for s in every:
         out[s.memory].append((s.name, s.role))
     return out

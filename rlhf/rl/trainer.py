@@ -19,7 +19,9 @@ from rlhf import checkpoint as ckpt
 from rlhf.algorithms import make_kl_controller
 from rlhf.algorithms.seqlen_balancing import OVER_BUDGET
 from rlhf.batch import Batch
+from rlhf.config.batching_checks import dynamic_budgets
 from rlhf.config.preflight import preflight
+from rlhf.console import print0
 from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, make_placement, nnodes_from_env, role_needs
 from rlhf.distributed.failfast import guarded
 from rlhf.distributed.sharding import all_gather_objects
@@ -34,7 +36,7 @@ from rlhf.rl.evaluate import Evaluator
 from rlhf.rl.persistence import export_final, needs_first_sync, restore_run, run_state, save_run
 from rlhf.rl.stages import Stage, StageParts, build_stages, stage_deadlines, sync_weights
 from rlhf.roles.build import build_roles
-from rlhf.utils.cadence import Cadence, log0
+from rlhf.utils.cadence import Cadence
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
@@ -68,9 +70,9 @@ class RLTrainer:
             from rlhf.agents.load import load_agent
 
             load_agent(r.agent_func_path)  # fail on a bad file before any process group
-        self.reward_source = make_reward_source(r.remote_rm_url, r.reward_timeout_s, log0, r.remote_rm_retries)
+        self.reward_source = make_reward_source(r.remote_rm_url, r.reward_timeout_s, print0, r.remote_rm_retries)
         if self.reward_source is None and not cfg.model.reward_pretrain:
-            self.reward_source = builtin_reward_source(log0)
+            self.reward_source = builtin_reward_source(print0)
         self.path = resolve_pretrain(cfg.model.pretrain)
         self.tokenizer = load_tokenizer(self.path)
         self.prompts, eval_prompts, eval_sources = load_prompt_sets(
@@ -87,7 +89,7 @@ class RLTrainer:
                                             **io_deadlines(cfg.model, self.path, self.plan, self.plan_nodes,
                                                            t.watchdog_slow_timeout_s)})
         for n in notes:
-            log0(n)
+            print0(n)
         torch.manual_seed(cfg.optim.seed)
         self.groups = build_groups(self.plan, self.rank)
         samples = rb * r.n_samples_per_prompt
@@ -101,7 +103,7 @@ class RLTrainer:
         self.weight_sync = WeightSync(self.groups, rollout_engine, timeout_s=t.dist_timeout_s, device=self.device,
                                       dtype=torch.bfloat16 if cfg.model.bf16 else None)
         self.kl_ctl = make_kl_controller(a.init_kl_coef, a.kl_target, a.kl_horizon)
-        self.reward_norm = running_reward_norm(cfg)
+        self.reward_norm = running_reward_norm(a)
         self.invalid_rewards = InvalidRewardGuard(a.max_invalid_reward_batches)
         self.build_step(cfg)
         self.step = 0
@@ -138,19 +140,21 @@ class RLTrainer:
         """The step's components, each from its part of the config, the async queue, and the stages that apply
         (decided once, from config and placement); their deadlines join the watchdog's."""
         t, a = cfg.topology, cfg.algorithm
-        self.forwards = Forwards.from_config(cfg)
-        self.sampler = Sampler.from_config(cfg, self.tokenizer.eos_token_id, self.roles.rollout.engine_index)
+        self.forwards = Forwards.from_config(cfg.rollout, cfg.model, dynamic_budgets(cfg)[1])
+        self.sampler = Sampler.from_config(cfg.rollout, cfg.data.generate_max_len, cfg.optim.seed,
+                                           self.tokenizer.eos_token_id, self.roles.rollout.engine_index)
         self.rollouts = Rollouts(self.tokenizer.pad_token_id, with_rewards=self.agent_mode)
         self.scorer = Scorer(self.agent_mode, self.reward_source, self.tokenizer, self.watchdog, self.forwards,
                              self.rank, self.world)
-        self.async_rollout = AsyncRollout(QueueSettings.from_config(cfg), self.roles, self.groups, self.rank,
-                                          self.scorer, self.sampler, self.prompts_for, self.tokenizer.pad_token_id) \
+        queue = QueueSettings.from_config(cfg.rollout, a, cfg.data.generate_max_len)
+        self.async_rollout = AsyncRollout(queue, self.roles, self.groups, self.rank, self.scorer, self.sampler,
+                                          self.prompts_for, self.tokenizer.pad_token_id) \
             if cfg.rollout.async_train else None
         # a dynamic-filtering refill is up to max_rounds + 1 rounds of generation + scoring: each round has its own
         # deadline (RefillRolloutStage), the whole stage the sum
         round_s, refill_s = refill_deadlines(t.watchdog_timeout_s, t.watchdog_slow_timeout_s,
                                              a.dynamic_filtering_max_rounds)
-        self.stages: List[Stage] = build_stages(cfg, StageParts(
+        self.stages: List[Stage] = build_stages(cfg.rollout, a, cfg.optim, cfg.logging, cfg.data, StageParts(
             has={k: bool(self.plan.ranks.get(k)) for k in ("ref", "critic", "reward")}, agent_mode=self.agent_mode,
             reward_source=self.reward_source, forwards=self.forwards, rollouts=self.rollouts, scorer=self.scorer,
             sampler=self.sampler, scheduler=self.scheduler, watchdog=self.watchdog, weight_sync=self.weight_sync,
@@ -201,7 +205,7 @@ class RLTrainer:
             with self.scheduler.phase("save", role="actor", share=critic):
                 self.save()
         self.cadence.preempted = True
-        log0(f"[preempt] {self.cadence.stop.reason()}: step {self.step + 1} cut after its {stage} phase; checkpoint "
+        print0(f"[preempt] {self.cadence.stop.reason()}: step {self.step + 1} cut after its {stage} phase; checkpoint "
              f"of step {self.step} (the last completed) saved in {c.ckpt_path}; the run is NOT complete "
              f"({self.step}/{self.total_steps} steps): resume with --load_checkpoint")
 
@@ -225,7 +229,7 @@ class RLTrainer:
             self.step = restore_run(path, self.roles, self.kl_ctl, self.reward_norm, self.async_rollout)
         with self.phase(self.stage_named("weight_sync")):
             self.sync_weights()
-        log0(f"[resume] from {path} at step {self.step}")
+        print0(f"[resume] from {path} at step {self.step}")
         return True
 
     def first_sync(self) -> None:

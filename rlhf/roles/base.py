@@ -217,10 +217,10 @@ def model_role(cls, name: str, groups: Groups, backend: str, device, spec: Calla
     return role
 
 
-def frozen_spec(cfg, total_steps: int) -> Callable[[ModelRole], EngineSpec]:
+def frozen_spec(model, optim, topology, total_steps: int) -> Callable[[ModelRole], EngineSpec]:
     """A frozen role's engine spec (inference micro-batches only: RL's reference and reward model, DPO's
-    reference)."""
-    return lambda role: spec_from_config(cfg.model, cfg.optim, cfg.topology, 0.0, total_steps, trainable=False,
+    reference), from the model, optim and topology groups."""
+    return lambda role: spec_from_config(model, optim, topology, 0.0, total_steps, trainable=False,
                                          group_size=role.size)
 
 

@@ -18,11 +18,14 @@ from rlhf.roles.update_batches import update_settings
 
 
 def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
-    """Role objects on every rank from the plan; engines built on the members only."""
+    """Role objects on every rank from the plan; engines built on the members only.  The RL roles' assembly: it
+    reads six groups of the config (model, optim, topology, algorithm, rollout, data) and hands each role builder
+    the groups or values that one reads; nothing below it gets ``cfg``."""
+    from rlhf.config.batching_checks import dynamic_budgets
 
     m, o, t = cfg.model, cfg.optim, cfg.topology
     path = resolve_pretrain(m.pretrain)
-    settings = update_settings(cfg)
+    settings = update_settings(o, m, cfg.rollout, cfg.data.generate_max_len, dynamic_budgets(cfg)[0])
 
     def trainable(lr):
         return lambda role: spec_from_config(cfg.model, cfg.optim, cfg.topology, lr, total_steps)
@@ -31,13 +34,14 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
                        lambda on_meta: load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank,
                                                       m.lora_alpha, m.target_modules, on_meta=on_meta),
                        algo=cfg.algorithm, settings=settings)
-    ref = build_reference(cfg, groups, path, device, total_steps)
+    ref = build_reference(m, o, t, groups, path, device, total_steps)
     if m.lm_head_fp32:  # the actor's and the reference's log-probs from float32 logits
         for r in (actor, ref):
             if r is not None and r.engine is not None:
                 use_fp32_head(r.engine.model)
     critic = model_role(Critic, "critic", groups, t.backend, device, trainable(o.critic_learning_rate),
-                        lambda on_meta: load_critic(cfg, path, on_meta), algo=cfg.algorithm, settings=settings)
+                        lambda on_meta: load_critic(m, cfg.algorithm.normalize_reward, path, on_meta),
+                        algo=cfg.algorithm, settings=settings)
     stats = {}
 
     def load_rm(on_meta):
@@ -45,7 +49,7 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
                                             value_head_prefix=m.value_head_prefix)
         return rm
 
-    reward = model_role(ModelRole, "reward", groups, t.backend, device, frozen_spec(cfg, total_steps), load_rm)
+    reward = model_role(ModelRole, "reward", groups, t.backend, device, frozen_spec(m, o, t, total_steps), load_rm)
     if cfg.rollout.async_train:  # the rollout ranks of their own generate meanwhile (rlhf.rl.async_queue)
         for r in (actor, ref, critic, reward):
             if r is not None:
@@ -53,7 +57,7 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     rollout = RolloutRole("rollout", groups.mesh("rollout"))
     if rollout.is_member:
         rollout.engine = build_rollout_engine(cfg.rollout, cfg.topology, path, groups, device, bf16=m.bf16,
-                                              seed=cfg.optim.seed, max_model_len=rl_max_len(cfg))
+                                              seed=cfg.optim.seed, max_model_len=rl_max_len(cfg.data))
         if cfg.rollout.agent_func_path:
             from rlhf.agents.load import load_agent
 
@@ -63,13 +67,12 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     from rlhf.rl.advantage_stage import reward_model_stats
 
     return Roles(actor=actor, rollout=rollout, ref=ref, critic=critic, reward=reward,
-                 reward_stats=reward_model_stats(cfg, stats.get("v")))
+                 reward_stats=reward_model_stats(cfg.algorithm.normalize_reward, stats.get("v")))
 
 
-def rl_max_len(cfg) -> int:
+def rl_max_len(d) -> int:
     """Prompt + response tokens of one sample: --prompt_max_len + --generate_max_len, within RL's --max_len (OpenRLHF's
-    prompt + response budget, its vLLM max_model_len; rlhf.config.openrlhf_meaning)."""
-    d = cfg.data
+    prompt + response budget, its vLLM max_model_len; rlhf.config.openrlhf_meaning); ``d``: the data group."""
     return min(d.prompt_max_len + d.generate_max_len, d.max_len)
 
 

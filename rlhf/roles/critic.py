@@ -74,16 +74,16 @@ class Critic(ModelRole):
                 self.engine.model.save_hf(sd, tokenizer, path)
 
 
-def load_critic(cfg, path: str, on_meta: bool = False):
+def load_critic(m, normalize_reward: bool, path: str, on_meta: bool = False):
     """The critic from --critic_pretrain (default ``path``, --pretrain).  A reward model there gives the value head
     its score head, normalised as the reward role normalises scores (``reward_model_stats``), so at step 1 the
-    critic's value at a sequence's last token is the reward role's score (rlhf.models.critic)."""
+    critic's value at a sequence's last token is the reward role's score (rlhf.models.critic).  ``m``: the model
+    group; ``normalize_reward``: --normalize_reward."""
     from rlhf.models.critic import CriticModel
     from rlhf.models.load import saved_reward_stats
     from rlhf.rl.advantage_stage import reward_model_stats
 
-    m = cfg.model
     src = m.critic_pretrain or path
     return CriticModel.from_pretrained(src, m.gradient_checkpointing, on_meta=on_meta, flash_attn=m.flash_attn,
                                        value_head_prefix=m.value_head_prefix,
-                                       reward_stats=reward_model_stats(cfg, saved_reward_stats(src)))
+                                       reward_stats=reward_model_stats(normalize_reward, saved_reward_stats(src)))

@@ -22,9 +22,9 @@ class Reference(ModelRole):
     trains = False
 
 
-def build_reference(cfg, groups: Groups, path: str, device, total_steps: int) -> Optional[Reference]:
-    """The placement's "ref" role on every rank (None where it has none); ``path``: --pretrain resolved."""
-    m = cfg.model
-    return model_role(Reference, "ref", groups, cfg.topology.backend, device, frozen_spec(cfg, total_steps),
+def build_reference(m, optim, topology, groups: Groups, path: str, device, total_steps: int) -> Optional[Reference]:
+    """The placement's "ref" role on every rank (None where it has none), from the model (``m``), optim and topology
+    groups; ``path``: --pretrain resolved."""
+    return model_role(Reference, "ref", groups, topology.backend, device, frozen_spec(m, optim, topology, total_steps),
                       lambda on_meta: load_causal_lm(m.ref_pretrain or path, m.bf16, m.flash_attn, on_meta=on_meta,
                                                      trainable=False))

@@ -71,17 +71,13 @@ class UpdateSettings(NamedTuple):
     generate_max_len: int        # the constant-normaliser of --loss_agg_mode seq-mean-token-sum-norm
 
 
-def update_settings(cfg) -> UpdateSettings:
-    """The UpdateSettings of a run's config (the roles keep these, never the whole config)."""
-    o, m, r = cfg.optim, cfg.model, cfg.rollout
-    budget = None
-    if o.use_dynamic_batch:
-        from rlhf.config.batching_checks import row_budgets
-
-        budget = row_budgets(cfg)[0]
-    return UpdateSettings(o.max_epochs, o.train_batch_size, o.micro_train_batch_size, budget, m.packing_samples,
+def update_settings(o, m, r, generate_max_len: int, token_budget: Optional[int]) -> UpdateSettings:
+    """The UpdateSettings from the optim (``o``), model (``m``) and rollout (``r``) groups, --generate_max_len and
+    the training token budget (rlhf.config.batching_checks ``dynamic_budgets``; None: fixed micro-batches).  The
+    roles keep these, never the config."""
+    return UpdateSettings(o.max_epochs, o.train_batch_size, o.micro_train_batch_size, token_budget, m.packing_samples,
                           r.temperature if r.temperature > 0 else 1.0, m.logprob_chunk_size, m.lm_head_keep_bytes,
-                          cfg.data.generate_max_len)
+                          generate_max_len)
 
 
 def token_budget(s: UpdateSettings, exp) -> Optional[TokenBudget]:

@@ -17,15 +17,13 @@ from rlhf.models.load import RM_NORM_FILE, apply_lora, attn_implementation, from
 from rlhf.supervised.trainer import Task
 
 
-def _prompt(cfg, tok, row):
-    d = cfg.data
+def _prompt(d, tok, row):
     return format_prompt(row[d.input_key], tok, d.apply_chat_template, d.input_template)
 
 
-def _response(cfg, tok, row, key: str) -> str:
-    """The row's response under the flag ``key`` (output_key / chosen_key / rejected_key) as text; message lists
-    through the chat template (rlhf.data.formatting.format_response)."""
-    d = cfg.data
+def _response(d, tok, row, key: str) -> str:
+    """The row's response under the flag ``key`` (output_key / chosen_key / rejected_key) of the data group ``d`` as
+    text; message lists through the chat template (rlhf.data.formatting.format_response)."""
     return format_response(row[getattr(d, key)], row[d.input_key], tok, d.apply_chat_template, key)
 
 
@@ -54,8 +52,8 @@ def token_logprobs(model, batch, chunk: int, fused: bool = True, keep_bytes: int
     return logprobs_from_logits(logits, batch["input_ids"][:, 1:], chunk)
 
 
-def _collate(cfg, tok, samples):
-    if cfg.model.packing_samples:
+def _collate(packing: bool, tok, samples):
+    if packing:
         b = collate_packed(samples)
         # never predict a sample's first token from the previous sample's last one
         lm = b["loss_mask"].clone()
@@ -65,9 +63,8 @@ def _collate(cfg, tok, samples):
     return collate_supervised(samples, tok.pad_token_id)
 
 
-def build_policy(cfg, path: str, on_meta: bool = False):
-    """The trainable causal LM of SFT and DPO (LoRA, bf16, flash-attention, checkpointing from the config)."""
-    m = cfg.model
+def build_policy(m, path: str, on_meta: bool = False):
+    """The trainable causal LM of SFT and DPO (LoRA, bf16, flash-attention, checkpointing from the model group)."""
     return load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
                           m.target_modules, on_meta=on_meta)
 
@@ -76,28 +73,28 @@ class SFTTask(Task):
     name = "sft"
     required_keys = {"input_key": None, "output_key": None}
 
-    def __init__(self, cfg, tokenizer):
-        super().__init__(cfg, tokenizer)
-        if mode_of(cfg.data, cfg.model.pretrain_mode):  # --multiturn / --pretrain_mode: all in --input_key (data.sft_modes)
+    def __init__(self, model_config, data, algorithm, tokenizer):
+        super().__init__(model_config, data, algorithm, tokenizer)
+        if mode_of(data, model_config.pretrain_mode):  # --multiturn / --pretrain_mode: all in --input_key (data.sft_modes)
             self.required_keys = {"input_key": None}
 
     def build_model(self, path, on_meta=False):
-        return build_policy(self.cfg, path, on_meta)
+        return build_policy(self.model_config, path, on_meta)
 
     def make_sample(self, row):
         """(input_ids, loss_mask): prompt -> response (loss on the response and eos), or under --multiturn every
         assistant turn, under --pretrain_mode every token (rlhf.data.sft_modes)."""
-        mode = mode_of(self.cfg.data, self.cfg.model.pretrain_mode)
+        mode = mode_of(self.data, self.model_config.pretrain_mode)
         if mode:
-            return mode_sample(row, self.tokenizer, self.cfg.data, mode)[:2]
-        return tokenize_pair(self.tokenizer, _prompt(self.cfg, self.tokenizer, row),
-                             _response(self.cfg, self.tokenizer, row, "output_key"), self.cfg.data.max_len)
+            return mode_sample(row, self.tokenizer, self.data, mode)[:2]
+        return tokenize_pair(self.tokenizer, _prompt(self.data, self.tokenizer, row),
+                             _response(self.data, self.tokenizer, row, "output_key"), self.data.max_len)
 
     def collate(self, samples):
-        return _collate(self.cfg, self.tokenizer, samples)
+        return _collate(self.model_config.packing_samples, self.tokenizer, samples)
 
     def compute(self, model, b):
-        lp = token_logprobs(model, b, self.cfg.model.logprob_chunk_size, keep_bytes=self.cfg.model.lm_head_keep_bytes)
+        lp = token_logprobs(model, b, self.model_config.logprob_chunk_size, keep_bytes=self.model_config.lm_head_keep_bytes)
         loss = sft_token_loss(lp, b["loss_mask"][:, 1:])
         return loss, {"loss": float(loss.detach())}
 
@@ -110,36 +107,36 @@ class RMTask(Task):
         from transformers import AutoModelForSequenceClassification
 
         m = from_pretrained_or_meta(AutoModelForSequenceClassification, path, on_meta, {"num_labels": 1},
-                                    dtype=weight_dtype(self.cfg.model.bf16, trainable=True,
-                                                       lora=self.cfg.model.lora_rank > 0),  # frozen base: bf16
-                                    attn_implementation=attn_implementation(self.cfg.model.flash_attn))
+                                    dtype=weight_dtype(self.model_config.bf16, trainable=True,
+                                                       lora=self.model_config.lora_rank > 0),  # frozen base: bf16
+                                    attn_implementation=attn_implementation(self.model_config.flash_attn))
         m.config.pad_token_id = self.tokenizer.pad_token_id
-        if self.cfg.model.gradient_checkpointing:
+        if self.model_config.gradient_checkpointing:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.cfg.model.lora_rank > 0:  # OpenRLHF get_llm_for_sequence_regression(lora_rank=...); head trained too
-            c = self.cfg.model
+        if self.model_config.lora_rank > 0:  # OpenRLHF get_llm_for_sequence_regression(lora_rank=...); head trained too
+            c = self.model_config
             m = apply_lora(m, c.lora_rank, c.lora_alpha, c.target_modules, task_type="SEQ_CLS")
         return m
 
-    def __init__(self, cfg, tokenizer):
-        super().__init__(cfg, tokenizer)
-        if cfg.algorithm.margin_loss:  # per-pair margin from the data (OpenRLHF --margin_loss)
+    def __init__(self, model_config, data, algorithm, tokenizer):
+        super().__init__(model_config, data, algorithm, tokenizer)
+        if algorithm.margin_loss:  # per-pair margin from the data (OpenRLHF --margin_loss)
             self.required_keys = {**type(self).required_keys, "margin_key": None}
 
     def make_sample(self, row):
-        d, tok = self.cfg.data, self.tokenizer
+        d, tok = self.data, self.tokenizer
         p, chosen, rejected = pair_texts(row, tok, d, is_dpo=False)  # rows without a prompt column: OpenRLHF's
         c = tokenize_pair(tok, p, chosen, d.max_len)[0]
         r = tokenize_pair(tok, p, rejected, d.max_len)[0]
-        if self.cfg.algorithm.margin_loss:
+        if self.algorithm.margin_loss:
             return c, r, float(row[d.margin_key])
         return c, r
 
     def margins(self, samples):
         """Per-pair margins (--margin_loss: the data's --margin_key column), else the constant --margin."""
-        if self.cfg.algorithm.margin_loss:
+        if self.algorithm.margin_loss:
             return torch.tensor([float(s[2]) for s in samples])
-        return self.cfg.algorithm.margin
+        return self.algorithm.margin
 
     def collate(self, samples):
         """[chosen..., rejected...] padded (or packed into one row with each sequence's length in ``seq_lens``),
@@ -148,7 +145,7 @@ class RMTask(Task):
         n = len(samples)
         m = self.margins(samples)
         b = {"margin": m.float() if torch.is_tensor(m) else torch.full((n,), float(m))}
-        if self.cfg.model.packing_samples:
+        if self.model_config.packing_samples:
             p = collate_packed([(s, [1] * len(s)) for s in seqs])
             b.update(input_ids=p["input_ids"], position_ids=p["position_ids"],
                      seq_lens=torch.tensor([len(s) for s in seqs]))
@@ -175,7 +172,7 @@ class RMTask(Task):
         return out[:n], out[n:]
 
     def compute(self, model, b):
-        a = self.cfg.algorithm
+        a = self.algorithm
         c, r = self.batch_scores(model, b)
         loss = REWARD_MODEL_LOSSES.get_fn(a.rm_loss)(c, r, b["margin"]).mean()
         c, r = c.detach(), r.detach()  # metrics: float() of a graph tensor warns on every rank
@@ -191,7 +188,7 @@ class RMTask(Task):
         samples = trainer.eval_samples or trainer.train_samples
         vals = []
         trainer.engine.model.eval()
-        for part in micro_plan(len(samples), trainer.rank, trainer.world, self.cfg.optim.micro_train_batch_size):
+        for part in micro_plan(len(samples), trainer.rank, trainer.world, trainer.cfg.optim.micro_train_batch_size):
             c, r = self.scores(trainer.engine.model, samples[part] if part is not None else samples[:1])
             if part is not None:  # the same number of forwards on every rank (FSDP collectives); dummies dropped
                 vals += c.tolist() + r.tolist()
@@ -200,7 +197,7 @@ class RMTask(Task):
         mean = t[0] / t[2]
         std = (t[1] / t[2] - mean ** 2).clamp(min=1e-12).sqrt()
         if trainer.rank == 0:
-            with open(os.path.join(self.cfg.checkpoint.save_path, RM_NORM_FILE), "w") as fh:
+            with open(os.path.join(trainer.cfg.checkpoint.save_path, RM_NORM_FILE), "w") as fh:
                 json.dump({"mean": float(mean), "std": float(std)}, fh)
 
 
@@ -209,7 +206,7 @@ class DPOTask(Task):
     required_keys = {"input_key": None, "chosen_key": None, "rejected_key": None}
 
     def build_model(self, path, on_meta=False):
-        return build_policy(self.cfg, path, on_meta)
+        return build_policy(self.model_config, path, on_meta)
 
     REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -219,7 +216,7 @@ class DPOTask(Task):
         return not all(s[2] is not None for s in samples)
 
     def make_sample(self, row):
-        d, tok = self.cfg.data, self.tokenizer
+        d, tok = self.data, self.tokenizer
         p, chosen, rejected = pair_texts(row, tok, d, is_dpo=True)  # rows without a prompt column: OpenRLHF's
         ref = tuple(float(row[k]) for k in self.REF_KEYS) if all(row.get(k) is not None for k in self.REF_KEYS) \
             else None
@@ -228,7 +225,7 @@ class DPOTask(Task):
     def collate(self, samples):
         """One batch of [chosen..., rejected...] for the policy and the reference alike; ``ref``: the rows'
         precomputed (chosen, rejected) reference log-probs, (n, 2), when every row has them."""
-        b = _collate(self.cfg, self.tokenizer, [s[0] for s in samples] + [s[1] for s in samples])
+        b = _collate(self.model_config.packing_samples, self.tokenizer, [s[0] for s in samples] + [s[1] for s in samples])
         b["n_pairs"] = len(samples)
         if all(s[2] is not None for s in samples):
             b["ref"] = torch.tensor([s[2] for s in samples], dtype=torch.float32)
@@ -236,7 +233,7 @@ class DPOTask(Task):
 
     def batch_logps(self, model, b, n: int):
         """Summed response log-probs of a collated batch of n pairs: (chosen, rejected, chosen token counts)."""
-        lp = token_logprobs(model, b, self.cfg.model.logprob_chunk_size, keep_bytes=self.cfg.model.lm_head_keep_bytes)
+        lp = token_logprobs(model, b, self.model_config.logprob_chunk_size, keep_bytes=self.model_config.lm_head_keep_bytes)
         mask = b["loss_mask"][:, 1:].float()
         if "segment_ids" in b:
             seg = b["segment_ids"][0, 1:]
@@ -247,7 +244,7 @@ class DPOTask(Task):
         return sums[:n], sums[n:], cnt[:n]
 
     def compute(self, model, b):
-        a = self.cfg.algorithm
+        a = self.algorithm
         n = b["n_pairs"]
         pc, pr, nc = self.batch_logps(model, b, n)
         if self.ref is None:  # precomputed (rows' ref_chosen_logps / ref_rejected_logps)

@@ -15,6 +15,7 @@ from rlhf import checkpoint as ckpt
 from rlhf.algorithms.seqlen_balancing import OVER_BUDGET, Item, plan_step
 from rlhf.config.batching_checks import row_budgets
 from rlhf.config.preflight import preflight
+from rlhf.console import print0
 from rlhf.data.loading import load_train_eval
 from rlhf.data.screen import screen_rows
 from rlhf.distributed import comm, micro_plan, shard_rows
@@ -27,7 +28,7 @@ from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.roles.actor import Actor
 from rlhf.roles.base import Roles, model_role
 from rlhf.roles.reference import build_reference
-from rlhf.utils.cadence import Cadence, log0, planned_steps
+from rlhf.utils.cadence import Cadence, planned_steps
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
@@ -38,8 +39,9 @@ class Task:
     device: Optional[torch.device] = None  # the engine's compute device (SupervisedTrainer sets it; see ``batch``)
     ref = None  # the Reference role's engine where ``needs_reference`` (SupervisedTrainer sets it), else None
 
-    def __init__(self, cfg, tokenizer):
-        self.cfg, self.tokenizer = cfg, tokenizer
+    def __init__(self, model_config, data, algorithm, tokenizer):
+        """``model_config``, ``data``, ``algorithm``: the config's groups a task reads (rlhf.config.schema)."""
+        self.model_config, self.data, self.algorithm, self.tokenizer = model_config, data, algorithm, tokenizer
 
     def build_model(self, path: str, on_meta: bool = False): ...
 
@@ -109,31 +111,32 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def io_deadlines(cfg, path: str, task: str, nodes: int, floor_s: float) -> dict:
+def io_deadlines(ref_pretrain: Optional[str], path: str, task: str, nodes: int, floor_s: float) -> dict:
     """The watchdog's "load" and "save" deadlines from the bytes they move (launch/sbatch.py ``io_deadlines_s``, as
     the RL trainers: rl_trainer.io_deadlines): the trained model's checkpoint (weights, fp32 master, Adam) written
     and read back for the manifest's hashes, and at start-up or resume the weights (DPO: and its reference) or the
     checkpoint read and verified; never below --watchdog_slow_timeout_s (``floor_s``).  Sizes from each model's
-    config.json (or the size in its name)."""
+    config.json (or the size in its name); ``ref_pretrain``: --ref_pretrain (DPO's reference, default ``path``)."""
     from launch.sbatch import io_deadlines_s, model_params
 
     trained = model_params(path)[0] or 0
-    ref = (model_params(cfg.model.ref_pretrain or path)[0] or 0) if task == "dpo" else 0
+    ref = (model_params(ref_pretrain or path)[0] or 0) if task == "dpo" else 0
     return io_deadlines_s(trained, trained + ref, nodes, floor_s)
 
 
-def default_data(cfg, kit: str, kind: str):
+def default_data(kit: str, kind: str):
     return os.path.join(kit, "data", f"{kind}_train.jsonl"), os.path.join(kit, "data", f"{kind}_eval.jsonl")
 
 
-def supervised_roles(cfg, task: Task, groups: Groups, path: str, device, total_steps: int) -> Roles:
+def supervised_roles(m, o, t, task: Task, groups: Groups, path: str, device, total_steps: int) -> Roles:
     """The roles through RL's role construction (``model_role``): the trained model an Actor (SFT: a causal LM,
-    RM: one with a value head, DPO: the policy), checkpointed as ``model/``, and DPO's Reference."""
-    spec = lambda role: spec_from_config(cfg.model, cfg.optim, cfg.topology, cfg.optim.learning_rate, total_steps)  # noqa: E731
-    actor = model_role(Actor, "actor", groups, cfg.topology.backend, device, spec,
+    RM: one with a value head, DPO: the policy), checkpointed as ``model/``, and DPO's Reference; from the model
+    (``m``), optim (``o``) and topology (``t``) groups."""
+    spec = lambda role: spec_from_config(m, o, t, o.learning_rate, total_steps)  # noqa: E731
+    actor = model_role(Actor, "actor", groups, t.backend, device, spec,
                        lambda on_meta: task.build_model(path, on_meta=on_meta))
     actor.state_name = "model"
-    return Roles(actor=actor, ref=build_reference(cfg, groups, path, device, total_steps))
+    return Roles(actor=actor, ref=build_reference(m, o, t, groups, path, device, total_steps))
 
 
 class SupervisedTrainer:
@@ -143,10 +146,10 @@ class SupervisedTrainer:
         preflight(cfg, task_cls.name)  # before any process group: wrong model kinds, unwritable paths, resume
         self.path = resolve_pretrain(cfg.model.pretrain)
         self.tokenizer = load_tokenizer(self.path, padding_side="right")
-        self.task = task_cls(cfg, self.tokenizer)
+        self.task = task_cls(cfg.model, d, cfg.algorithm, self.tokenizer)
         keys = {k: getattr(d, k) for k in self.task.required_keys}
         rows, ev = load_train_eval(d, keys, d.dataset, d.dataset_probs,
-                                   None if cfg.model.pretrain else default_data(cfg, self.path, data_kind),
+                                   None if cfg.model.pretrain else default_data(self.path, data_kind),
                                    "--dataset is required with --pretrain (the built-in task goes with the built-in "
                                    "kit)", o.seed)
         rows, self.data_report = screen_rows(rows, self.tokenizer, d, self.task.name, "train", cfg.model.pretrain_mode)
@@ -169,13 +172,13 @@ class SupervisedTrainer:
         self.mesh = self.groups.mesh("actor")
         self.sp, self.dp_rank, self.dp_world = self.mesh.sp, self.mesh.dp_rank, self.mesh.dp_size
         if capped:
-            log0(capped)
+            print0(capped)
         self.watchdog = Watchdog(default_s=t.watchdog_timeout_s, slow_s=t.watchdog_slow_timeout_s,
-                                 deadlines=io_deadlines(cfg, self.path, self.task.name, t.nnodes_hint
+                                 deadlines=io_deadlines(cfg.model.ref_pretrain, self.path, self.task.name, t.nnodes_hint
                                                         or nnodes_from_env(), t.watchdog_slow_timeout_s))
         torch.manual_seed(o.seed)
         with self.watchdog.phase("load"):
-            self.roles = supervised_roles(cfg, self.task, self.groups, self.path, self.device, self.total_steps)
+            self.roles = supervised_roles(cfg.model, o, t, self.task, self.groups, self.path, self.device, self.total_steps)
         self.engine = self.roles.actor.engine  # the engine the loop trains
         self.task.device = self.engine.compute_device  # batches go there, whatever device the parameters are on
         self.task.ref = self.roles.ref.engine if self.roles.ref is not None else None
@@ -199,7 +202,7 @@ class SupervisedTrainer:
         from rlhf.models.lm_head import use_fp32_head
 
         if self.task.name == "rm":
-            log0("[rm] --lm_head_fp32 has no effect on a reward model (its score head is not an LM head)")
+            print0("[rm] --lm_head_fp32 has no effect on a reward model (its score head is not an LM head)")
             return
         for role in (self.roles.actor, self.roles.ref):
             if role is not None:
@@ -289,7 +292,7 @@ class SupervisedTrainer:
                 role.load_state_dict(os.path.join(path, role.state_dir))
             self.step = ckpt.load_trainer_state(path)["step"]
             ckpt.load_rank_state(path)
-        log0(f"[resume] from {path} at step {self.step}")
+        print0(f"[resume] from {path} at step {self.step}")
         return True
 
     def accumulate(self, batches: List) -> Dict[str, List[float]]:

@@ -12,7 +12,7 @@ import warnings
 from typing import Callable, Dict, Optional, Protocol
 
 from rlhf.config.schema import CheckpointConfig, LoggingConfig
-from rlhf.console import print0 as log0  # the trainers' name for it
+from rlhf.console import print0
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
 
@@ -119,7 +119,7 @@ class Cadence:
             if not (self.ck.save_steps > 0 and t.step % self.ck.save_steps == 0):
                 t.save()
             self.preempted = True
-            log0(f"[preempt] {reason}: checkpoint of step {t.step} saved in {self.ck.ckpt_path}; the run is NOT "
+            print0(f"[preempt] {reason}: checkpoint of step {t.step} saved in {self.ck.ckpt_path}; the run is NOT "
                  f"complete ({t.step}/{t.total_steps} steps): resume with --load_checkpoint")
             return False
         return True

@@ -256,7 +256,7 @@ def test_rl_trainer_waits_for_only_roles_it_does_not_hold():
     wf = lambda stage: RLTrainer.waits_for(tr, stage)  # noqa: E731
     assert wf(UpdateStage("actor")) == "actor"
     assert wf(WeightSyncStage(None, None)) is None              # a member of rollout
-    assert wf(AdvantagesStage(None, None, None)) is None        # no role: every rank works
+    assert wf(AdvantagesStage(None, None, None, None, None)) is None        # no role: every rank works
     assert wf(RewardStage(None)) is None                        # no such role (a function)
     roles["actor"] = NS(is_member=True)
     assert wf(UpdateStage("actor")) is None

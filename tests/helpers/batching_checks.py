@@ -36,6 +36,7 @@ def skewed_experience(P: int = 6, R: int = 12, seed: int = 0):
 def update_role(cls, cfg, engine, dp_rank: int, dp_size: int):
     """An Actor or Critic over ``engine`` at data-parallel coordinates (dp_rank, dp_size), as build_roles makes it
     (rlhf.roles.base.model_role): for tests that drive one ``update``."""
+    from rlhf.config.batching_checks import dynamic_budgets
     from rlhf.distributed.mesh import RoleMesh
     from rlhf.distributed.sequence_parallel import SP
     from rlhf.roles.update_batches import update_settings
@@ -44,7 +45,8 @@ def update_role(cls, cfg, engine, dp_rank: int, dp_size: int):
     sp = m.sp if m is not None else SP()
     mesh = RoleMesh(cls.__name__.lower(), list(range(dp_size * sp.size)), dp_rank * sp.size + sp.rank,
                     {"dp": dp_size, "sp": sp.size}, group=m.group if m is not None else None, sp=sp)
-    role = cls(cls.__name__.lower(), mesh, cfg.algorithm, update_settings(cfg))
+    settings = update_settings(cfg.optim, cfg.model, cfg.rollout, cfg.data.generate_max_len, dynamic_budgets(cfg)[0])
+    role = cls(cls.__name__.lower(), mesh, cfg.algorithm, settings)
     role.engine = engine
     return role
 

@@ -16,6 +16,7 @@ def _two_rank_worker(rank, world, kit):
     from rlhf.algorithms import aggregate, compute_kl
     from rlhf.algorithms.policy_loss import ppo_clip_loss
     from rlhf.batch import Batch
+    from rlhf.config.batching_checks import dynamic_budgets
     from rlhf.engines.fsdp2 import FSDP2Engine
     from rlhf.engines.train import EngineSpec
     from rlhf.models.forward import action_logprobs
@@ -61,7 +62,8 @@ def _two_rank_worker(rank, world, kit):
     eng.step = step
     for mode in ("token-mean", "seq-mean-token-mean"):
         a.loss_agg_mode = mode
-        actor = Actor("actor", eng.mesh, cfg.algorithm, update_settings(cfg))
+        settings = update_settings(cfg.optim, cfg.model, cfg.rollout, cfg.data.generate_max_len, dynamic_budgets(cfg)[0])
+        actor = Actor("actor", eng.mesh, cfg.algorithm, settings)
         actor.engine = eng
         logs = actor.update(exp, kl_coef=0.1, step=0)
         every = [None] * world

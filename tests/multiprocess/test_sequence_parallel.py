@@ -5,6 +5,7 @@ import copy
 
 import torch
 from helpers.mp import spawn
+from helpers.tasks import make_task
 
 TOL = 1e-5
 
@@ -176,6 +177,7 @@ def _engine(cfg, model, sp_size, rank, world, lr=1e-3):
 
 def _update_role(cls, cfg, engine, dp_rank, dp_size):
     """An Actor or Critic over ``engine`` at data-parallel coordinates (dp_rank, dp_size), as build_roles makes it."""
+    from rlhf.config.batching_checks import dynamic_budgets
     from rlhf.distributed.mesh import RoleMesh
     from rlhf.distributed.sequence_parallel import SP
     from rlhf.roles.update_batches import update_settings
@@ -184,7 +186,8 @@ def _update_role(cls, cfg, engine, dp_rank, dp_size):
     sp = m.sp if m is not None else SP()
     mesh = RoleMesh(cls.__name__.lower(), list(range(dp_size * sp.size)), dp_rank * sp.size + sp.rank,
                     {"dp": dp_size, "sp": sp.size}, group=m.group if m is not None else None, sp=sp)
-    role = cls(cls.__name__.lower(), mesh, cfg.algorithm, update_settings(cfg))
+    settings = update_settings(cfg.optim, cfg.model, cfg.rollout, cfg.data.generate_max_len, dynamic_budgets(cfg)[0])
+    role = cls(cls.__name__.lower(), mesh, cfg.algorithm, settings)
     role.engine = engine
     return role
 
@@ -257,7 +260,7 @@ def _engine_checks(rank, world, kit):
         for n in (1, 2):
             cfg = parse(kind, ["--pretrain", kit, "--packing_samples", "--train_batch_size", "4",
                                "--micro_train_batch_size", "1", "--ring_attn_size", str(n)])
-            task = task_cls(cfg, None)
+            task = make_task(task_cls, cfg, None)
             task.ref = None  # DPO: the rows carry reference log-probs
             dp, dps, _ = dp_coords(rank, world, n)
             torch.manual_seed(0)

@@ -7,6 +7,7 @@ import sys
 import click
 import pytest
 from click.testing import CliRunner
+from helpers.tasks import make_task
 
 from rlhf.config import ConfigError, build_config, load_yaml, make_command, parse
 from rlhf.config.openrlhf_compat import COMPAT, active, translate
@@ -466,7 +467,7 @@ def test_train_rm_flash_attn_honoured(tiny_kit, monkeypatch):
 
     monkeypatch.setattr(tasks, "from_pretrained_or_meta", fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    task = tasks.RMTask(build_config({"flash_attn": True}, "rm"), AutoTokenizer.from_pretrained(tiny_kit))
+    task = make_task(tasks.RMTask, build_config({"flash_attn": True}, "rm"), AutoTokenizer.from_pretrained(tiny_kit))
     with pytest.raises(RuntimeError, match="stop"):
         task.build_model(tiny_kit)
     assert seen["attn_implementation"] == "flash_attention_2"

@@ -61,11 +61,11 @@ def test_critic_from_a_reward_model_values_its_last_token_as_the_reward_role_sco
     argv = ["--pretrain", tiny_kit, "--reward_pretrain", rm_dir, "--critic_pretrain", rm_dir]
     cfg = parse("ppo", argv + (["--normalize_reward"] if normalize else []), PPO_DEFAULTS)
     rm, saved = load_reward_model(rm_dir)
-    stats = reward_model_stats(cfg, saved)  # what the reward role divides by (Roles.reward_stats)
+    stats = reward_model_stats(cfg.algorithm.normalize_reward, saved)  # what the reward role divides by (Roles.reward_stats)
     assert stats == ((0.25, 3.0) if normalize else (0.0, 1.0))
     seq, att, R = _rows()
     want = score_sequences(rm, seq, att, stats)
-    critic = load_critic(cfg, tiny_kit)
+    critic = load_critic(cfg.model, cfg.algorithm.normalize_reward, tiny_kit)
     got = last_token_values(critic, seq, att, R)
     assert want.abs().max() > 1e-3, "the reward model's scores are all ~0: the comparison would prove nothing"
     gap = (got - want).abs().max().item()

@@ -15,6 +15,7 @@ import os
 import sys
 
 import pytest
+from helpers.tasks import make_task
 
 from rlhf.config import build_config
 from rlhf.data.formatting import fit_pair, tokenize_pair
@@ -193,7 +194,7 @@ def test_sft_default_input_template_is_openrlhfs(tiny_kit):
     for kind in ("rm", "dpo", "grpo"):
         assert parse(kind, []).data.input_template is None, kind
     row = {"input": "7+8=", "output": "15"}
-    ids, mask = SFTTask(cfg, tok).make_sample(row)
+    ids, mask = make_task(SFTTask, cfg, tok).make_sample(row)
     # OpenRLHF, verbatim: preprocess_data (no chat template) and __getitem__ / get_loss_mask
     prompt = "User: {}\nAssistant: ".format(row["input"])
     text = (prompt + row["output"]).rstrip("\n")
@@ -202,7 +203,7 @@ def test_sft_default_input_template_is_openrlhfs(tiny_kit):
     assert ids == theirs, "the SFT sample's tokens differ from OpenRLHF's default formatting"
     assert mask == [0] * prompt_len + [1] * (len(ids) - prompt_len), "loss on the response and eos only"
     bare = parse("sft", ["--max_len", "64", "--input_template", ""], DEFAULTS)
-    assert SFTTask(bare, tok).make_sample(row)[0][:3] == tok("7+8=", add_special_tokens=False)["input_ids"][:3]
+    assert make_task(SFTTask, bare, tok).make_sample(row)[0][:3] == tok("7+8=", add_special_tokens=False)["input_ids"][:3]
 
 
 def _openrlhf_pair(data, tok, is_dpo, apply_chat_template):
@@ -237,7 +238,7 @@ def test_preference_conversations_without_prompt_column(tiny_kit, tmp_path, caps
     f = _jsonl(tmp_path / "pairs.jsonl", [row, row])
     for kind, task_cls in (("rm", RMTask), ("dpo", DPOTask)):
         cfg = parse(kind, ["--apply_chat_template", "--max_len", "64"])
-        task = task_cls(cfg, tok)
+        task = make_task(task_cls, cfg, tok)
         rows = load_rows(f, {k: getattr(cfg.data, k) for k in task.required_keys})  # no 'input' column: loads
         kept, _ = screen_rows(rows, tok, cfg.data, kind)
         assert len(kept) == 2
@@ -253,7 +254,7 @@ def test_preference_conversations_without_prompt_column(tiny_kit, tmp_path, caps
             assert sample[0][1] == [0] * n + [1] * (len(sample[0][0]) - n)
     # plain text sides without a chat template: prompt "" and the texts as they are (OpenRLHF)
     cfg = parse("rm", ["--max_len", "64"])
-    ids = RMTask(cfg, tok).make_sample({"chosen": "1+2=3", "rejected": "1+2=4"})
+    ids = make_task(RMTask, cfg, tok).make_sample({"chosen": "1+2=3", "rejected": "1+2=4"})
     assert tok.decode(ids[0]) == "1+2=3" + tok.eos_token
     # DPO sides that differ before their last message cannot share OpenRLHF's prompt: refused, naming the row
     bad = dict(row, rejected=[{"role": "user", "content": "9+9="}, {"role": "assistant", "content": "4"}])
@@ -354,9 +355,9 @@ def test_dpo_and_rm_samples_keep_both_responses(tiny_kit):
     tok = AutoTokenizer.from_pretrained(tiny_kit)
     cfg = build_config({"max_len": 12}, "dpo")
     row = {"input": "9+9=" * 10, "chosen": "18", "rejected": "17"}
-    (c_ids, c_mask), (r_ids, r_mask), _ = DPOTask(cfg, tok).make_sample(row)
+    (c_ids, c_mask), (r_ids, r_mask), _ = make_task(DPOTask, cfg, tok).make_sample(row)
     assert sum(c_mask[1:]) == 3 and sum(r_mask[1:]) == 3  # "1" "8" eos on each side
-    c, r = RMTask(build_config({"max_len": 12}, "rm"), tok).make_sample(row)
+    c, r = make_task(RMTask, build_config({"max_len": 12}, "rm"), tok).make_sample(row)
     assert c[-1] == tok.eos_token_id and tok.decode(c[-3:-1]) .replace(" ", "") == "18" and len(c) == 12
 
 
@@ -383,7 +384,7 @@ def test_message_list_responses_are_chat_templated_like_openrlhf(tiny_kit, capsy
     assert format_response(msgs["chosen"], msgs["input"], tok, True) == "3"
     for task in (SFTTask, RMTask, DPOTask):
         cfg = build_config(chat, task.name)
-        got, want = task(cfg, tok).make_sample(msgs), task(cfg, tok).make_sample(plain)
+        got, want = make_task(task, cfg, tok).make_sample(msgs), make_task(task, cfg, tok).make_sample(plain)
         assert got == want, f"{task.name}: message-list sample {got} differs from the plain-text one {want}"
     rows = [msgs, dict(msgs, rejected=_msgs("3")), dict(msgs, chosen=_msgs("  "))]
     kept, rep = screen_rows(rows, tok, build_config(chat, "rm").data, "rm")
@@ -393,7 +394,7 @@ def test_message_list_responses_are_chat_templated_like_openrlhf(tiny_kit, capsy
         with pytest.raises(ValueError, match=r"row 0: .*is a chat message list .*pass --apply_chat_template"):
             screen_rows([msgs], tok, build_config({"max_len": 32}, kind).data, kind)
     with pytest.raises(ValueError, match="pass --apply_chat_template"):
-        SFTTask(build_config({"max_len": 32}, "sft"), tok).make_sample(dict(plain, output=_msgs("3")))
+        make_task(SFTTask, build_config({"max_len": 32}, "sft"), tok).make_sample(dict(plain, output=_msgs("3")))
 
 
 def test_malformed_jsonl_names_file_and_line(tmp_path):

@@ -5,6 +5,7 @@ run in tests/multiprocess/test_distributed.py's FSDP2 launch (tests/helpers/batc
 import click
 import pytest
 import torch
+from helpers.tasks import make_task
 
 from rlhf.algorithms.seqlen_balancing import (
     Item,
@@ -136,7 +137,7 @@ def _trainer(tiny_kit, task_name, dynamic, budget=64):
     cfg.optim.train_batch_size, cfg.optim.micro_train_batch_size = 8, 2
     cfg.optim.use_dynamic_batch, cfg.optim.train_max_tokens_per_gpu = dynamic, budget
     tok = load_tokenizer(tiny_kit, padding_side="right")
-    task = (SFTTask if task_name == "sft" else DPOTask)(cfg, tok)
+    task = make_task(SFTTask if task_name == "sft" else DPOTask, cfg, tok)
     kind = "sft" if task_name == "sft" else "pref"
     with open(f"{tiny_kit}/data/{kind}_train.jsonl") as fh:
         rows = [json.loads(line) for line, _ in zip(fh, range(8))]

@@ -156,3 +156,18 @@ def _build_standin(args):
 
 def _never(model_path, cuda):
     return False, "too small for a stand-in"
+
+
+def test_rollout_engine_choices_come_from_the_registry():
+    """--rollout_engine's choices are "auto" plus the registered engines (a new engine is one file plus one
+    register_engine line), and reading them imports no engine code: a config-only process loads no torch."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from rlhf.config.schema import RolloutConfig
+    field = next(f for f in dataclasses.fields(RolloutConfig) if f.name == "rollout_engine")
+    assert field.metadata["choices"] == ("auto",) + registry.engine_kinds() == ("auto", "hf", "vllm")
+    code = "import sys, rlhf.config; print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"

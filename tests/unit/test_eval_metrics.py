@@ -109,17 +109,22 @@ def test_logprob_gap_measured_on_the_first_and_every_nth_step_without_touching_t
     import click
 
     from rlhf.batch import Batch
-    from rlhf.rl.components import Forwards, gap_due, measures_gap_only
+    from rlhf.rl.advantage_stage import needs_old_logprobs
+    from rlhf.rl.components import Forwards, gap_due, measures_gap_only, on_policy_single_update
     from rlhf.rl.stages import LogprobGapStage
+
+    def gap_only(c) -> bool:  # build_stages' decision from the config's groups
+        old = needs_old_logprobs(c.algorithm, on_policy_single_update(c.rollout, c.optim, c.algorithm))
+        return measures_gap_only(c.logging.logprob_gap_interval, old)
 
     cfg = _grpo_cfg("--logprob_gap_interval", "3")
     # 0-based steps 0 (first), 2, 5 (1-based 3, 6: the ones --logging_steps 3 logs)
     assert [s for s in range(8) if gap_due(cfg.logging.logprob_gap_interval, s)] == [0, 2, 5]
     assert not any(gap_due(_grpo_cfg("--logprob_gap_interval", "0").logging.logprob_gap_interval, s)
                    for s in range(8))
-    assert measures_gap_only(cfg), "on-policy single update: the old log-prob forward is skipped, the gap stage runs"
+    assert gap_only(cfg), "on-policy single update: the old log-prob forward is skipped, the gap stage runs"
     for off in (("--max_epochs", "2"), ("--enable_is_correction",), ("--logprob_gap_interval", "0")):
-        assert not measures_gap_only(_grpo_cfg(*off)), off  # measured every step, or never
+        assert not gap_only(_grpo_cfg(*off)), off  # measured every step, or never
     for flag in ("--logprob_gap_interval", "--log_val_generations"):
         with pytest.raises(click.UsageError, match=f"{flag} must be >= 0 \\(0 = off\\), got -1; e.g. {flag} 10"):
             _grpo_cfg(flag, "-1")
@@ -132,7 +137,7 @@ def test_logprob_gap_measured_on_the_first_and_every_nth_step_without_touching_t
     rows = dict(sequences=torch.zeros(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 5, dtype=torch.long),
                 action_mask=mask, rollout_logprobs=rollout, prompt_len=2)
     tr = _FakeTrainer(cfg, trainer_lp)
-    stage = LogprobGapStage(Forwards.from_config(cfg), tr.scheduler, cfg.logging.logprob_gap_interval)
+    stage = LogprobGapStage(Forwards.from_config(cfg.rollout, cfg.model, None), tr.scheduler, cfg.logging.logprob_gap_interval)
     for step in range(3):
         st = Batch(step=step, prompts=[], n_samples=2, **rows)
         stage.run(st, tr.roles)

@@ -43,15 +43,15 @@ def test_max_len_alone_gives_each_response_what_its_prompt_leaves(tiny_kit):
 
     cfg = parse("ppo", ["--max_len", "12"])
     d = cfg.data
-    assert (d.prompt_max_len, d.max_len, rl_max_len(cfg)) == (11, 12, 12), (d.prompt_max_len, d.max_len)
+    assert (d.prompt_max_len, d.max_len, rl_max_len(cfg.data)) == (11, 12, 12), (d.prompt_max_len, d.max_len)
     assert d.generate_max_len >= 12, "the response bound must not bind before max_len - prompt"
     default = parse("ppo", [])
-    assert rl_max_len(default) == 2048 and (default.data.prompt_max_len, default.data.generate_max_len) == (1024, 1024)
+    assert rl_max_len(default.data) == 2048 and (default.data.prompt_max_len, default.data.generate_max_len) == (1024, 1024)
 
     m = load_causal_lm(tiny_kit)
     m.config.use_cache = True
     tok = load_tokenizer(tiny_kit)
-    eng = HFEngine(m, tok, micro_batch_size=8, max_model_len=rl_max_len(cfg))
+    eng = HFEngine(m, tok, micro_batch_size=8, max_model_len=rl_max_len(cfg.data))
     prompts = [[5] * 3, [6] * 8, [7] * 11]   # 3, 8 and 11 prompt tokens: room 9, 4 and 1
     out = eng.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=d.generate_max_len, seed=3,
                                                stop_token_ids=()))
@@ -114,13 +114,14 @@ def test_normalize_reward_rescales_the_reward_model_only(tiny_kit, tmp_path):
     assert saved == (0.5, 2.0), "config.json's mean / std are read whatever config.json's normalize_reward says"
 
     on, off = parse("ppo", ["--normalize_reward"]), parse("ppo", [])
-    assert reward_model_stats(on, saved) == (0.5, 2.0) and reward_model_stats(off, saved) == (0.0, 1.0)
-    assert running_reward_norm(on) is None, "--normalize_reward must not normalise reward functions' rewards"
-    assert running_reward_norm(parse("ppo", ["--running_reward_norm"])) is not None
+    assert reward_model_stats(on.algorithm.normalize_reward, saved) == (0.5, 2.0) \
+        and reward_model_stats(off.algorithm.normalize_reward, saved) == (0.0, 1.0)
+    assert running_reward_norm(on.algorithm) is None, "--normalize_reward must not normalise reward functions' rewards"
+    assert running_reward_norm(parse("ppo", ["--running_reward_norm"]).algorithm) is not None
     seq = torch.tensor([[5, 6, 7, 8]])
     att = torch.ones_like(seq)
-    raw = score_sequences(model, seq, att, reward_model_stats(off, saved))
-    norm = score_sequences(model, seq, att, reward_model_stats(on, saved))
+    raw = score_sequences(model, seq, att, reward_model_stats(off.algorithm.normalize_reward, saved))
+    norm = score_sequences(model, seq, att, reward_model_stats(on.algorithm.normalize_reward, saved))
     assert torch.allclose(norm, (raw - 0.5) / 2.0, atol=1e-5), (raw, norm)
 
 
@@ -143,10 +144,12 @@ def test_stage_leaves_function_rewards_alone_with_normalize_reward():
     args = ["--advantage_estimator", "reinforce", "--rollout_batch_size", "2", "--train_batch_size", "2",
             "--micro_train_batch_size", "1"]
     cfg = parse("ppo", args + ["--normalize_reward"])
-    out = advantage_stage(cfg, x, 0.0, running_reward_norm(cfg))
+    out = advantage_stage(cfg.algorithm, x, 0.0, cfg.data.generate_max_len, cfg.rollout.n_samples_per_prompt,
+                          running_reward_norm(cfg.algorithm))
     assert out.metrics["shaped_reward"] == pytest.approx(2.0), "reward-function rewards must stay as they are"
     cfg = parse("ppo", args + ["--running_reward_norm"])
-    out = advantage_stage(cfg, x, 0.0, running_reward_norm(cfg))
+    out = advantage_stage(cfg.algorithm, x, 0.0, cfg.data.generate_max_len, cfg.rollout.n_samples_per_prompt,
+                          running_reward_norm(cfg.algorithm))
     assert out.metrics["shaped_reward"] == pytest.approx(0.0, abs=1e-6)
 
 

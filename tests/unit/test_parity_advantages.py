@@ -65,7 +65,7 @@ def test_gamma_forced_to_one_for_group_estimators():
     x = _stage_inputs(T([1.0, 0.0]), valid=T([True, True]), mask=T([[1, 1], [1, 1]]))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        out = advantage_stage(cfg, x, 0.0)
+        out = advantage_stage(cfg.algorithm, x, 0.0, cfg.data.generate_max_len, cfg.rollout.n_samples_per_prompt)
     close(out.advantages, [[1.0, 1.0], [-1.0, -1.0]])   # with gamma 0.5 the first token would get 0.5
     assert any("gamma" in str(m.message) for m in w)
 
@@ -91,10 +91,10 @@ def test_kl_in_reward_requires_actor_logprobs():
 
     cfg = _stage_cfg("group_norm")
     cfg.algorithm.init_kl_coef, cfg.algorithm.use_kl_loss = 0.1, False
-    assert needs_old_logprobs(cfg, on_policy_single_update=True)       # KL in the reward: actor log-probs
+    assert needs_old_logprobs(cfg.algorithm, on_policy_single_update=True)       # KL in the reward: actor log-probs
     cfg.algorithm.use_kl_loss = True
-    assert not needs_old_logprobs(cfg, on_policy_single_update=True)   # KL loss: the trainer's own log-probs
-    assert needs_old_logprobs(cfg, on_policy_single_update=False)
+    assert not needs_old_logprobs(cfg.algorithm, on_policy_single_update=True)   # KL loss: the trainer's own log-probs
+    assert needs_old_logprobs(cfg.algorithm, on_policy_single_update=False)
 
 
 def test_overlong_penalty_floor():
@@ -187,17 +187,18 @@ def test_stage_nan_metrics_counts_and_guard():
     mask = torch.ones(4, 2, dtype=torch.long)
     x = _stage_inputs(T([1.0, NAN, NAN, NAN]), T([True, False, False, False]), mask)
     guard = InvalidRewardGuard(2)
-    out = advantage_stage(cfg, x, 0.0, guard=guard)
+    out = advantage_stage(cfg.algorithm, x, 0.0, cfg.data.generate_max_len, cfg.rollout.n_samples_per_prompt, guard=guard)
     assert out.metrics["reward"] == 1.0                   # NaN is not counted as 0 (that would give 0.25)
     assert out.metrics["reward_invalid"] == 3.0 and out.metrics["reward_invalid_groups"] == 1.0
     close(out.advantages, torch.zeros(4, 2))
     assert out.action_mask[1:].sum() == 0                  # invalid rows train on nothing
     allnan = _stage_inputs(T([NAN] * 4), T([False] * 4), mask)
     with pytest.warns(RuntimeWarning, match="all 4 rewards of this batch are invalid"):
-        advantage_stage(cfg, allnan, 0.0, guard=guard)
+        advantage_stage(cfg.algorithm, allnan, 0.0, cfg.data.generate_max_len, cfg.rollout.n_samples_per_prompt, guard=guard)
     with pytest.raises(RuntimeError, match="--max_invalid_reward_batches 2"):
-        advantage_stage(cfg, allnan, 0.0, guard=guard)
-    advantage_stage(cfg, x, 0.0, guard=guard)             # a valid batch resets the streak
+        advantage_stage(cfg.algorithm, allnan, 0.0, cfg.data.generate_max_len, cfg.rollout.n_samples_per_prompt, guard=guard)
+    # a valid batch resets the streak
+    advantage_stage(cfg.algorithm, x, 0.0, cfg.data.generate_max_len, cfg.rollout.n_samples_per_prompt, guard=guard)
     assert guard.streak == 0
 
 
@@ -254,11 +255,11 @@ def test_flash_reinforce_stage_single_sample_gamma_and_filtering():
     x = _stage_inputs(T([1.0, 0.0, 0.0, 3.0]), valid=torch.ones(4, dtype=torch.bool), mask=torch.ones(4, 2))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        out = advantage_stage(cfg, x, 0.0)
+        out = advantage_stage(cfg.algorithm, x, 0.0, cfg.data.generate_max_len, cfg.rollout.n_samples_per_prompt)
     close(out.advantages, [[0.0, 0.0], [-1.0, -1.0], [-1.0, -1.0], [2.0, 2.0]])
     assert any("gamma" in str(m.message) for m in w), "--gamma 0.5 with flash_reinforce should warn"
     # dynamic filtering (groups of 2): group 0 {1, 0} kept, group 1 {0, 3} mean 1.5 outside (0, 1) dropped:
     # the batch mean is over the kept rows only (0.5), as OpenRLHF computes advantages over accepted samples
     cfg = _stage_cfg("flash_reinforce", dynamic_filtering=True, dynamic_filtering_reward_range=(0.0, 1.0))
-    out = advantage_stage(cfg, x, 0.0)
+    out = advantage_stage(cfg.algorithm, x, 0.0, cfg.data.generate_max_len, cfg.rollout.n_samples_per_prompt)
     close(out.advantages, [[0.5, 0.5], [-0.5, -0.5], [0.0, 0.0], [0.0, 0.0]])

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from helpers.parity import T, close
+from helpers.tasks import make_task
 
 from rlhf.algorithms import (
     IS_CORRECTIONS,
@@ -236,7 +237,7 @@ def test_rm_margin_column_read_per_pair(tiny_kit, tmp_path):
 
     cfg = TrainConfig()
     cfg.algorithm.margin_loss = True
-    task = RMTask(cfg, load_tokenizer(tiny_kit, padding_side="right"))
+    task = make_task(RMTask, cfg, load_tokenizer(tiny_kit, padding_side="right"))
     assert task.required_keys["margin_key"] is None and "margin_key" not in RMTask.required_keys
     rows = [{"input": "1+1=", "chosen": "2", "rejected": "3", "margin": 0.5},
             {"input": "2+2=", "chosen": "4", "rejected": "5", "margin": 2.0}]
@@ -249,7 +250,7 @@ def test_rm_margin_column_read_per_pair(tiny_kit, tmp_path):
     with pytest.raises(DataError, match="set --margin_key"):
         load_rows(str(f), keys)
     cfg.algorithm.margin_loss = False
-    assert RMTask(cfg, task.tokenizer).margins(samples) == 0.0   # the constant --margin otherwise
+    assert make_task(RMTask, cfg, task.tokenizer).margins(samples) == 0.0   # the constant --margin otherwise
 
 
 # ---- MoE auxiliary loss L = L_policy + aux_loss_coef * aux_loss ------------------------------------------------------

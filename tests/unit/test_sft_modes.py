@@ -7,6 +7,7 @@ import click
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.tasks import make_task
 
 from rlhf.config.cli import parse
 from rlhf.data.formatting import format_prompt, format_response, tokenize_pair
@@ -112,7 +113,7 @@ def test_pretrain_mode_loss_is_the_plain_causal_lm_loss(tiny_kit):
     tok = load_tokenizer(tiny_kit, padding_side="right")
     cfg = parse("sft", ["--pretrain_mode", "--input_key", "text", "--apply_chat_template", "--input_template",
                         "Q: {}", "--max_len", "64"])
-    task = SFTTask(cfg, tok)
+    task = make_task(SFTTask, cfg, tok)
     assert task.required_keys == {"input_key": None}  # no --output_key column needed
     texts = ["1+2=3 and 2+1=3", "7*8=56"]
     samples = [task.make_sample({"text": t}) for t in texts]
@@ -178,7 +179,7 @@ def test_sft_modes_run_through_the_cli(tiny_kit, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_kit, dtype=torch.float32).eval()
     for rows, log, flags in ((chats, mt, ["--multiturn", "--apply_chat_template", "--input_key", "messages"]),
                              (texts, pt, ["--pretrain_mode", "--input_key", "text"])):
-        task = SFTTask(parse("sft", flags), tok)
+        task = make_task(SFTTask, parse("sft", flags), tok)
         with torch.no_grad():
             want = float(task.loss(base, [task.make_sample(r) for r in rows])[0])
         assert abs(log[0]["loss"] - want) < 1e-4, (flags, log[0]["loss"], want)

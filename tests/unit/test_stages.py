@@ -26,7 +26,7 @@ def _stages(cfg, ref=False, critic=False, reward=False, agent=False, source=True
                        reward_source=(lambda *a: None) if source else None, forwards=None, rollouts=None, scorer=None,
                        sampler=None, scheduler=None, watchdog=None, weight_sync=None, reward_norm=None, guard=None,
                        queue=None, refill_draw=None, total_steps=4, timeouts=(10.0, 100.0, 110.0, 330.0))
-    return build_stages(cfg, parts)
+    return build_stages(cfg.rollout, cfg.algorithm, cfg.optim, cfg.logging, cfg.data, parts)
 
 
 def test_grpo_on_policy_stage_list_and_deadlines():
@@ -91,3 +91,39 @@ def test_the_memory_planner_plans_the_stages_the_loop_runs():
     declared = memory_stages()
     want = [name for name, _ in declared["forward"] + declared["update"]]
     assert [n for n in planned if n in want] == want, planned
+
+
+def test_stage_classes_take_their_rows_of_the_one_declaration():
+    """rlhf.stage_table declares each stage's name, role, share, tags and memory kind once; the stage classes take
+    theirs from it (what the scheduler wakes and the planner plans cannot drift apart), in the loop's order."""
+    from rlhf.rl import stages as S
+    from rlhf.stage_table import RL_STAGE, RL_STAGES
+
+    assert [r.name for r in RL_STAGES] == ORDER
+    every = [S.RolloutStage, S.RewardStage, S.RefillRolloutStage, S.ProduceStage, S.RewardAheadStage, S.RefStage,
+             S.ValuesStage, S.OldLogprobsStage, S.LogprobGapStage, S.AdvantagesStage, S.UpdateStage("critic"),
+             S.UpdateStage("actor"), S.WeightSyncStage]
+    assert sorted(s.name for s in every) == sorted(ORDER)
+    for s in every:
+        row = RL_STAGE[s.name]
+        tags = list(row.tags) if row.tags is not None else None
+        assert (s.role, s.share, s.tags, s.memory) == (row.role, row.share, tags, row.memory), s
+    built = _stages(_cfg("--init_kl_coef", "0.01"), ref=True, critic=True, reward=True)
+    assert all((s.role, s.memory) == (RL_STAGE[s.name].role, RL_STAGE[s.name].memory) for s in built)
+
+
+def test_the_planner_plans_exactly_the_declared_rows():
+    """rlhf.planning.memory plans the declared rows with a memory kind, in their order (after start-up's shard and
+    load): RL with every role, DPO with its reference."""
+    from rlhf.config.schema import TopologyConfig
+    from rlhf.distributed.placement import make_placement
+    from rlhf.planning.dims import ModelDims
+    from rlhf.planning.memory import Job, plan_memory
+    from rlhf.stage_table import RL_STAGES, SUPERVISED_STAGES
+
+    dims = ModelDims(hidden=8, layers=3, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=50, tied=False)
+    placement = make_placement(TopologyConfig(), 1, need_ref=True, need_critic=True, need_reward_model=True)
+    rl = plan_memory(Job(kind="rl", rollout_engine="hf"), {"actor": dims}, placement, on_cuda=False)
+    assert [s.name for s in rl.groups[0].stages] == ["shard", "load"] + [r.name for r in RL_STAGES if r.memory]
+    dpo = plan_memory(Job(kind="dpo"), {"actor": dims}, world=2, on_cuda=False)
+    assert [s.name for s in dpo.groups[0].stages] == ["shard", "load"] + [r.name for r in SUPERVISED_STAGES]

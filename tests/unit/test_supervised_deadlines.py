@@ -24,8 +24,8 @@ def test_dpo_deadlines_count_the_reference_at_start_up_not_in_the_checkpoint(mon
     monkeypatch.setattr(sbatch, "model_params", lambda p: ({"pol": BIG, "ref": BIG // 2}[p], "test"))
     monkeypatch.setattr(sbatch, "io_deadlines_s", lambda *a: calls.append(a) or {"load": 1.0, "save": 2.0})
     cfg = types.SimpleNamespace(model=types.SimpleNamespace(ref_pretrain="ref"))
-    supervised.io_deadlines(cfg, "pol", "dpo", 2, 900.0)
-    supervised.io_deadlines(cfg, "pol", "sft", 2, 900.0)
+    supervised.io_deadlines(cfg.model.ref_pretrain, "pol", "dpo", 2, 900.0)
+    supervised.io_deadlines(cfg.model.ref_pretrain, "pol", "sft", 2, 900.0)
     assert calls == [(BIG, BIG + BIG // 2, 2, 900.0), (BIG, BIG, 2, 900.0)], calls
 
 

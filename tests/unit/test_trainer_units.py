@@ -4,6 +4,7 @@ import os
 import pytest
 import torch
 from helpers.net import free_port
+from helpers.tasks import make_task
 
 
 def _one_step(kit, tmp_path, estimator, extra=()):
@@ -66,9 +67,9 @@ def test_packed_and_padded_losses_agree(tiny_kit):
             {"input": "12+9=", "output": "21", "chosen": "21", "rejected": "2"}]
     for packing in (False, True):
         cfg = parse("sft", ["--no_progress_bar"] + (["--packing_samples"] if packing else []))
-        sft = SFTTask(cfg, tok)
+        sft = make_task(SFTTask, cfg, tok)
         loss, _ = sft.loss(model, [sft.make_sample(r) for r in rows])
-        dpo = DPOTask(cfg, tok)
+        dpo = make_task(DPOTask, cfg, tok)
         pairs = [dpo.make_sample(r) for r in rows]
         pc, pr, _ = dpo.batch_logps(model, dpo.collate(pairs), len(pairs))
         if not packing:
@@ -112,13 +113,13 @@ def test_rm_packed_scores_equal_padded_and_dpo_precomputed_reference(tiny_kit):
     rows = [{"input": "1+2=", "chosen": "3", "rejected": "4"}, {"input": "12+9=", "chosen": "21", "rejected": "2"}]
     out = []
     for packing in (False, True):
-        task = RMTask(parse("rm", ["--packing_samples"] if packing else []), tok)
+        task = make_task(RMTask, parse("rm", ["--packing_samples"] if packing else []), tok)
         with torch.no_grad():
             out.append(task.scores(rm, [task.make_sample(r) for r in rows]))
     assert torch.allclose(out[0][0], out[1][0], atol=1e-4) and torch.allclose(out[0][1], out[1][1], atol=1e-4)
     # DPO with rows that carry the reference log-probs: the loss uses them (margins vs a policy == reference)
     model = load_causal_lm(tiny_kit)
-    task = DPOTask(parse("dpo", []), tok)
+    task = make_task(DPOTask, parse("dpo", []), tok)
     task.ref = None
     plain = [task.make_sample(r) for r in rows]
     pc, pr, _ = task.batch_logps(model, task.collate(plain), len(plain))
@@ -205,11 +206,11 @@ def test_supervised_batches_reach_the_models_device(tiny_kit, packing):
         return 0.0 if t.is_meta else float_of(t)
 
     with mock.patch.object(torch.Tensor, "__float__", meta_float):
-        sft = SFTTask(parse("sft", flags), tok)
-        rmt = RMTask(parse("rm", flags + ["--margin_loss", "--margin_key", "margin"]), tok)
-        dpo = DPOTask(parse("dpo", flags), tok)
+        sft = make_task(SFTTask, parse("sft", flags), tok)
+        rmt = make_task(RMTask, parse("rm", flags + ["--margin_loss", "--margin_key", "margin"]), tok)
+        dpo = make_task(DPOTask, parse("dpo", flags), tok)
         dpo.ref = mock.Mock(model=ref)
-        pre = DPOTask(parse("dpo", flags), tok)
+        pre = make_task(DPOTask, parse("dpo", flags), tok)
         pre.ref = None
         for task, model in ((sft, lm), (rmt, rm), (dpo, lm), (pre, lm)):
             b = task.collate([task.make_sample(r) for r in rows])
@@ -263,7 +264,7 @@ def test_rm_training_and_ppo_score_the_same_position_when_pad_is_eos(tiny_kit):
     rows = [{"input": "1+2=", "chosen": "3", "rejected": "4"}, {"input": "12+9=", "chosen": "21", "rejected": "211"}]
     train = []
     for packing in (False, True):
-        task = RMTask(parse("rm", ["--packing_samples"] if packing else []), tok)
+        task = make_task(RMTask, parse("rm", ["--packing_samples"] if packing else []), tok)
         samples = [task.make_sample(r) for r in rows]
         with torch.no_grad():
             train.append(torch.cat(task.scores(rm, samples)))
