@@ -60,3 +60,13 @@ def score_sequences(model, sequences: torch.Tensor, attention_mask: torch.Tensor
         out.append((sp_scores(model, ids, att) if sp else scores_at_positions(model, ids, att)).cpu())
     mean, std = stats
     return (torch.cat(out) - mean) / std
+
+
+def reward_model_stats(normalize_reward: bool, saved: Optional[tuple]) -> tuple:
+    """(mean, std) the reward model's score is rescaled by, (r - mean) / std: the stats saved with the model
+    (``load_reward_model``) with --normalize_reward, else (0, 1).  OpenRLHF openrlhf/models/model.py (RewardModel:
+    ``if not self.training and self.normalize_reward: reward = (reward - self.mean) / self.std``, mean / std from
+    config.json, the flag overriding config.json's normalize_reward); reward functions are never rescaled."""
+    if not normalize_reward or saved is None:
+        return (0.0, 1.0)
+    return (float(saved[0]), float(saved[1]))

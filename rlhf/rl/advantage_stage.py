@@ -6,7 +6,7 @@ order of operations and its conventions live here, in one place (OpenRLHF's orde
 
   1. length penalties on the raw reward: DAPO overlong (floored at -factor), then ProRL stop-properly;
   2. optional running normalisation (--running_reward_norm, over valid rewards; OpenRLHF's --normalize_reward is
-     not this: it rescales the reward model's score by its saved mean / std, ``reward_model_stats``);
+     not this: it rescales the reward model's score by its saved mean / std, ``reward_model_stats`` in rlhf.rewards.reward_model);
   3. dynamic filtering (which groups train);
   4. KL per token: estimator(old log-probs, ref log-probs), clamped to [-10, 10]; kl_coef < 0 counts as 0;
   5. the estimator: group baseline -> clip to --reward_clip_range -> KL folded in -> returns -> whitening, over
@@ -50,16 +50,6 @@ def needs_old_logprobs(a, on_policy_single_update: bool) -> bool:
     """Old log-probs must be computed unless the update is a single on-policy step AND nothing else needs them:
     KL in the reward must use the actor's log-probs (OpenRLHF), not the rollout engine's, which differ."""
     return not on_policy_single_update or kl_in_reward(a)
-
-
-def reward_model_stats(normalize_reward: bool, saved: Optional[tuple]) -> tuple:
-    """(mean, std) the reward model's score is rescaled by, (r - mean) / std: the stats saved with the model
-    (``load_reward_model``) with --normalize_reward, else (0, 1).  OpenRLHF openrlhf/models/model.py (RewardModel:
-    ``if not self.training and self.normalize_reward: reward = (reward - self.mean) / self.std``, mean / std from
-    config.json, the flag overriding config.json's normalize_reward); reward functions are never rescaled."""
-    if not normalize_reward or saved is None:
-        return (0.0, 1.0)
-    return (float(saved[0]), float(saved[1]))
 
 
 def running_reward_norm(a) -> Optional[RunningMeanStd]:

@@ -64,7 +64,7 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
             inst, exe = load_agent(cfg.rollout.agent_func_path)
             rollout.agent = exe(inst, cfg.rollout.max_steps, cfg.data.generate_max_len * cfg.rollout.max_steps,
                                 rollout.engine, load_tokenizer(path))
-    from rlhf.rl.advantage_stage import reward_model_stats
+    from rlhf.rewards.reward_model import reward_model_stats
 
     return Roles(actor=actor, rollout=rollout, ref=ref, critic=critic, reward=reward,
                  reward_stats=reward_model_stats(cfg.algorithm.normalize_reward, stats.get("v")))

@@ -81,7 +81,7 @@ def load_critic(m, normalize_reward: bool, path: str, on_meta: bool = False):
     group; ``normalize_reward``: --normalize_reward."""
     from rlhf.models.critic import CriticModel
     from rlhf.models.load import saved_reward_stats
-    from rlhf.rl.advantage_stage import reward_model_stats
+    from rlhf.rewards.reward_model import reward_model_stats
 
     src = m.critic_pretrain or path
     return CriticModel.from_pretrained(src, m.gradient_checkpointing, on_meta=on_meta, flash_attn=m.flash_attn,

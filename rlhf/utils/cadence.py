@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable, Dict, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Protocol
 
-from rlhf.config.schema import CheckpointConfig, LoggingConfig
 from rlhf.console import print0
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
+
+if TYPE_CHECKING:  # annotations only: utils sits below config
+    from rlhf.config.schema import CheckpointConfig, LoggingConfig
 
 
 class Steps(Protocol):

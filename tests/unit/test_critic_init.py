@@ -53,8 +53,7 @@ def rm_dir(tiny_kit, tmp_path):
 def test_critic_from_a_reward_model_values_its_last_token_as_the_reward_role_scores(tiny_kit, rm_dir, normalize):
     from rlhf.config import parse
     from rlhf.models.load import load_reward_model
-    from rlhf.rewards.reward_model import score_sequences
-    from rlhf.rl.advantage_stage import reward_model_stats
+    from rlhf.rewards.reward_model import reward_model_stats, score_sequences
     from rlhf.roles.critic import load_critic
     from rlhf.train_ppo import PPO_DEFAULTS
 

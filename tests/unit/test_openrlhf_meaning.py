@@ -101,8 +101,8 @@ def test_normalize_reward_rescales_the_reward_model_only(tiny_kit, tmp_path):
     import shutil
 
     from rlhf.models.load import load_reward_model
-    from rlhf.rewards.reward_model import score_sequences
-    from rlhf.rl.advantage_stage import reward_model_stats, running_reward_norm
+    from rlhf.rewards.reward_model import reward_model_stats, score_sequences
+    from rlhf.rl.advantage_stage import running_reward_norm
 
     shutil.copytree(f"{tiny_kit}/reward", tmp_path / "rm")
     (tmp_path / "rm" / "reward_norm.json").unlink(missing_ok=True)
