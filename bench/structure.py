@@ -17,7 +17,7 @@ The rules (each count prints the names it counted, so a rule can be judged by it
 - long files: library files (every module under rlhf/ except the vendored ``compat/``) over 400 lines.
 - up imports: an import (module level or inside a function; ``if TYPE_CHECKING:`` blocks excluded) of a library
   module (``from pkg import name`` is the submodule ``pkg.name`` when there is one, else ``pkg``) whose target
-  sits in a higher layer of ``LAYERS`` than the importer.  Imports within one layer are never "up".
+  sits in a higher layer of ``LAYERS`` (docs/ARCHITECTURE.md) than the importer.  Imports within one layer are never "up".
 - import circles: the strongly connected components of more than one module in the graph of all imports (as
   above: a function-level import that only avoids the load-time circle still ties the two modules together);
   "across folders" when a component spans more than one folder of rlhf/.  (On 5118a58 this reads the issue's
@@ -35,26 +35,25 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import click
 
-# Layers, bottom up: a module may import its own layer and the ones below.  A row lists the folders of rlhf/ that
-# share a rank ("<entry>": the entry-point files of ENTRY and rlhf/__init__.py; another file directly in rlhf/ goes
-# by its name, e.g. "errors.py"); add a folder to a row, or a row, to extend.
-LAYERS: List[Tuple[str, ...]] = [
-    ("errors.py", "console.py", "batch.py", "stage_table.py", "algorithms", "compat"),
-    ("data",),
-    ("distributed",),
-    ("utils",),
-    ("checkpoint",),
-    ("models",),
-    ("engines",),
-    ("planning",),
-    ("agents",),
-    ("rewards",),
-    ("config",),
-    ("roles",),
-    ("rl", "supervised"),
-    ("rm_server",),
-    ("<entry>", "tools"),
-]
+# Layers, bottom up: read from the one declaration, docs/ARCHITECTURE.md's "Layers" table (a row per layer, its
+# folders and top-level modules in backticks: ``rl`` a folder, ``errors`` rlhf/errors.py, ``config/schema`` one
+# module inside a folder, ``train_*`` a glob); a module may import its own layer and the ones below.  The longest
+# pattern that names a file wins; a file no pattern names is an error asking for a row.
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "ARCHITECTURE.md")
+
+
+def read_layers(path: str = DOC) -> List[Tuple[str, int]]:
+    """(pattern, layer) for every backticked name of the doc's layer table rows (``| L<n> | ... |``)."""
+    out: List[Tuple[str, int]] = []
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"\| L(\d+) \| (.*?) \|", line)
+            if m:
+                out += [(p, int(m.group(1))) for p in re.findall(r"`([^`]+)`", m.group(2))]
+    return out
+
+
+LAYERS: List[Tuple[str, int]] = read_layers()
 ENTRY: Dict[str, Optional[Set[str]]] = {  # entry-point files (glob) -> the functions exempt there (None: all)
     "rlhf/train_*.py": None, "rlhf/plan.py": None, "rlhf/demo.py": None, "rlhf/serve_rm.py": {"main"},
 }
@@ -74,21 +73,25 @@ def module_name(path: str) -> str:
 
 
 def folder(path: str) -> str:
-    """The folder of rlhf/ a file is in; a file directly in rlhf/ is "<entry>" when it is an entry point (or the
-    package's __init__), else its own name (e.g. "errors.py"), which then needs a row in LAYERS."""
+    """The folder of rlhf/ a file is in (a file directly in rlhf/: its own name)."""
     parts = path.split("/")
-    if len(parts) > 2:
-        return parts[1]
-    return "<entry>" if is_entry(path) or parts[1] == "__init__.py" else parts[1]
+    return parts[1] if len(parts) > 2 else parts[-1]
 
 
 def rank(path: str) -> int:
-    f = folder(path)
-    for i, row in enumerate(LAYERS):
-        if f in row:
-            return i
-    raise KeyError(f"{path}: folder {f!r} is in no row of LAYERS (bench/structure.py): add it to the row it "
-                   "belongs to")
+    """The layer of ``rlhf/...py``: the longest LAYERS pattern that is the module, a folder above it, or a glob
+    matching it."""
+    mod = path[len("rlhf/"):-3]
+    mod = mod[:-len("/__init__")] if mod.endswith("/__init__") else mod
+    best = None
+    for pat, layer in LAYERS:
+        if mod == pat or mod.startswith(pat + "/") or fnmatch.fnmatch(mod, pat):
+            if best is None or len(pat) > len(best[0]):
+                best = (pat, layer)
+    if best is None:
+        raise KeyError(f"{path}: {mod.split('/')[0]!r} is in no row of LAYERS, docs/ARCHITECTURE.md's layer table: "
+                       "add it to the row it belongs to")
+    return best[1]
 
 
 def is_entry(path: str) -> bool:
