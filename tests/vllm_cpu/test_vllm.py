@@ -243,6 +243,7 @@ def _separate_ranks(rank, world, kit):
 
     import torch.distributed as dist
 
+    from rlhf.distributed.groups import Groups, RankGroup
     from rlhf.distributed.weight_sync import WeightSync
     from rlhf.engines.vllm_engine import VLLMEngine
 
@@ -252,8 +253,8 @@ def _separate_ranks(rank, world, kit):
                          driver=rank == 1)
         assert (eng.llm is not None) == (rank == 1)
     new = perturbed(kit, seed=3)
-    groups = SimpleNamespace(plan=SimpleNamespace(sync_ranks=[0, 1, 2], separate_rollout=True), rank=rank,
-                             sync=dist.group.WORLD)
+    groups = Groups(SimpleNamespace(sync_ranks=[0, 1, 2], separate_rollout=True), rank,
+                    named={"sync": RankGroup([0, 1, 2], dist.group.WORLD)})
     sent = WeightSync(groups, eng, bucket_mb=0.05).sync(new if rank == 0 else None)
     assert sent > 0
     if rank == 1:
