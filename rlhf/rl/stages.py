@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlhf.batch import Batch, cat, row_fields
+from rlhf.distributed.role_table import ROLE_TABLE
 from rlhf.rl.advantage_stage import _gap_metric, advantage_stage, needs_old_logprobs
 from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer, gap_due, measures_gap_only, on_policy_single_update, refills
 from rlhf.utils.cadence import log0
@@ -194,6 +195,21 @@ class RefStage(ForwardStage):
     name, role, writes = "ref", "ref", ("ref_logprobs",)
 
 
+class DeclaredForwardStage(ForwardStage):
+    """A role's log-probs of the sampled tokens into the field its declaration names (rlhf.distributed.role_table
+    ``RoleDecl.forward``): stage ``name`` = its role's."""
+
+    def __init__(self, forwards: Optional[Forwards], decl):
+        super().__init__(forwards)
+        self.name, self.role, self.writes = decl.name, decl.name, (decl.forward,)
+
+
+def declared_forwards(forwards: Optional[Forwards], has: Dict[str, bool]) -> List[Stage]:
+    """The declared forward stages of the roles the job has (every declared one where ``has`` is None)."""
+    return [DeclaredForwardStage(forwards, d) for d in ROLE_TABLE.values()
+            if d.forward and (has is None or has.get(d.name))]
+
+
 class ValuesStage(ForwardStage):
     name, role, writes = "values", "critic", ("values",)
 
@@ -320,6 +336,7 @@ def build_stages(cfg, p: StageParts) -> List[Stage]:
                                   p.refill_draw, round_s), refill_s) if refill else None,
         ProduceStage(p.queue, r.async_queue_size, p.total_steps, slow_s) if r.async_train else None,
         RefStage(p.forwards) if p.has["ref"] else None,
+        *declared_forwards(p.forwards, p.has),
         ValuesStage(p.forwards) if p.has["critic"] else None,
         OldLogprobsStage(p.forwards) if needs_old_logprobs(cfg, on_policy_single_update(cfg)) else None,
         LogprobGapStage(p.forwards, p.scheduler, cfg.logging.logprob_gap_interval) if measures_gap_only(cfg)
@@ -342,7 +359,7 @@ def stage_deadlines(stages: Sequence[Stage]) -> Dict[str, float]:
 def memory_stages() -> Dict[str, List[Tuple[str, str]]]:
     """(stage name, role) of the stages the memory planner plans by kind ("forward", "update"), in the loop's
     order: every one that may apply (the planner keeps those whose role the job has)."""
-    every = [RewardStage, RefStage, ValuesStage, OldLogprobsStage, UpdateStage("critic"),
+    every = [RewardStage, RefStage, *declared_forwards(None, None), ValuesStage, OldLogprobsStage, UpdateStage("critic"),
              UpdateStage("actor")]
     out: Dict[str, List[Tuple[str, str]]] = {"forward": [], "update": []}
     for s in every:
