@@ -267,6 +267,8 @@ def plan_memory(job: Job, dims: Dict[str, ModelDims], placement=None, world: int
         return MemoryPlan(job, device_bytes, [GroupPlan(list(range(world)), list(roles), stages, host,
                                                         _load_host(job, roles))],
                           ranks_per_node=min(world, 8), dims=actor)
+    from rlhf.distributed.role_table import ROLE_TABLE  # (imports torch: only where an RL placement exists)
+
     groups: Dict[Tuple[str, ...], List[int]] = {}
     for rank in range(placement.world_size):
         groups.setdefault(tuple(placement.roles_of(rank)), []).append(rank)
@@ -278,7 +280,8 @@ def plan_memory(job: Job, dims: Dict[str, ModelDims], placement=None, world: int
             if r == "rollout":
                 roles[r] = RoleModel(actor, n, False, True)
             else:
-                roles[r] = RoleModel(dims.get(r, actor), n, r in ("actor", "critic"), r in ("actor", "ref"),
+                lm = r in ("actor", "ref") or bool(ROLE_TABLE[r].forward)  # a declared forward: log-probs
+                roles[r] = RoleModel(dims.get(r, actor), n, r in ("actor", "critic"), lm,
                                      adapters if r == "actor" else 0)
         stages, host = group_stages(job, roles, job.vllm_tensor_parallel_size, device_bytes, on_cuda,
                                     scheduled=placement.colocated)
@@ -289,7 +292,9 @@ def plan_memory(job: Job, dims: Dict[str, ModelDims], placement=None, world: int
 
 def role_dims(model) -> Dict[str, ModelDims]:
     """Each role's dimensions from its config.json, the paths in ``model`` (the --model flag group): --pretrain
-    (the built-in kit when unset), --ref_pretrain, --critic_pretrain (default --pretrain), --reward_pretrain."""
+    (the built-in kit when unset), --ref_pretrain, --critic_pretrain (default --pretrain), --reward_pretrain, and
+    each declared role's ``pretrain`` flag (rlhf.distributed.role_table)."""
+    from rlhf.distributed.role_table import ROLE_TABLE
     from rlhf.models.load import resolve_pretrain
     from rlhf.planning.dims import dims_of
 
@@ -299,4 +304,7 @@ def role_dims(model) -> Dict[str, ModelDims]:
     for role, path in (("ref", m.ref_pretrain), ("critic", m.critic_pretrain), ("reward", m.reward_pretrain)):
         if path:
             out[role] = dims_of(path)
+    for decl in ROLE_TABLE.values():  # a declared role loading a model flag (rlhf.distributed.role_table)
+        if decl.pretrain and getattr(m, decl.pretrain):
+            out[decl.name] = dims_of(getattr(m, decl.pretrain))
     return out
