@@ -173,7 +173,8 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
     b_tr, s_tr = _tokens(job, job.micro_train_batch_size, job.train_max_tokens_per_gpu)
     # old_logprobs: the actor's no-grad forward over the rollout (skipped for a single on-policy update, but then
     # still run on the first step and every --logprob_gap_interval steps to log the rollout gap): planned always
-    for r, stage in (("reward", "reward"), ("ref", "ref"), ("critic", "values"), ("actor", "old_logprobs")):
+    for r, stage in (("reward", "reward"), ("ref", "ref"), *_declared_forwards(job), ("critic", "values"),
+                     ("actor", "old_logprobs")):
         if r in roles and job.kind == "rl":
             m = roles[r]
             fwd = _forward(job, m.dims, b_inf, s_inf, False, m.lm)
@@ -198,6 +199,16 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
         if "rollout" in roles and job.rollout_engine == "vllm":
             host += terms.vllm_weight_bytes(roles["rollout"].dims.params, rollout_tp)
     return stages, host
+
+
+def _declared_forwards(job: Job) -> List[Tuple[str, str]]:
+    """(role, stage) of the role table's declared forward stages, after the reference's (rlhf.rl.stages
+    ``declared_forwards``); RL only (the table's import brings torch)."""
+    if job.kind != "rl":
+        return []
+    from rlhf.distributed.role_table import ROLE_TABLE
+
+    return [(d.name, d.name) for d in ROLE_TABLE.values() if d.forward]
 
 
 def _sync_copies(job: Job, actor: RoleModel) -> bool:

@@ -9,6 +9,8 @@ from rlhf.distributed import role_table
 from rlhf.distributed.placement import make_placement, required_world_size, role_needs
 from rlhf.distributed.role_table import Block, RoleDecl, Share
 from rlhf.errors import TopologyError
+from rlhf.planning.dims import ModelDims
+from rlhf.planning.memory import Job, plan_memory
 from rlhf.rl.stages import declared_forwards, memory_stages
 from rlhf.roles.base import Roles
 
@@ -45,6 +47,11 @@ def test_a_declared_role_reaches_placement_roles_and_stages(probe):
     assert [(s.name, s.role, s.writes) for s in stages] == [("probe", "probe", ("ref_logprobs",))]
     assert declared_forwards(None, {"probe": False}) == []
     assert ("probe", "probe") in memory_stages()["forward"]
+    dims = ModelDims(hidden=8, layers=3, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=50, tied=False)
+    planned = [s.name for s in plan_memory(Job(kind="rl", rollout_engine="hf"), {"actor": dims},
+                                           make_placement(TopologyConfig(), 1, need_probe=True),
+                                           on_cuda=False).groups[0].stages]
+    assert planned.index("ref") < planned.index("probe") < planned.index("actor_update"), planned
 
 
 def test_a_declared_block_is_taken_after_the_others_and_counted(probe):
