@@ -62,3 +62,15 @@ RL_STAGE: Dict[str, StageRow] = {s.name: s for s in RL_STAGES}
 def awake(row: StageRow) -> Tuple[str, ...]:
     """The roles a stage keeps awake: its role and the one it shares with."""
     return tuple(r for r in (row.role, row.share) if r is not None)
+
+
+def with_declared_forwards(rows: Tuple[StageRow, ...], roles) -> Tuple[StageRow, ...]:
+    """``rows`` with a forward row for each role of ``roles`` (the role table's roles that declare a log-prob
+    forward, rlhf.distributed.role_table ``RoleDecl.forward``; the stage is named for its role) after the
+    reference's, where the RL loop runs them (rlhf.rl.stages ``declared_forwards``)."""
+    out = []
+    for row in rows:
+        out.append(row)
+        if row.name == "ref":
+            out += [StageRow(r, r, memory="forward") for r in roles]
+    return tuple(out)

@@ -7,7 +7,8 @@ from typing import Any, Dict, List, Optional
 
 from rlhf.distributed import comm
 from rlhf.distributed.mesh import RoleMesh
-from rlhf.distributed.placement import ROLES, Placement
+from rlhf.distributed.placement import Placement
+from rlhf.distributed.role_table import role_names
 from rlhf.distributed.sequence_parallel import SP
 
 
@@ -76,7 +77,7 @@ def build_groups(plan: Placement, rank: int) -> Groups:
             cache[key] = comm.world_group() if list(ranks) == world else comm.new_group(ranks)
         return cache[key]
 
-    for role in ROLES:
+    for role in role_names():
         ranks = plan.ranks.get(role) or []
         if ranks:
             grp = make(ranks)

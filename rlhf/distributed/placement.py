@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from rlhf.distributed.role_table import ROLE_TABLE, Block, _block, needs_from_kwargs, role_names, sp_role_names
 from rlhf.errors import TopologyError
 
-ROLES = ("actor", "ref", "critic", "reward", "rollout")
-SP_ROLES = ("actor", "ref", "critic", "reward")  # roles whose forwards split a sequence over --ring_attn_size ranks
+ROLES = role_names()  # the role table's names (rlhf.distributed.role_table) at import, for importers of the name
+SP_ROLES = sp_role_names()  # roles whose forwards split a sequence over --ring_attn_size ranks
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Placement:
         out: Dict[str, List[int]] = {}
         if self.sync_ranks:
             out["sync"] = list(self.sync_ranks)
-        trainers = sorted({r for role in ROLES if role != "rollout" for r in (self.ranks.get(role) or [])})
+        trainers = sorted({r for role in role_names() if role != "rollout" for r in (self.ranks.get(role) or [])})
         if trainers and trainers != list(range(self.world_size)):
             out["trainers"] = trainers
         if self.separate_rollout and self.ranks.get("reward"):
@@ -61,7 +62,7 @@ class Placement:
         return out
 
     def roles_of(self, rank: int) -> List[str]:
-        return [r for r in ROLES if rank in self.ranks.get(r, [])]
+        return [r for r in role_names() if rank in self.ranks.get(r, [])]
 
     def engine_of(self, rank: int) -> Optional[int]:
         for i, e in enumerate(self.engine_ranks):
@@ -78,7 +79,7 @@ class Placement:
             for r in self.roles_of(rank):
                 roles.append(f"rollout[engine {self.engine_of(rank)}]" if r == "rollout" else r)
             rows.append(f"{rank:>4}  {rank // self.gpus_per_node:>4}  {', '.join(roles) or '-'}")
-        for name in ROLES:
+        for name in role_names():
             if self.ranks.get(name):
                 rows.append(f"{name:>8}: ranks {_ranges(self.ranks[name])}")
         rows.append(f" engines: {len(self.engine_ranks)} x TP {len(self.engine_ranks[0]) if self.engine_ranks else 0}: "
@@ -107,47 +108,33 @@ def _ranges(ranks: List[int]) -> str:
     return ",".join(out)
 
 
-def _block(name: str, nodes: int, per_node: int, gpus_per_node: int) -> int:
-    if nodes < 1:
-        raise TopologyError(f"--{name}_num_nodes must be >= 1, got {nodes}")
-    if nodes > 1 and per_node != gpus_per_node:
-        raise TopologyError(f"--{name}_num_nodes {nodes} spans nodes, so --{name}_num_gpus_per_node must equal the "
-                            f"ranks per node ({gpus_per_node}), got {per_node}")
-    return nodes * per_node
-
-
-def required_world_size(topo, need_ref: bool = True, need_critic: bool = False,
-                        need_reward_model: bool = False) -> Optional[int]:
+def required_world_size(topo, **need) -> Optional[int]:
     """The world size the role flags imply, or None when they leave it open (a role sized "all the rest").
 
     Colocated: the actor block (``--actor_num_nodes x --actor_num_gpus_per_node``).  Separate roles: the sum of
-    the blocks, when the actor's size is given.
+    the blocks, when the actor's size is given.  ``need``: ``role_needs``' keywords.
     """
+    needs = needs_from_kwargs(need)
     if not topo.actor_num_gpus_per_node:
         return None
     n_actor = topo.actor_num_nodes * topo.actor_num_gpus_per_node
     if topo.colocate_all_models:
         return n_actor
-    total = n_actor + topo.vllm_num_engines * topo.vllm_tensor_parallel_size
-    if need_ref and topo.ref_num_gpus_per_node and not topo.colocate_actor_ref:
-        total += topo.ref_num_nodes * topo.ref_num_gpus_per_node
-    if need_critic and topo.critic_num_gpus_per_node:
-        total += topo.critic_num_nodes * topo.critic_num_gpus_per_node
-    if need_reward_model and topo.reward_num_gpus_per_node and not (topo.colocate_critic_reward and need_critic):
-        total += topo.reward_num_nodes * topo.reward_num_gpus_per_node
-    return total
+    blocks = [r for r in _rules(topo, needs).values() if isinstance(r, Block)]
+    return n_actor + sum(b.nodes * b.per_node for b in blocks)
 
 
 def role_needs(algorithm, model) -> Dict[str, bool]:
-    """Which optional roles a job needs, from the algorithm and model flags (the one place these rules live):
-    a reference if the KL enters the reward or the loss (``--init_kl_coef > 0`` or ``--use_kl_loss``), a critic if
-    the advantage estimator needs one (its registered spec), a reward model if ``--reward_pretrain`` is given.
+    """Which optional roles a job needs, from the algorithm and model flags: each role's declared ``need`` rule
+    (rlhf.distributed.role_table, the one place these rules live; e.g. a reference if the KL enters the reward or
+    the loss, a critic if the advantage estimator needs one, a reward model if ``--reward_pretrain`` is given).
     The keyword arguments of ``make_placement`` / ``required_world_size``."""
-    from rlhf.algorithms import ADVANTAGE_ESTIMATORS
+    return {d.need_kw: bool(d.need(algorithm, model)) for d in ROLE_TABLE.values() if d.need_kw}
 
-    spec = ADVANTAGE_ESTIMATORS[algorithm.advantage_estimator]
-    return dict(need_ref=algorithm.init_kl_coef > 0 or algorithm.use_kl_loss, need_critic=spec.needs_critic,
-                need_reward_model=model.reward_pretrain is not None)
+
+def _rules(topo, needs: Dict[str, bool]) -> Dict[str, object]:
+    """role -> its declared rank rule (Block or Share), for the roles besides the actor that the job needs."""
+    return {d.name: d.ranks(topo, needs) for d in ROLE_TABLE.values() if d.name != "actor" and needs[d.name]}
 
 
 def supervised_placement(world_size: int, gpus_per_node: int, sp: int, with_ref: bool = False) -> Placement:
@@ -156,7 +143,7 @@ def supervised_placement(world_size: int, gpus_per_node: int, sp: int, with_ref:
     of ``sp`` consecutive ranks; no rollout.  Raises TopologyError as ``sp_groups_for``."""
     ranks = list(range(world_size))
     held = ("actor", "ref") if with_ref else ("actor",)
-    plan = Placement(world_size, gpus_per_node, {r: (ranks if r in held else []) for r in ROLES}, [],
+    plan = Placement(world_size, gpus_per_node, {r: (ranks if r in held else []) for r in role_names()}, [],
                      colocated=True, separate_rollout=False, sp_size=sp)
     if sp > 1:
         groups = sp_groups_for(ranks, sp, gpus_per_node, "world")
@@ -164,10 +151,10 @@ def supervised_placement(world_size: int, gpus_per_node: int, sp: int, with_ref:
     return plan
 
 
-def make_placement(topo, world_size: int, nnodes: int = 1, need_ref: bool = True, need_critic: bool = False,
-                   need_reward_model: bool = False) -> Placement:
-    """Compute and validate the placement.  Raises TopologyError naming the numbers that disagree."""
-    plan = _make_placement(topo, world_size, nnodes, need_ref, need_critic, need_reward_model)
+def make_placement(topo, world_size: int, nnodes: int = 1, **need) -> Placement:
+    """Compute and validate the placement; ``need``: ``role_needs``' keywords (``need_ref`` defaults to True, the
+    others to False).  Raises TopologyError naming the numbers that disagree."""
+    plan = _make_placement(topo, world_size, nnodes, needs_from_kwargs(need))
     return with_sp_groups(plan, int(getattr(topo, "ring_attn_size", 1) or 1))
 
 
@@ -192,19 +179,18 @@ def sp_groups_for(ranks: List[int], sp: int, gpus_per_node: int, role: str = "ac
 
 
 def with_sp_groups(plan: Placement, sp: int) -> Placement:
-    """``plan`` with the sequence-parallel groups of the model roles that split sequences (SP_ROLES)."""
+    """``plan`` with the sequence-parallel groups of the roles that split sequences (``RoleDecl.splits_sequences``)."""
     plan.sp_size = sp
     plan.sp_groups = {}
     if sp <= 1:
         return plan
-    for role in SP_ROLES:
+    for role in sp_role_names():
         if plan.ranks.get(role):
             plan.sp_groups[role] = sp_groups_for(plan.ranks[role], sp, plan.gpus_per_node, role)
     return plan
 
 
-def _make_placement(topo, world_size: int, nnodes: int, need_ref: bool, need_critic: bool,
-                    need_reward_model: bool) -> Placement:
+def _make_placement(topo, world_size: int, nnodes: int, needs: Dict[str, bool]) -> Placement:
     if world_size < 1:
         raise TopologyError(f"world size must be >= 1, got {world_size}")
     if nnodes < 1 or world_size % nnodes:
@@ -232,8 +218,7 @@ def _make_placement(topo, world_size: int, nnodes: int, need_ref: bool, need_cri
                                 f"use --vllm_num_engines {n_actor // tp}" if n_actor % tp == 0 else
                                 f"colocated rollout: actor ranks {n_actor} are not a multiple of TP {tp}")
         ranks = list(range(world_size))
-        roles = {"actor": ranks, "rollout": ranks, "ref": ranks if need_ref else [],
-                 "critic": ranks if need_critic else [], "reward": ranks if need_reward_model else []}
+        roles = {name: ranks if need else [] for name, need in needs.items()}
         return Placement(world_size, gpn, roles, [ranks[i * tp:(i + 1) * tp] for i in range(engines)], True, False)
 
     blocks: List[Tuple[str, int]] = []
@@ -246,45 +231,25 @@ def _make_placement(topo, world_size: int, nnodes: int, need_ref: bool, need_cri
         blocks.append((name, n))
         cursor += n
 
+    rules = _rules(topo, needs)
     rollout_n = topo.vllm_num_engines * tp
-    others = 0
-    if need_ref and topo.ref_num_gpus_per_node and not topo.colocate_actor_ref:
-        others += _block("ref", topo.ref_num_nodes, topo.ref_num_gpus_per_node, gpn)
-    if need_critic and topo.critic_num_gpus_per_node:
-        others += _block("critic", topo.critic_num_nodes, topo.critic_num_gpus_per_node, gpn)
-    if need_reward_model and topo.reward_num_gpus_per_node and not topo.colocate_critic_reward:
-        others += _block("reward", topo.reward_num_nodes, topo.reward_num_gpus_per_node, gpn)
+    others = sum(r.size(gpn) for name, r in rules.items() if isinstance(r, Block) and name != "rollout"
+                 and (ROLE_TABLE[name].reserves is None or ROLE_TABLE[name].reserves(topo)))
     if n_actor is None:
         n_actor = world_size - others - rollout_n
         if n_actor < 1:
             raise TopologyError(f"no ranks left for the actor: world {world_size} - other roles {others} - rollout "
                                 f"{rollout_n} = {n_actor}")
     take("actor", n_actor)
-    if need_ref:
-        if topo.ref_num_gpus_per_node and not topo.colocate_actor_ref:
-            take("ref", _block("ref", topo.ref_num_nodes, topo.ref_num_gpus_per_node, gpn))
+    for name, rule in rules.items():  # in table order: each role a block of its own or another's ranks
+        if isinstance(rule, Block):
+            take(name, rule.size(gpn))
         else:
-            ranks_of["ref"] = ranks_of["actor"]
-    if need_critic:
-        if topo.critic_num_gpus_per_node:
-            take("critic", _block("critic", topo.critic_num_nodes, topo.critic_num_gpus_per_node, gpn))
-        else:
-            ranks_of["critic"] = ranks_of["actor"]
-    if need_reward_model:
-        if topo.colocate_critic_reward and need_critic:
-            ranks_of["reward"] = ranks_of["critic"]
-        elif topo.reward_num_gpus_per_node:
-            take("reward", _block("reward", topo.reward_num_nodes, topo.reward_num_gpus_per_node, gpn))
-        else:
-            ranks_of["reward"] = ranks_of["actor"]
+            ranks_of[name] = ranks_of[rule.role]
     separate = topo.vllm_num_engines > 0
-    if separate:
-        take("rollout", rollout_n)
-    else:
-        if n_actor % tp:
-            raise TopologyError(f"rollout on the actor ranks: actor ranks {n_actor} are not a multiple of "
-                                f"--vllm_tensor_parallel_size {tp}")
-        ranks_of["rollout"] = ranks_of["actor"]
+    if not separate and n_actor % tp:
+        raise TopologyError(f"rollout on the actor ranks: actor ranks {n_actor} are not a multiple of "
+                            f"--vllm_tensor_parallel_size {tp}")
     if cursor != world_size:
         detail = " + ".join(f"{n} {name}" for name, n in blocks)
         raise TopologyError(f"the roles need {detail} = {cursor} ranks but the world size is {world_size}; "
@@ -302,7 +267,7 @@ def _make_placement(topo, world_size: int, nnodes: int, need_ref: bool, need_cri
     for e in engines:
         if e[0] // gpn != e[-1] // gpn:
             raise TopologyError(f"rollout engine on ranks {_ranges(e)} crosses a node boundary")
-    for r in ROLES:
+    for r in role_names():
         ranks_of.setdefault(r, [])
     sync = [ranks_of["actor"][0]] + rollout if separate else []
     return Placement(world_size, gpn, ranks_of, engines, False, separate, sync)

@@ -23,7 +23,7 @@ from rlhf.planning.dims import ModelDims
 from rlhf.planning.job import DEFAULT_GPU_GB, Job
 from rlhf.planning.plan_types import GroupPlan, MemoryPlan, RoleModel, Stage
 from rlhf.planning.terms import GiB, States
-from rlhf.stage_table import RL_STAGES, SUPERVISED_STAGES, awake
+from rlhf.stage_table import RL_STAGES, SUPERVISED_STAGES, awake, with_declared_forwards
 
 CUDA_RESERVE = 1.5 * GiB       # CUDA context + cuBLAS workspace + NCCL buffers per rank (assumed; measured on the
 
@@ -175,7 +175,9 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
     b_inf, s_inf = _tokens(job, job.micro_rollout_batch_size, job.rollout_max_tokens_per_gpu)
     b_tr, s_tr = _tokens(job, job.micro_train_batch_size, job.train_max_tokens_per_gpu)
     # the step's stages as declared (rlhf.stage_table), each planned by its memory kind where its role is here
-    for row in (RL_STAGES if job.kind == "rl" else SUPERVISED_STAGES):
+    rows = (with_declared_forwards(RL_STAGES, [n for n, _ in _declared_forwards(job)]) if job.kind == "rl"
+            else SUPERVISED_STAGES)
+    for row in rows:
         r, kind, on = row.role, row.memory, awake(row)
         if kind == "rollout" and "rollout" in roles:
             add(row.name, on, _rollout_parts(job, roles["rollout"].dims, rollout_tp, device_bytes, on_cuda),
@@ -202,6 +204,16 @@ def group_stages(job: Job, roles: Dict[str, RoleModel], rollout_tp: int, device_
         if "rollout" in roles and job.rollout_engine == "vllm":
             host += terms.vllm_weight_bytes(roles["rollout"].dims.params, rollout_tp)
     return stages, host
+
+
+def _declared_forwards(job: Job) -> List[Tuple[str, str]]:
+    """(role, stage) of the role table's declared forward stages, after the reference's (rlhf.rl.stages
+    ``declared_forwards``); RL only (the table's import brings torch)."""
+    if job.kind != "rl":
+        return []
+    from rlhf.distributed.role_table import ROLE_TABLE
+
+    return [(d.name, d.name) for d in ROLE_TABLE.values() if d.forward]
 
 
 def _sync_copies(job: Job, actor: RoleModel) -> bool:
@@ -271,6 +283,8 @@ def plan_memory(job: Job, dims: Dict[str, ModelDims], placement=None, world: int
         return MemoryPlan(job, device_bytes, [GroupPlan(list(range(world)), list(roles), stages, host,
                                                         _load_host(job, roles))],
                           ranks_per_node=min(world, 8), dims=actor)
+    from rlhf.distributed.role_table import ROLE_TABLE  # (imports torch: only where an RL placement exists)
+
     groups: Dict[Tuple[str, ...], List[int]] = {}
     for rank in range(placement.world_size):
         groups.setdefault(tuple(placement.roles_of(rank)), []).append(rank)
@@ -282,7 +296,8 @@ def plan_memory(job: Job, dims: Dict[str, ModelDims], placement=None, world: int
             if r == "rollout":
                 roles[r] = RoleModel(actor, n, False, True)
             else:
-                roles[r] = RoleModel(dims.get(r, actor), n, r in ("actor", "critic"), r in ("actor", "ref"),
+                lm = r in ("actor", "ref") or bool(ROLE_TABLE[r].forward)  # a declared forward: log-probs
+                roles[r] = RoleModel(dims.get(r, actor), n, r in ("actor", "critic"), lm,
                                      adapters if r == "actor" else 0)
         stages, host = group_stages(job, roles, job.vllm_tensor_parallel_size, device_bytes, on_cuda,
                                     scheduled=placement.colocated)
@@ -293,7 +308,9 @@ def plan_memory(job: Job, dims: Dict[str, ModelDims], placement=None, world: int
 
 def role_dims(model) -> Dict[str, ModelDims]:
     """Each role's dimensions from its config.json, the paths in ``model`` (the --model flag group): --pretrain
-    (the built-in kit when unset), --ref_pretrain, --critic_pretrain (default --pretrain), --reward_pretrain."""
+    (the built-in kit when unset), --ref_pretrain, --critic_pretrain (default --pretrain), --reward_pretrain, and
+    each declared role's ``pretrain`` flag (rlhf.distributed.role_table)."""
+    from rlhf.distributed.role_table import ROLE_TABLE
     from rlhf.models.load import resolve_pretrain
     from rlhf.planning.dims import dims_of
 
@@ -303,4 +320,7 @@ def role_dims(model) -> Dict[str, ModelDims]:
     for role, path in (("ref", m.ref_pretrain), ("critic", m.critic_pretrain), ("reward", m.reward_pretrain)):
         if path:
             out[role] = dims_of(path)
+    for decl in ROLE_TABLE.values():  # a declared role loading a model flag (rlhf.distributed.role_table)
+        if decl.pretrain and getattr(m, decl.pretrain):
+            out[decl.name] = dims_of(getattr(m, decl.pretrain))
     return out

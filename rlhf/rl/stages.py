@@ -23,6 +23,7 @@ import torch
 
 from rlhf.batch import Batch, cat, row_fields
 from rlhf.console import print0
+from rlhf.distributed.role_table import ROLE_TABLE
 from rlhf.rl.advantage_stage import _gap_metric, advantage_stage, needs_old_logprobs
 from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer, gap_due, measures_gap_only, on_policy_single_update, refills
 from rlhf.stage_table import RL_STAGE
@@ -208,6 +209,22 @@ class RefStage(ForwardStage):
     name, writes = "ref", ("ref_logprobs",)
 
 
+class DeclaredForwardStage(ForwardStage):
+    """A role's log-probs of the sampled tokens into the field its declaration names (rlhf.distributed.role_table
+    ``RoleDecl.forward``): stage ``name`` = its role's."""
+
+    def __init__(self, forwards: Optional[Forwards], decl):
+        super().__init__(forwards)
+        # declared by its role (not a row of rlhf.stage_table): planned as a forward, after the reference's
+        self.name, self.role, self.writes, self.memory = decl.name, decl.name, (decl.forward,), "forward"
+
+
+def declared_forwards(forwards: Optional[Forwards], has: Dict[str, bool]) -> List[Stage]:
+    """The declared forward stages of the roles the job has (every declared one where ``has`` is None)."""
+    return [DeclaredForwardStage(forwards, d) for d in ROLE_TABLE.values()
+            if d.forward and (has is None or has.get(d.name))]
+
+
 class ValuesStage(ForwardStage):
     name, writes = "values", ("values",)
 
@@ -338,6 +355,7 @@ def build_stages(r, a, o, logging, data, p: StageParts) -> List[Stage]:
                                   p.refill_draw, round_s), refill_s) if refill else None,
         ProduceStage(p.queue, r.async_queue_size, p.total_steps, slow_s) if r.async_train else None,
         RefStage(p.forwards) if p.has["ref"] else None,
+        *declared_forwards(p.forwards, p.has),
         ValuesStage(p.forwards) if p.has["critic"] else None,
         OldLogprobsStage(p.forwards) if old_logprobs else None,
         LogprobGapStage(p.forwards, p.scheduler, logging.logprob_gap_interval)
@@ -361,7 +379,7 @@ def memory_stages() -> Dict[str, List[Tuple[str, str]]]:
     """(stage name, role) of the stage classes the memory planner plans, by memory kind ("rollout", "forward",
     "update", "sync"), in the loop's order: every one that may apply (the planner keeps those whose role the job
     has).  The classes take these from rlhf.stage_table, the list the planner reads."""
-    every = [RolloutStage, RewardStage, RefStage, ValuesStage, OldLogprobsStage, UpdateStage("critic"),
+    every = [RolloutStage, RewardStage, RefStage, *declared_forwards(None, None), ValuesStage, OldLogprobsStage, UpdateStage("critic"),
              UpdateStage("actor"), WeightSyncStage]
     out: Dict[str, List[Tuple[str, str]]] = {"rollout": [], "forward": [], "update": [], "sync": []}
     for s in every:

@@ -155,7 +155,7 @@ class RLTrainer:
         round_s, refill_s = refill_deadlines(t.watchdog_timeout_s, t.watchdog_slow_timeout_s,
                                              a.dynamic_filtering_max_rounds)
         self.stages: List[Stage] = build_stages(cfg.rollout, a, cfg.optim, cfg.logging, cfg.data, StageParts(
-            has={k: bool(self.plan.ranks.get(k)) for k in ("ref", "critic", "reward")}, agent_mode=self.agent_mode,
+            has={k: bool(v) for k, v in self.plan.ranks.items()}, agent_mode=self.agent_mode,
             reward_source=self.reward_source, forwards=self.forwards, rollouts=self.rollouts, scorer=self.scorer,
             sampler=self.sampler, scheduler=self.scheduler, watchdog=self.watchdog, weight_sync=self.weight_sync,
             reward_norm=self.reward_norm, guard=self.invalid_rewards, queue=self.async_rollout,

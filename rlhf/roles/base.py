@@ -13,7 +13,6 @@ sequence whatever the shard sizes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from rlhf.batch import Batch
 from rlhf.checkpoint import save_hf
 from rlhf.distributed import Groups, RoleMesh
+from rlhf.distributed.role_table import ROLE_TABLE
 from rlhf.distributed.sequence_parallel import SP, attach
 from rlhf.distributed.sharding import gather_rows, micro_plan, run_micro
 from rlhf.engines.train import EngineSpec, TrainEngine, reads_weights, spec_from_config
@@ -178,19 +178,35 @@ class ModelRole(Role):
         return self.rows_forward(batch.sequences.size(0), micro, fn, 1, over).squeeze(1)
 
 
-@dataclass
 class Roles:
-    """The roles of this job, as objects on every rank (None: the placement has no such role)."""
-    actor: ModelRole
-    rollout: Optional[RolloutRole] = None  # noqa: F821 (rlhf.roles.rollout)      # none in the supervised trainers
-    ref: Optional[ModelRole] = None
-    critic: Optional[ModelRole] = None
-    reward: Optional[ModelRole] = None          # sequence-classification reward model
-    reward_stats: tuple = (0.0, 1.0)
+    """The roles of this job by name, as objects on every rank (None: the placement has no such role); the names are
+    the role table's (rlhf.distributed.role_table), read as attributes (``roles.actor``, ``roles.ref``, ...)."""
+
+    def __init__(self, reward_stats: tuple = (0.0, 1.0), **by_name: Optional[Role]):
+        unknown = sorted(set(by_name) - set(ROLE_TABLE))
+        if unknown:
+            raise TypeError(f"Roles: {unknown} not in the role table (rlhf.distributed.role_table): {list(ROLE_TABLE)}")
+        object.__setattr__(self, "_by_name", {name: by_name.get(name) for name in ROLE_TABLE})
+        self.reward_stats = reward_stats
+
+    def __getattr__(self, name: str):
+        by_name = self.__dict__.get("_by_name", {})
+        if name in by_name:
+            return by_name[name]
+        raise AttributeError(f"Roles has no role {name!r}; the role table's: {list(by_name)}")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self._by_name:
+            self._by_name[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def __repr__(self):
+        return f"Roles({', '.join(f'{k}={v!r}' for k, v in self.all().items())})"
 
     def all(self) -> Dict[str, Role]:
-        return {k: v for k, v in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic),
-                                  ("reward", self.reward), ("rollout", self.rollout)) if v is not None}
+        """The roles this job has, by name, in the table's order (actor, ref, critic, reward, rollout, ...)."""
+        return {k: v for k, v in self._by_name.items() if v is not None}
 
     def trained(self) -> List[ModelRole]:
         """The roles with optimizer state, in checkpoint order (actor, critic): what a run's checkpoint holds."""

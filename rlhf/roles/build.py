@@ -13,6 +13,7 @@ from rlhf.roles.actor import Actor
 from rlhf.roles.base import ModelRole, Roles, frozen_spec, model_role
 from rlhf.roles.critic import Critic, load_critic
 from rlhf.roles.reference import build_reference
+from rlhf.roles.registry import declared_roles
 from rlhf.roles.rollout import RolloutRole
 from rlhf.roles.update_batches import update_settings
 
@@ -50,8 +51,9 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
         return rm
 
     reward = model_role(ModelRole, "reward", groups, t.backend, device, frozen_spec(m, o, t, total_steps), load_rm)
+    declared = declared_roles(m, o, t, groups, device, total_steps)  # the role table's roles with a builder
     if cfg.rollout.async_train:  # the rollout ranks of their own generate meanwhile (rlhf.rl.async_queue)
-        for r in (actor, ref, critic, reward):
+        for r in (actor, ref, critic, reward, *declared.values()):
             if r is not None:
                 r.gather_group = groups.group("trainers")
     rollout = RolloutRole("rollout", groups.mesh("rollout"))
@@ -66,7 +68,7 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
                                 rollout.engine, load_tokenizer(path))
     from rlhf.rewards.reward_model import reward_model_stats
 
-    return Roles(actor=actor, rollout=rollout, ref=ref, critic=critic, reward=reward,
+    return Roles(actor=actor, rollout=rollout, ref=ref, critic=critic, reward=reward, **declared,
                  reward_stats=reward_model_stats(cfg.algorithm.normalize_reward, stats.get("v")))
 
 

@@ -60,6 +60,7 @@ def stage_roles() -> dict:
             yield from subclasses(s)
 
     out = {c.name: c.role for c in subclasses(stages.Stage) if c.name}
+    out.update({s.name: s.role for s in stages.declared_forwards(None, None)})  # the role table's forward stages
     for r in ("critic", "actor"):
         u = stages.UpdateStage(r)
         out[u.name] = u.role
@@ -77,13 +78,13 @@ def test_every_stage_is_in_the_stage_table_with_its_role():
 
 
 def test_every_role_and_registered_engine_is_named():
+    from rlhf.distributed.role_table import ROLE_TABLE
     from rlhf.engines.rollout_registry import engine_kinds
     from rlhf.engines.train_registry import TRAIN_ENGINES
-    from rlhf.roles.base import Roles
 
     roles, engines = section("Roles"), section("Engines")
-    for name in (f.name for f in fields(Roles) if f.name != "reward_stats"):
-        assert f"`{name}`" in roles, f"role {name!r} (rlhf.roles.base.Roles) is not named in the Roles section"
+    for name in ROLE_TABLE:
+        assert f"`{name}`" in roles, f"role {name!r} (rlhf.distributed.role_table) is not named in the Roles section"
     for name in (*engine_kinds(), *TRAIN_ENGINES):
         assert f"`{name}`" in engines, f"engine {name!r} is registered but not named in the Engines section"
 
