@@ -58,16 +58,20 @@ def median_interval(xs: List[float], level: float = 0.9) -> Optional[Tuple[float
     return None if k == 0 else (xs[k - 1], xs[n - k])
 
 
+def read_interval(ci, limit: float) -> str:
+    """"within" (the interval inside 1 +- limit), "outside" (wholly beyond it), else "unclear"."""
+    if ci is not None and 1 - limit <= ci[0] and ci[1] <= 1 + limit:
+        return "within"
+    if ci is not None and (ci[0] > 1 + limit or ci[1] < 1 - limit):
+        return "outside"
+    return "unclear"
+
+
 def verdict(ratios: List[float], limit: float) -> Dict:
     """Median B/A, spread, range, its 90% interval, and the reading: "within" (the interval inside 1 +- limit),
     "outside" (the interval wholly beyond it), else "unclear" (more rounds, or a quieter machine, needed)."""
     med, ci = statistics.median(ratios), median_interval(ratios)
-    if ci is not None and 1 - limit <= ci[0] and ci[1] <= 1 + limit:
-        reading = "within"
-    elif ci is not None and (ci[0] > 1 + limit or ci[1] < 1 - limit):
-        reading = "outside"
-    else:
-        reading = "unclear"
+    reading = read_interval(ci, limit)
     return {"ratio": med, "spread": spread(ratios), "interval_90": ci, "min": min(ratios), "max": max(ratios),
             "reading": reading, "limit": limit}
 
@@ -81,12 +85,7 @@ def cancel_order(v1: Dict, v2: Dict, limit: float) -> Dict:
     ci = None
     if v1["interval_90"] is not None and v2["interval_90"] is not None:
         ci = tuple(math.sqrt(x * y) for x, y in zip(v1["interval_90"], v2["interval_90"]))
-    if ci is not None and 1 - limit <= ci[0] and ci[1] <= 1 + limit:
-        reading = "within"
-    elif ci is not None and (ci[0] > 1 + limit or ci[1] < 1 - limit):
-        reading = "outside"
-    else:
-        reading = "unclear"
+    reading = read_interval(ci, limit)
     return {"ratio": t, "second_started_factor": s, "interval": ci, "reading": reading, "limit": limit}
 
 

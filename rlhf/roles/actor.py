@@ -22,14 +22,12 @@ from rlhf.algorithms import aggregate, compute_kl, importance_weights, kl_unbias
 from rlhf.algorithms.is_filter import is_filter_ratio
 from rlhf.algorithms.masked import masked_mean
 from rlhf.algorithms.registry import POLICY_LOSSES
-from rlhf.distributed.mesh import RoleMesh
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
-from rlhf.roles.base import ModelRole
 from rlhf.roles.update_batches import (
     AuxLossTap,
     Micro,
     TokenBudget,
-    UpdateSettings,
+    UpdatingRole,
     mean_logs,
     micro_batch,
     padding_counts,
@@ -39,17 +37,10 @@ from rlhf.roles.update_batches import (
 )
 
 
-class Actor(ModelRole):
+class Actor(UpdatingRole):
     """The policy.  ``algo``: the config's algorithm section (loss type, clipping, KL, entropy, IS correction);
-    ``settings``: ``ppo_update.UpdateSettings``.  SFT, RM and DPO train an Actor too, with the supervised loop's
+    ``settings``: ``UpdateSettings``.  SFT, RM and DPO train an Actor too, with the supervised loop's
     task loss (rlhf.supervised.trainer) instead of ``update``."""
-
-    trains = True
-
-    def __init__(self, name: str, mesh: RoleMesh, algo=None,
-                 settings: Optional[UpdateSettings] = None):
-        super().__init__(name, mesh)
-        self.algo, self.settings = algo, settings
 
     def update(self, batch, kl_coef: float, step: int) -> Dict[str, float]:
         """One RL step's optimizer steps on ``batch`` (the step record: sequences, attention_mask, action_mask,

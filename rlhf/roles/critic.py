@@ -8,24 +8,15 @@ micro-batch's loss the clipped value loss (rlhf.algorithms.value_loss; OpenRLHF 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, Optional
+from typing import Dict
 
 from rlhf.algorithms import value_loss
-from rlhf.distributed.mesh import RoleMesh
-from rlhf.roles.base import ModelRole
-from rlhf.roles.update_batches import UpdateSettings, mean_logs, micro_batch, padding_counts, step_batches, step_totals, token_budget
+from rlhf.roles.update_batches import UpdatingRole, mean_logs, micro_batch, padding_counts, step_batches, step_totals, token_budget
 
 
-class Critic(ModelRole):
+class Critic(UpdatingRole):
     """The value model (rlhf.models.critic.CriticModel).  ``algo``: the config's algorithm section (value_clip);
-    ``settings``: ``ppo_update.UpdateSettings``."""
-
-    trains = True
-
-    def __init__(self, name: str, mesh: RoleMesh, algo=None,
-                 settings: Optional[UpdateSettings] = None):
-        super().__init__(name, mesh)
-        self.algo, self.settings = algo, settings
+    ``settings``: ``UpdateSettings``."""
 
     def update(self, batch, kl_coef: float, step: int) -> Dict[str, float]:
         """One RL step's optimizer steps on ``batch`` (sequences, attention_mask, action_mask, values, returns);

@@ -20,6 +20,8 @@ import torch
 from rlhf.algorithms import LossTotals
 from rlhf.algorithms.seqlen_balancing import Item, plan_step
 from rlhf.distributed import comm, shard_rows
+from rlhf.distributed.mesh import RoleMesh
+from rlhf.roles.base import ModelRole
 
 
 class Micro(NamedTuple):
@@ -186,3 +188,14 @@ class AuxLossTap:
     def close(self):
         if self.handle is not None:
             self.handle.remove()
+
+
+class UpdatingRole(ModelRole):
+    """A role with optimizer steps of its own (``Actor``, ``Critic``): its config's algorithm section (``algo``) and
+    the batching of its updates (``settings``: ``UpdateSettings``), checkpointed as a trained role."""
+
+    trains = True
+
+    def __init__(self, name: str, mesh: RoleMesh, algo=None, settings: Optional[UpdateSettings] = None):
+        super().__init__(name, mesh)
+        self.algo, self.settings = algo, settings

@@ -175,26 +175,10 @@ def _engine(cfg, model, sp_size, rank, world, lr=1e-3):
     return eng, _GradTap(eng)
 
 
-def _update_role(cls, cfg, engine, dp_rank, dp_size):
-    """An Actor or Critic over ``engine`` at data-parallel coordinates (dp_rank, dp_size), as build_roles makes it."""
-    from rlhf.config.batching_checks import dynamic_budgets
-    from rlhf.distributed.mesh import RoleMesh
-    from rlhf.distributed.sequence_parallel import SP
-    from rlhf.roles.update_batches import update_settings
-
-    m = getattr(engine, "mesh", None)  # test code: stand-in engines have none
-    sp = m.sp if m is not None else SP()
-    mesh = RoleMesh(cls.__name__.lower(), list(range(dp_size * sp.size)), dp_rank * sp.size + sp.rank,
-                    {"dp": dp_size, "sp": sp.size}, group=m.group if m is not None else None, sp=sp)
-    settings = update_settings(cfg.optim, cfg.model, cfg.rollout, cfg.data.generate_max_len, dynamic_budgets(cfg)[0])
-    role = cls(cls.__name__.lower(), mesh, cfg.algorithm, settings)
-    role.engine = engine
-    return role
-
-
 def _engine_checks(rank, world, kit):
     """Trainer-level on FSDP2 over both ranks: N=1 is 2 data-parallel ranks, N=2 one SP group; the optimizer
     steps' full gradients (after FSDP2's reduce-scatter) and the logged losses must agree."""
+    from helpers.batching_checks import update_role
     from transformers import AutoModel, AutoModelForCausalLM
 
     from rlhf.batch import Batch
@@ -226,11 +210,11 @@ def _engine_checks(rank, world, kit):
         dp, dps, _ = dp_coords(rank, world, n)
         torch.manual_seed(0)
         eng, tap = _engine(cfg, lm(), n, rank, world)
-        met = _update_role(Actor, cfg, eng, dp, dps).update(exp, 0.01, step=3)
+        met = update_role(Actor, cfg, eng, dp, dps).update(exp, 0.01, step=3)
         torch.manual_seed(0)
         ceng, ctap = _engine(cfg, CriticModel(AutoModel.from_pretrained(kit, attn_implementation="sdpa",
                                                                         dtype=torch.float32), 64), n, rank, world)
-        cmet = _update_role(Critic, cfg, ceng, dp, dps).update(exp, 0.0, step=3)
+        cmet = update_role(Critic, cfg, ceng, dp, dps).update(exp, 0.0, step=3)
         out[n] = (tap.grads, met, ctap.grads, cmet)
     _assert_same_steps("actor step", out[1][0], out[2][0])
     _assert_same_steps("critic step", out[1][2], out[2][2])
