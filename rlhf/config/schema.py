@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional, Tuple
 
+from rlhf.config.agent_schema import AgentConfig
+from rlhf.config.parallel_schema import ParallelConfig
+from rlhf.config.teacher_schema import TeacherConfig
+from rlhf.config.vision_schema import VisionConfig
 from rlhf.engines.rollout_registry import engine_kinds
 
 
@@ -351,6 +355,10 @@ GROUPS = {
     "optim": OptimConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "agent": AgentConfig,
+    "parallel": ParallelConfig,
+    "teacher": TeacherConfig,
+    "vision": VisionConfig,
 }
 
 
@@ -364,6 +372,10 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
 
     def to_dict(self) -> dict:
         from dataclasses import asdict

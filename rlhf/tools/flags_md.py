@@ -34,6 +34,8 @@ def render() -> str:
            "Where a trainer sets its own default, the default column names it (`rlhf.train_sft`: sft, ...).", ""]
     per_trainer = trainer_defaults()
     for g, cls in GROUPS.items():
+        if not dataclasses.fields(cls):
+            continue
         out += [f"## {g}", "", "| flag | default | meaning |", "| --- | --- | --- |"]
         for f in dataclasses.fields(cls):
             d = f"`{f.default}`"
