@@ -19,12 +19,13 @@ follows OpenRLHF's openrlhf/utils/agent.py and openrlhf/trainer/ray/vllm_engine.
   rewards; the score the last step's ``scores``); text only (no images here).
 
 ``ExecuteAdapter`` runs such an executor under this project's executor contract (``run(prompt_ids, prompts,
-labels, params) -> Batch``), batching the concurrent ``generate`` calls into one engine call per
-sampling setting.
+labels, params) -> Batch``): every ``execute`` is its own asyncio task and each of its ``generate`` calls one
+request to the engine's continuous batch (``rlhf.agents.llm_engine.AsyncEngine``, re-exported here), so no
+episode waits for another's turn or environment step.  An ``execute`` that raises ends its episode only (the
+prompt, no action, reward NaN: counted in ``agent/episode_errors`` and reward_invalid).
 """
 from __future__ import annotations
 
-import asyncio
 import importlib
 import importlib.util
 import math
@@ -36,6 +37,7 @@ from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from rlhf.agents import episode_stats
 from rlhf.agents.base import (
     AgentContractError,
     AgentInstanceBase,
@@ -44,11 +46,14 @@ from rlhf.agents.base import (
     check_step_result,
     episode_failed,
     images_dropped,
+    say_once,
 )
 from rlhf.agents.base import AgentExecutorBase as NativeExecutorBase
+from rlhf.agents.llm_engine import AsyncEngine
 from rlhf.engines.rollout import Batch, SamplingParams, batch_from_rows
 
-__all__ = ["AgentInstanceBase", "AgentExecutorBase", "MultiTurnAgentExecutor", "ExecuteAdapter", "openrlhf_names"]
+__all__ = ["AgentInstanceBase", "AgentExecutorBase", "MultiTurnAgentExecutor", "ExecuteAdapter", "openrlhf_names",
+           "AsyncEngine"]
 
 MODULE = "openrlhf.utils.agent"
 
@@ -204,65 +209,6 @@ class OpenRLHFSamplingParams:
     stop_token_ids: Tuple[int, ...] = field(default_factory=tuple)
 
 
-@dataclass
-class _Logprob:
-    logprob: float
-
-
-class AsyncEngine:
-    """``await generate(token_ids, sampling_params)`` over this project's batched, synchronous engine: calls made
-    in the same event-loop turn with the same sampling setting go to the engine as one batch."""
-
-    def __init__(self, engine, tokenizer, default_max_tokens: int):
-        self.engine, self.tokenizer, self.default_max_tokens = engine, tokenizer, default_max_tokens
-        self.pending: List[Tuple[tuple, List[int], Any, asyncio.Future]] = []
-
-    def _key(self, sp) -> tuple:
-        mt = sp.max_tokens if sp.max_tokens is not None else self.default_max_tokens
-        return (sp.temperature, sp.top_p, sp.top_k, max(1, int(mt)), tuple(sp.stop_token_ids or ()), sp.seed,
-                sp.skip_special_tokens)
-
-    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
-        if multi_modal_data:
-            raise ValueError("--agent_func_path: multi_modal_data is not supported here (text agents only)")
-        fut = asyncio.get_running_loop().create_future()
-        if not self.pending:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self.pending.append((self._key(sampling_params), list(prompt_token_ids), sampling_params, fut))
-        return await fut
-
-    def _flush(self):
-        pending, self.pending = self.pending, []
-        groups: Dict[tuple, list] = {}
-        for item in pending:
-            groups.setdefault(item[0], []).append(item)
-        for key, items in groups.items():
-            temp, top_p, top_k, mt, stops, seed, skip = key
-            try:
-                out = self.engine.generate([ids for _, ids, _, _ in items],
-                                           SamplingParams(n=1, temperature=temp, top_p=top_p, top_k=top_k,
-                                                          max_new_tokens=mt, stop_token_ids=stops, seed=seed))
-                if out is None:
-                    raise RuntimeError("the rollout engine returned no rows on this rank (a non-first TP rank of a "
-                                       "vLLM engine): run the agent through RolloutRole.generate")
-                for i, (_, _, _, fut) in enumerate(items):
-                    fut.set_result(self._request_output(out, i, skip))
-            except Exception as e:  # every waiting execute() sees the failure
-                for _, _, _, fut in items:
-                    if not fut.done():
-                        fut.set_exception(e)
-
-    def _request_output(self, out: Batch, i: int, skip_special: bool):
-        m = out.action_mask[i].bool()
-        ids = out.sequences[i, out.prompt_len:][m].tolist()
-        lps = out.rollout_logprobs[i][m].tolist()
-        trunc = out.truncated is not None and bool(out.truncated[i])
-        comp = types.SimpleNamespace(token_ids=ids, text=self.tokenizer.decode(ids, skip_special_tokens=skip_special),
-                                     logprobs=[{t: _Logprob(lp)} for t, lp in zip(ids, lps)],
-                                     finish_reason="length" if trunc else "stop")
-        return types.SimpleNamespace(outputs=[comp])
-
-
 def result_to_row(res: Dict[str, Any], max_length: int, where: str = "--agent_func_path: AgentExecutor.execute"):
     """(prompt ids, response ids, action mask, log-probs, truncated, reward, score) from one ``execute`` result:
     the prompt is observation_tokens before the first action range; the action mask is 1 inside the ranges."""
@@ -307,13 +253,27 @@ class ExecuteAdapter(NativeExecutorBase):
         for ids, text, lab in zip(prompt_ids, prompts, labels):
             for _ in range(params.n):
                 budgets.append(len(ids) + self.max_length)
-                jobs.append(self.executor.execute(prompt=text, label=lab, sampling_params=deepcopy(sp),
-                                                  max_length=budgets[-1], hf_tokenizer=self.tokenizer,
-                                                  llm_engine=eng, images=None))
+                jobs.append(self._episode(len(jobs), list(ids), text, lab, deepcopy(sp), budgets[-1], eng))
         where = f"{agent_file(self.openrlhf_cls)}: {self.openrlhf_cls.__name__}.execute"
-        rows = [result_to_row(r, b, where) for r, b in zip(await asyncio.gather(*jobs), budgets)]
+        results = await self.run_episodes(jobs)
+        rows = [result_to_row(r, b, where) for r, b in zip(results, budgets)]
         p, r, am, lp, tr, rw, sc = (list(c) for c in zip(*rows))
         return batch_from_rows(p, r, lp, tr, self.tokenizer.pad_token_id, action_masks=am, rewards=rw, scores=sc)
+
+    async def _episode(self, k: int, ids, text, lab, sp, budget: int, eng):
+        """One ``execute`` as episode ``k``; an exception ends this episode only (said once per kind)."""
+        with episode_stats.episode(k) as st:
+            try:
+                return await self.executor.execute(prompt=text, label=lab, sampling_params=sp, max_length=budget,
+                                                   hf_tokenizer=self.tokenizer, llm_engine=eng, images=None), st
+            except Exception as e:  # noqa: BLE001  (the agent file's code: its failure is this episode's)
+                st.error = True
+                where = f"{agent_file(self.openrlhf_cls)}: {self.openrlhf_cls.__name__}.execute"
+                say_once(f"{where}:{type(e).__name__}", f"[agent] {where} raised {type(e).__name__}: {e}. This "
+                                                        f"episode is counted as failed (reward NaN); said once, "
+                                                        f"later ones are counted only.")
+                return {"observation_tokens": ids, "action_ranges": [], "rollout_log_probs": None,
+                        "reward": math.nan, "scores": math.nan}, st
 
 
 def adapter_for(executor_cls: type) -> type:

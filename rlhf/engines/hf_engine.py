@@ -8,6 +8,8 @@ import torch
 from rlhf.batch import Batch, cat
 from rlhf.data.formatting import pad_batch
 from rlhf.distributed.weight_sync import tied_aliases
+from rlhf.engines.hf_continuous import ContinuousDecoder, continuous_cache_ok
+from rlhf.engines.requests import StepResult, run_whole
 from rlhf.engines.rollout import RolloutEngine, SamplingParams, response_mask
 from rlhf.engines.rollout_registry import EngineArgs
 from rlhf.engines.sampling import decode_with_head, logits_head
@@ -43,10 +45,30 @@ class HFEngine(RolloutEngine):
         self.device = device or torch.device("cpu")
         self.micro_batch_size = micro_batch_size
         self._offloaded = False
+        self.decoder = ContinuousDecoder(self.model, self.device, tokenizer.pad_token_id, self._stop_ids,
+                                         max_model_len) if continuous_cache_ok(self.model) else None
+
+    def _stop_ids(self, params: SamplingParams) -> tuple:
+        return stop_ids(params.stop_token_ids, self.tokenizer.eos_token_id, getattr(self.model, "generation_config", None))
+
+    def _idle(self, what: str) -> None:
+        if self.decoder is not None and self.decoder.busy:
+            raise RuntimeError(f"HFEngine.{what} while {len(self.decoder.rows)} per-request generations run "
+                               f"(step_requests): finish or abort them first (an episode is never cut at a weight "
+                               f"sync)")
+
+    @torch.no_grad()
+    def step_requests(self, admit, abort=()) -> StepResult:
+        """One step of the running batch (``hf_continuous.ContinuousDecoder``); a model whose cache is not
+        full-attention only runs each admitted request whole (``requests.run_whole``)."""
+        if self.decoder is None:
+            return run_whole(self, admit)
+        return self.decoder.step(admit, abort)
 
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Batch:
-        stop = stop_ids(params.stop_token_ids, self.tokenizer.eos_token_id, getattr(self.model, "generation_config", None))
+        self._idle("generate")
+        stop = self._stop_ids(params)
         per = max(1, self.micro_batch_size // max(params.n, 1))
         outs = []
         gen = None
@@ -81,6 +103,7 @@ class HFEngine(RolloutEngine):
                      rollout_logprobs=(lp * am).cpu(), prompt_len=ids.size(1), truncated=truncated.cpu())
 
     def load_weights(self, named_tensors) -> None:
+        self._idle("load_weights")
         params = dict(self.model.named_parameters())
         for name, t in named_tensors:
             if name not in params:

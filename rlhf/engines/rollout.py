@@ -45,9 +45,22 @@ class RolloutEngine(abc.ABC):
         """params.n samples per prompt, rows prompt-major; None on a rank that reports no rows (non-first TP rank
         of an engine in its own processes)."""
 
+    def step_requests(self, admit, abort=()):
+        """Per-request generation (continuous batching; ``rlhf.agents.scheduler`` drives it): admit ``admit``
+        (``rlhf.engines.requests.Request``, n=1 each: they join the running batch), drop the running requests
+        named in ``abort``, run one engine step over the running requests and return a ``StepResult`` (the
+        requests that finished in it, how many ran).  A request's tokens and log-probs are those a ``generate``
+        of it alone gives (its own seed).  Colocated TP > 1: every TP rank must see the same admit / abort lists in
+        the same order; the first rank's scheduler decides and the engine broadcasts them to the ranks in
+        ``serve``.  Default (an engine without a running batch): the admitted requests run to their end now
+        through ``generate``, one call per sampling setting (``requests.run_whole``)."""
+        from rlhf.engines.requests import run_whole
+
+        return run_whole(self, admit)
+
     def serve(self) -> None:
-        """On a non-first TP rank while the first rank runs an agent (a data-dependent number of generate calls):
-        take part in each of its calls until it calls ``end_requests``.  Default: return at once (the engine's
+        """On a non-first TP rank while the first rank runs an agent (a data-dependent number of generate or
+        step_requests calls): take part in each of its calls until it calls ``end_requests``.  Default: return at once (the engine's
         other ranks have nothing to do)."""
 
     def end_requests(self) -> None:
