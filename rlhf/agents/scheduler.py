@@ -92,6 +92,10 @@ class RequestScheduler:
             fut = self.running.pop(c.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(c)
+        for rid, why in res.failed:
+            fut = self.running.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(ValueError(why))
 
     def _fail_all(self, err: Exception) -> None:
         running, self.running = self.running, {}

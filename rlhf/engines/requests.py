@@ -39,9 +39,11 @@ class Completion:
 
 @dataclass
 class StepResult:
-    """One engine step: the requests that finished in it and how many requests it ran (its occupancy)."""
+    """One engine step: the requests that finished in it, how many requests it ran (its occupancy) and the
+    admitted requests the engine refused, (request id, why): each fails alone."""
     finished: List[Completion] = field(default_factory=list)
     running: int = 0
+    failed: List[Tuple[str, str]] = field(default_factory=list)
 
 
 def setting(p: SamplingParams) -> Tuple:

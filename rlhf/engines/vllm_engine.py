@@ -25,6 +25,7 @@ import os
 from typing import List, Optional, Sequence
 
 from rlhf.distributed.transport import layer_key, pack, split_last_layer
+from rlhf.engines.requests import StepResult
 from rlhf.engines.rollout import Batch, RolloutEngine, SamplingParams, batch_from_rows
 from rlhf.engines.rollout_registry import EngineArgs
 from rlhf.engines.vllm_compat import _cap_len, check_vllm, on_cuda, sleep_available
@@ -39,6 +40,7 @@ from rlhf.engines.vllm_launch import (
     visible_devices,
 )
 from rlhf.engines.vllm_memory import EngineMemory, empty_device_cache, release_vllm_groups
+from rlhf.engines.vllm_requests import step_llm
 from rlhf.engines.vllm_worker import WorkerExtension
 from rlhf.models.load import load_tokenizer
 
@@ -184,6 +186,24 @@ class VLLMEngine(RolloutEngine):
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
         return self._to_batch(outs)
 
+    def step_requests(self, admit, abort=()) -> Optional[StepResult]:
+        """One step of vLLM's running batch (``vllm_requests.step_llm``).  Colocated TP > 1: the first rank's
+        admitted and aborted requests go to the other TP ranks first (they run the same step in ``serve``), so
+        every rank's engine sees the same requests in the same order.  None on a rank that is not the driver."""
+        if self._tp_spmd():
+            from rlhf.distributed import comm
+
+            comm.broadcast_object(("step", list(admit), list(abort)), src=self.tp_src, group=self.tp_group)
+        return self._step(admit, abort)
+
+    def _step(self, admit, abort) -> Optional[StepResult]:
+        if not self.driver:
+            return None
+        if admit:
+            self._flush()
+            self.memory.check_generate()
+        return step_llm(self.llm, self.vllm, admit, abort, self.eos)
+
     def _to_batch(self, outs) -> Batch:
         rows = [(list(o.prompt_token_ids), c) for o in outs for c in o.outputs]
         return batch_from_rows([p for p, _ in rows], [list(c.token_ids) for _, c in rows],
@@ -282,7 +302,7 @@ class VLLMEngine(RolloutEngine):
 
     def serve(self) -> None:
         """A non-first TP rank of a colocated engine while its first rank runs an agent (a data-dependent number of
-        generate calls): take part in every call the first rank makes, until it calls ``end_requests``.  vLLM's
+        generate or step_requests calls): take part in every call the first rank makes, until it calls ``end_requests``.  vLLM's
         external launcher runs the TP ranks in lock-step with identical inputs.  Elsewhere: returns at once."""
         if not self._tp_spmd():
             return
@@ -292,7 +312,10 @@ class VLLMEngine(RolloutEngine):
             req = comm.broadcast_object(None, src=self.tp_src, group=self.tp_group)
             if req is None:
                 return
-            self._generate(*req)
+            if req[0] == "step":  # the first rank's step_requests: the same admitted / aborted requests
+                self._step(req[1], req[2])
+            else:  # its generate: the same prompts and params
+                self._generate(*req)
 
     def end_requests(self) -> None:
         """The first TP rank's agent is done: release the ranks in ``serve``."""

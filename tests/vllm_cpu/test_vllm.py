@@ -138,6 +138,34 @@ def test_contract_samples_logprobs_stop_and_greedy_n(engine, vllm_kit):
     assert engine_response(s, 0) == want[:want.index(stop) + 1] and not s.truncated[0]
 
 
+def test_per_request_steps_join_leave_and_match_generate(engine):
+    """``step_requests`` (vLLM's add_request / step loop, rlhf.engines.vllm_requests): a request admitted while
+    others run joins at the next step, one that finishes leaves; each request's greedy tokens and log-probs equal
+    a ``generate`` of it alone; a prompt vLLM refuses (over max_model_len 256) fails alone."""
+    from rlhf.engines.requests import Request
+
+    short, long_ = (SamplingParams(temperature=0.0, max_new_tokens=k) for k in (2, 7))
+    alone = {i: engine.generate([q], long_ if i else short) for i, q in enumerate(PROMPTS)}
+    first = engine.step_requests([Request("0", PROMPTS[0], short), Request("1", PROMPTS[1], long_)])
+    assert first.running == 2 and not first.finished and not first.failed, first
+    second = engine.step_requests([Request("2", PROMPTS[2], long_), Request("big", [5] * 300, long_)])
+    assert second.running == 3, f"the request admitted mid-run did not join the running batch: {second.running}"
+    assert [c.request_id for c in second.finished] == ["0"], "request 0 (2 tokens) leaves after its second step"
+    assert [r for r, _ in second.failed] == ["big"] and "256" in second.failed[0][1], second.failed
+    done, occupancy = {c.request_id: c for c in second.finished}, [first.running, second.running]
+    while len(done) < 3:
+        res = engine.step_requests([])
+        occupancy.append(res.running)
+        done.update({c.request_id: c for c in res.finished})
+    assert occupancy[2] == 2 and engine.step_requests([]).running == 0, occupancy
+    for i in range(3):
+        b, c = alone[i], done[str(i)]
+        assert c.token_ids == engine_response(b, 0), (i, c.token_ids, engine_response(b, 0))
+        lp = b.rollout_logprobs[0, :len(c.token_ids)].tolist()
+        assert max(abs(x - y) for x, y in zip(c.logprobs, lp)) < 1e-5, (i, c.logprobs, lp)
+        assert c.finish_reason == ("length" if bool(b.truncated[0]) else "stop")
+
+
 def test_weight_sync_bucketed_then_greedy_and_logprobs_match_hf(engine, vllm_kit):
     from rlhf.distributed.weight_sync import WeightSync
 
