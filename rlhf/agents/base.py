@@ -170,15 +170,17 @@ class AgentExecutorBase:
     def __init__(self, agent_cls, max_steps: int, max_length: int, engine, tokenizer):
         self.agent_cls, self.max_steps, self.max_length = agent_cls, max_steps, max_length
         self.engine, self.tokenizer = engine, tokenizer
-        self.metrics: Dict[str, float] = {}
+        self.stats: List[episode_stats.EpisodeStats] = []  # episodes run since the last take_metrics
+        self.occupancy: List[int] = []  # requests per engine step, since the last take_metrics
 
     def run(self, prompt_ids: List[List[int]], prompts: List[str], labels: List, params: SamplingParams
             ) -> Batch:
         return asyncio.run(self._run(prompt_ids, prompts, labels, params))
 
     def take_metrics(self) -> Dict[str, float]:
-        """The agent metrics of the last run (``episode_stats.agent_metrics``), once: cleared when taken."""
-        m, self.metrics = self.metrics, {}
+        """The agent metrics (``episode_stats.agent_metrics``) of the runs since the last call, then cleared."""
+        m = episode_stats.agent_metrics(self.stats, self.occupancy)
+        self.stats, self.occupancy = [], []
         return m
 
     async def run_episodes(self, jobs) -> list:
@@ -188,7 +190,8 @@ class AgentExecutorBase:
             out = await asyncio.gather(*[asyncio.ensure_future(j) for j in jobs])
         finally:
             sched = close_scheduler(self.engine)
-        self.metrics = episode_stats.agent_metrics([st for _, st in out], sched.occupancy if sched else ())
+        self.stats += [st for _, st in out]
+        self.occupancy += sched.occupancy if sched is not None else []
         return [r for r, _ in out]
 
     async def _run(self, prompt_ids, prompts, labels, params) -> Batch:

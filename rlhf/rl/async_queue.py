@@ -169,6 +169,8 @@ class AsyncRollout:
                                             round_params=lambda r: self.sampler.params(train_at, salt=r))
         b = groups_to_batch(groups, self.pad_id) if groups else None
         m = stats.as_metrics()
+        if self.roles.rollout.agent is not None:  # the episodes' turns, latency, time in tools, engine occupancy
+            m.update(self.roles.rollout.agent.take_metrics())
         m.update({"async/in_flight_groups": float(len(self.stream.flight)),
                   "async/buffered_groups": float(len(self.stream.buffer))})
         self.produced.append((b, m))

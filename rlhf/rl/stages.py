@@ -81,6 +81,8 @@ class RolloutStage(Stage):
             self.queue.take(batch)
             return
         batch.fill(self.rollouts.generate(roles, batch.prompts, self.sampler.params(batch.step)))
+        if roles.rollout.agent is not None:  # the episodes' turns, latency, time in tools, engine occupancy
+            batch.metrics.update(roles.rollout.agent.take_metrics())
         self.scheduler.sync_follows("rollout")  # the step's weight sync comes before the next generate: vLLM
         # sleeps level 2
 
@@ -163,6 +165,8 @@ class RefillRolloutStage(Stage):
         st.fill(cat([c[1] for c in chosen], self.rollouts.pad_id))
         st.metrics.update({"dynamic_filter_rounds": float(rounds), "dynamic_filter_pass_rate": passed / seen,
                            "dynamic_filter_generated_prompts": float(seen)})
+        if roles.rollout.agent is not None:  # every round's episodes
+            st.metrics.update(roles.rollout.agent.take_metrics())
 
 
 class ProduceStage(Stage):
