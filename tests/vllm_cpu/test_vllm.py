@@ -253,6 +253,24 @@ def _colocated_tp2(rank, world, kit):
         assert [t.sequences.shape[0] for t in turns] == [1, 3]
     else:
         eng.serve()  # returns when rank 0 calls end_requests
+    # per-request steps (an agent's scheduler, on rank 0 only): each step's admitted requests reach rank 1 in serve
+    if rank == 0:
+        from rlhf.engines.requests import Request
+
+        p, done, occupancy = SamplingParams(temperature=0.0, max_new_tokens=6), {}, []
+        admit = {0: [Request("a", PROMPTS[0], p)], 2: [Request("b", PROMPTS[2], p)]}
+        for step in range(20):
+            res = eng.step_requests(admit.get(step, []))
+            occupancy.append(res.running)
+            done.update({c.request_id: c for c in res.finished})
+            if len(done) == 2:
+                break
+        eng.end_requests()
+        assert occupancy[:3] == [1, 1, 2], f"request b did not join the running batch: {occupancy}"
+        for rid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[2])):
+            assert done[rid].token_ids == hf_greedy(new, prompt, 6), (rid, done[rid].token_ids)
+    else:
+        eng.serve()
     after = eng.generate(mine, SamplingParams(n=1, temperature=0.0, max_new_tokens=3))
     assert after.sequences.shape[0] == len(PROMPTS), "TP ranks out of step after serving the agent's calls"
 
