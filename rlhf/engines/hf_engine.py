@@ -45,8 +45,8 @@ class HFEngine(RolloutEngine):
         self.device = device or torch.device("cpu")
         self.micro_batch_size = micro_batch_size
         self._offloaded = False
-        self.decoder = ContinuousDecoder(self.model, self.device, tokenizer.pad_token_id, self._stop_ids,
-                                         max_model_len) if continuous_cache_ok(self.model) else None
+        self.decoder: Optional[ContinuousDecoder] = None  # the running batch of step_requests, built at its first
+        self._continuous = continuous_cache_ok(self.model)
 
     def _stop_ids(self, params: SamplingParams) -> tuple:
         return stop_ids(params.stop_token_ids, self.tokenizer.eos_token_id, getattr(self.model, "generation_config", None))
@@ -61,8 +61,11 @@ class HFEngine(RolloutEngine):
     def step_requests(self, admit, abort=()) -> StepResult:
         """One step of the running batch (``hf_continuous.ContinuousDecoder``); a model whose cache is not
         full-attention only runs each admitted request whole (``requests.run_whole``)."""
-        if self.decoder is None:
+        if not self._continuous:
             return run_whole(self, admit)
+        if self.decoder is None:
+            self.decoder = ContinuousDecoder(self.model, self.device, self.tokenizer.pad_token_id, self._stop_ids,
+                                             self.max_model_len)
         return self.decoder.step(admit, abort)
 
     @torch.no_grad()

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from rlhf.batch import Batch
-from rlhf.engines.rollout import SamplingParams
+
+SamplingParams = Any  # rlhf.engines.rollout.SamplingParams (not imported: rollout's default step uses this module)
 
 
 @dataclass
