@@ -76,10 +76,14 @@ def trim_leading(cache, mask: torch.Tensor) -> torch.Tensor:
 
 
 class ContinuousDecoder:
-    """The running batch of one HF engine.  ``step(admit, abort)`` is ``RolloutEngine.step_requests``."""
+    """The running batch of one HF engine.  ``step(admit, abort)`` is ``RolloutEngine.step_requests``; at most
+    ``max_rows`` requests decode together, admitted ones beyond that wait (first come, first admitted), as vLLM's
+    waiting queue holds requests its KV budget cannot take yet."""
 
-    def __init__(self, model, device, pad_id: int, stop_for, max_model_len: Optional[int]):
+    def __init__(self, model, device, pad_id: int, stop_for, max_model_len: Optional[int], max_rows: int = 1 << 30):
         self.model, self.device, self.pad_id = model, device, pad_id
+        self.max_rows = max(1, max_rows)  # rows decoded together (the engine's micro batch); the rest wait in order
+        self.waiting: List[Request] = []
         self.stop_for, self.max_model_len = stop_for, max_model_len  # stop_for(params) -> stop ids
         self.kw = _new_cache(model)[0]  # the forward's keyword for the cache
         self.rows: List[Row] = []
@@ -89,7 +93,7 @@ class ContinuousDecoder:
 
     @property
     def busy(self) -> bool:
-        return bool(self.rows)
+        return bool(self.rows or self.waiting)
 
     # ---- admission -----------------------------------------------------------------------------------------------
     def _row(self, r: Request) -> Row:
@@ -158,10 +162,14 @@ class ContinuousDecoder:
         return tok, lp
 
     def step(self, admit: Sequence[Request], abort: Sequence[str] = ()) -> StepResult:
+        self.waiting += list(admit)
         if abort:
             gone = set(abort)
+            self.waiting = [r for r in self.waiting if r.request_id not in gone]
             self._keep([i for i, r in enumerate(self.rows) if r.request.request_id not in gone])
-        self._admit(admit)
+        room = self.max_rows - len(self.rows)
+        now, self.waiting = self.waiting[:room], self.waiting[room:]
+        self._admit(now)
         if not self.rows:
             return StepResult([], 0)
         running = len(self.rows)

@@ -59,13 +59,14 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def step_requests(self, admit, abort=()) -> StepResult:
-        """One step of the running batch (``hf_continuous.ContinuousDecoder``); a model whose cache is not
+        """One step of the running batch (``hf_continuous.ContinuousDecoder``: at most micro_batch_size rows
+        decode together, as ``generate`` decodes in chunks of that many rows); a model whose cache is not
         full-attention only runs each admitted request whole (``requests.run_whole``)."""
         if not self._continuous:
             return run_whole(self, admit)
         if self.decoder is None:
             self.decoder = ContinuousDecoder(self.model, self.device, self.tokenizer.pad_token_id, self._stop_ids,
-                                             self.max_model_len)
+                                             self.max_model_len, max_rows=self.micro_batch_size)
         return self.decoder.step(admit, abort)
 
     @torch.no_grad()

@@ -68,6 +68,25 @@ def test_continuous_batch_rows_equal_single_request_generate():
                                    else "stop"), (i, c)
 
 
+def test_at_most_micro_batch_rows_decode_together_the_rest_wait_in_order():
+    eng = tiny_engine()
+    eng.micro_batch_size = 2
+    ps = [SamplingParams(temperature=0.0, max_new_tokens=k, stop_token_ids=(1000,)) for k in (3, 5, 4)]
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+    want = [alone(eng, q, p)[0] for q, p in zip(prompts, ps)]
+    occupancy, done = [], {}
+    res = eng.step_requests([Request(str(i), q, p) for i, (q, p) in enumerate(zip(prompts, ps))])
+    while True:
+        occupancy.append(res.running)
+        done.update({c.request_id: c.token_ids for c in res.finished})
+        if len(done) == 3:
+            break
+        res = eng.step_requests([])
+    # 0 (3 tokens) and 1 (5) run; 2 waits until 0 leaves after step 3, then decodes its 4 tokens
+    assert occupancy == [2, 2, 2, 2, 2, 1, 1], occupancy
+    assert [done[str(i)] for i in range(3)] == want
+
+
 def test_a_request_joins_a_running_batch_and_a_slow_episode_holds_no_other():
     """Episode A: a 60-token turn, an environment step of 1.0 s, another turn.  Episode B arrives 20 ms later
     and finishes its short turn while A's first turn still decodes (it joined without waiting); episode C's
