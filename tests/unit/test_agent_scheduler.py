@@ -197,3 +197,33 @@ def test_one_scheduler_per_engine_and_loop():
         return close_scheduler(eng) is a and close_scheduler(eng) is None
 
     assert asyncio.run(main())
+
+
+def test_an_engine_error_fails_the_running_requests_and_the_scheduler_goes_on():
+    """The engine raises in a step: the requests it ran fail with that error (their episodes end), none hangs;
+    a request made afterwards is served."""
+    from helpers.engine_standin import StandInEngine
+
+    from rlhf.engines.requests import Completion, StepResult
+
+    class Flaky(StandInEngine):
+        """A step finishes every running request with one token; a prompt [66] makes the step raise."""
+
+        def step_requests(self, admit, abort=()):
+            if any(r.prompt_ids == [66] for r in admit):
+                raise RuntimeError("engine fell over")
+            return StepResult([Completion(r.request_id, [3], [-0.1], "stop") for r in admit], len(admit))
+
+    llm = AsyncEngine(Flaky(), TOK, 4)
+    sp = OpenRLHFSamplingParams(max_tokens=2)
+
+    async def main():
+        first = await asyncio.wait_for(asyncio.gather(llm.generate([5], sp), llm.generate([66], sp),
+                                                      return_exceptions=True), 5)
+        later = await asyncio.wait_for(llm.generate([7], sp), 5)
+        close_scheduler(llm.engine)
+        return first, later
+
+    first, later = asyncio.run(main())
+    assert all(isinstance(e, RuntimeError) and "fell over" in str(e) for e in first), first
+    assert later.outputs[0].token_ids == [3] and later.outputs[0].finish_reason == "stop"
