@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from rlhf.agents import episode_stats
-from rlhf.agents.scheduler import close_scheduler, scheduler_for
+from rlhf.agents.scheduler import EngineStepError, close_scheduler, scheduler_for
 from rlhf.engines.rollout import Batch, SamplingParams, batch_from_rows
 from rlhf.errors import AgentContractError
 
@@ -225,7 +225,9 @@ class AgentExecutorBase:
                     seed = episode_stats.seed_for(one.seed, k, turn)
                     await self._turn(ep, turn, dataclasses.replace(one, max_new_tokens=budget, seed=seed), sched,
                                      st, where)
-            except Exception as e:  # noqa: BLE001  (the agent file's code or the engine: this episode fails)
+            except EngineStepError:  # the engine itself failed: the run ends (fail-fast), not one episode
+                raise
+            except Exception as e:  # noqa: BLE001  (the agent file's code or a refused request: this episode fails)
                 st.error = True
                 self._fail(ep, AgentContractError(f"{where} raised {type(e).__name__}: {e}.", "exception", e), where)
             return ep, st

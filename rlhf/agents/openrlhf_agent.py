@@ -50,6 +50,7 @@ from rlhf.agents.base import (
 )
 from rlhf.agents.base import AgentExecutorBase as NativeExecutorBase
 from rlhf.agents.llm_engine import AsyncEngine
+from rlhf.agents.scheduler import EngineStepError
 from rlhf.engines.rollout import Batch, SamplingParams, batch_from_rows
 
 __all__ = ["AgentInstanceBase", "AgentExecutorBase", "MultiTurnAgentExecutor", "ExecuteAdapter", "openrlhf_names",
@@ -266,6 +267,8 @@ class ExecuteAdapter(NativeExecutorBase):
             try:
                 return await self.executor.execute(prompt=text, label=lab, sampling_params=sp, max_length=budget,
                                                    hf_tokenizer=self.tokenizer, llm_engine=eng, images=None), st
+            except EngineStepError:  # the engine itself failed: the run ends (fail-fast), not one episode
+                raise
             except Exception as e:  # noqa: BLE001  (the agent file's code: its failure is this episode's)
                 st.error = True
                 where = f"{agent_file(self.openrlhf_cls)}: {self.openrlhf_cls.__name__}.execute"

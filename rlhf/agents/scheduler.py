@@ -15,8 +15,9 @@ keep waiting in wall-clock time meanwhile, and resume between steps.  Colocated 
 step's admitted and aborted requests from their first rank inside ``step_requests`` (``VLLMEngine``), so the
 scheduler runs on the first rank only, as the agent does (``RolloutRole.run_agent``).
 
-An engine error fails every request then running (each episode sees it and ends as failed); a cancelled episode's
-request is aborted at the next step.  ``occupancy``: the number of requests each step ran."""
+An engine error fails every request then running with ``EngineStepError`` (the executors end the run with it);
+a request the engine refuses fails alone (``RequestRefused``: its episode fails); a cancelled episode's request is
+aborted at the next step.  ``occupancy``: the number of requests each step ran."""
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +28,16 @@ from typing import Dict, List, Tuple
 
 from rlhf.engines.requests import Completion, Request
 from rlhf.engines.rollout import SamplingParams
+
+
+class RequestRefused(ValueError):
+    """The engine refused this request (e.g. its prompt is over max_model_len): its episode fails alone."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised: every request it ran fails with this, and the executors let it end the run (the
+    engine's state is unknown: fail-fast, not a failed episode)."""
+
 
 _SCHEDULERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Dict[int, RequestScheduler]] = \
     weakref.WeakKeyDictionary()
@@ -83,7 +94,9 @@ class RequestScheduler:
         try:
             res = self.engine.step_requests([r for r, _ in admit], aborts)
         except Exception as e:  # the engine's state is unknown: every running request fails with the error
-            self._fail_all(e)
+            err = EngineStepError(f"the rollout engine's step failed: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            self._fail_all(err)
             return
         finally:
             self.step_s += time.perf_counter() - t0
@@ -95,7 +108,7 @@ class RequestScheduler:
         for rid, why in res.failed:
             fut = self.running.pop(rid, None)
             if fut is not None and not fut.done():
-                fut.set_exception(ValueError(why))
+                fut.set_exception(RequestRefused(why))
 
     def _fail_all(self, err: Exception) -> None:
         running, self.running = self.running, {}

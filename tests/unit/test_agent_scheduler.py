@@ -200,8 +200,8 @@ def test_one_scheduler_per_engine_and_loop():
 
 
 def test_an_engine_error_fails_the_running_requests_and_the_scheduler_goes_on():
-    """The engine raises in a step: the requests it ran fail with that error (their episodes end), none hangs;
-    a request made afterwards is served."""
+    """The engine raises in a step: the requests it ran fail with EngineStepError (the executors end the run
+    with it: fail-fast), none hangs; a request made afterwards is served."""
     from helpers.engine_standin import StandInEngine
 
     from rlhf.engines.requests import Completion, StepResult
@@ -225,5 +225,7 @@ def test_an_engine_error_fails_the_running_requests_and_the_scheduler_goes_on():
         return first, later
 
     first, later = asyncio.run(main())
-    assert all(isinstance(e, RuntimeError) and "fell over" in str(e) for e in first), first
+    from rlhf.agents.scheduler import EngineStepError
+
+    assert all(isinstance(e, EngineStepError) and "fell over" in str(e) for e in first), first
     assert later.outputs[0].token_ids == [3] and later.outputs[0].finish_reason == "stop"
