@@ -166,6 +166,10 @@ class AgentExecutorBase:
             ) -> Batch:
         return asyncio.run(self._run(prompt_ids, prompts, labels, params))
 
+    def take_metrics(self) -> Dict[str, float]:
+        """The step's metrics of the episodes run since the last call (the tool executor's ``tool/*``); none here."""
+        return {}
+
     async def _run(self, prompt_ids, prompts, labels, params) -> Batch:
         eps = []
         where = f"{agent_file(self.agent_cls)}: {self.agent_cls.__name__}"

@@ -81,6 +81,7 @@ class RolloutStage(Stage):
             self.queue.take(batch)
             return
         batch.fill(self.rollouts.generate(roles, batch.prompts, self.sampler.params(batch.step)))
+        batch.metrics.update(roles.rollout.agent_metrics)  # an agent's (tool/*): mean over the engines' first ranks
         self.scheduler.sync_follows("rollout")  # the step's weight sync comes before the next generate: vLLM
         # sleeps level 2
 

@@ -65,18 +65,22 @@ class RLTrainer:
         check_async_placement(r.async_train, self.plan)
         check_batch_sizes(cfg.optim, r.rollout_batch_size * r.n_samples_per_prompt, self.plan)
         check_backend_placement(t.backend, self.plan)
-        self.agent_mode = bool(r.agent_func_path)
-        if self.agent_mode:
+        self.agent_mode = bool(r.agent_func_path or cfg.agent.tools_path)  # tool episodes: scored at their end
+        if r.agent_func_path:
             from rlhf.agents.load import load_agent
 
             load_agent(r.agent_func_path)  # fail on a bad file before any process group
+        from rlhf.agents.tool_setup import check_tool_run, tool_schemas
+
+        check_tool_run(cfg)  # --tools_path: its file and flags, before any process group
         self.reward_source = make_reward_source(r.remote_rm_url, r.reward_timeout_s, print0, r.remote_rm_retries)
         if self.reward_source is None and not cfg.model.reward_pretrain:
             self.reward_source = builtin_reward_source(print0)
         self.path = resolve_pretrain(cfg.model.pretrain)
         self.tokenizer = load_tokenizer(self.path)
         self.prompts, eval_prompts, eval_sources = load_prompt_sets(
-            cfg.data, cfg.optim.seed, self.tokenizer, None if cfg.model.pretrain else self.path)
+            cfg.data, cfg.optim.seed, self.tokenizer, None if cfg.model.pretrain else self.path,
+            tool_schemas(cfg.agent.tools_path))
         rb = r.rollout_batch_size
         self.steps_per_episode, total, notes = plan_steps(len(self.prompts), len(eval_prompts), rb, cfg.data,
                                                           cfg.optim)

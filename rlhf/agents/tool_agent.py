@@ -1,0 +1,196 @@
+"""Multi-turn tool episodes (``--tools_path`` without ``--agent_func_path``): the model calls tools, the tools'
+messages come back through the chat template, until the model answers without a call or a limit is reached.
+
+One episode (``ToolAgentExecutor.episode``), as veRL's ToolAgentLoop (verl/experimental/agent_loop/
+tool_agent_loop.py) and TRL's tool-calling GRPO (``max_tool_calling_iterations``) run it::
+
+    ids = prompt
+    for turn in 1 .. --max_steps:
+        turn_ids = await llm_engine.generate(ids, ...)         # action mask 1, its log-probs kept
+        calls = --tool_call_parser(turn text)
+        no call, or a length stop             -> episode ends
+        turn == --max_steps                   -> episode ends (no turn left for the answer)
+        each call (up to --max_tool_calls per episode): run_call (timeout, output cap, errors as text)
+        a malformed call                      -> one error message instead ("could not read the tool call")
+        tool_ids = the chat template's tool messages (role "tool") after the turn   # action mask 0, log-prob 0
+        over --max_episode_tokens             -> episode ends (truncated)
+
+The generation goes through OpenRLHF's llm_engine contract (``rlhf.agents.openrlhf_agent.AsyncEngine``: ``await
+generate(prompt_token_ids, sampling_params)`` -> outputs[0].token_ids / .text / .logprobs / .finish_reason), so
+what batches the requests underneath may change without touching this file.  The reward is the run's reward
+function (--remote_rm_url, else the built-in) on the whole episode's text (prompt + model turns + tool messages),
+at the episode's end; the rows carry it like an agent environment's (the trainer's agent mode).
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from rlhf.agents.base import AgentExecutorBase
+from rlhf.agents.openrlhf_agent import AsyncEngine, OpenRLHFSamplingParams
+from rlhf.agents.tool_parsers import Parsed
+from rlhf.agents.tools import ToolSet, run_call
+from rlhf.engines.rollout import Batch, SamplingParams, batch_from_rows
+
+MARK = "RLHFTOOLMARK"  # an assistant turn's stand-in text when the template's pieces are measured
+
+
+@dataclass
+class ToolLimits:
+    max_turns: int          # --max_steps
+    max_tool_calls: int     # --max_tool_calls
+    timeout_s: float        # --tool_timeout_s
+    max_chars: int          # --tool_output_max_chars
+    max_episode_tokens: int  # --max_episode_tokens (default --generate_max_len x --max_steps)
+
+
+@dataclass
+class EpisodeRow:
+    response: List[int] = field(default_factory=list)
+    mask: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    truncated: bool = False
+    turns: int = 0
+    calls: int = 0
+    statuses: List[str] = field(default_factory=list)
+    malformed: int = 0
+    over_limit: int = 0
+    tool_s: float = 0.0
+
+
+def tool_turn_text(tokenizer, messages: List[dict]) -> str:
+    """The text the chat template puts after an assistant turn's end token for these tool messages, up to the next
+    assistant turn's opening: ``render(u, a, *tools, add_generation_prompt) - render(u, a)``, preceded by what the
+    template writes after the turn's end-of-turn token (ChatML: the newline after ``<|im_end|>``; the model's own
+    stop token ends its turn).  veRL renders the tool messages alone and cuts a system prefix instead
+    (tool_agent_loop.py ``_handle_processing_tools_state``); this form also holds for templates without one."""
+    base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}]
+    a = tokenizer.apply_chat_template(base, tokenize=False)
+    b = tokenizer.apply_chat_template(base + messages, tokenize=False, add_generation_prompt=True)
+    if not b.startswith(a) or MARK not in a:
+        raise ValueError("the chat template renders tool messages without the conversation before them as a prefix, "
+                         "so the tool turn cannot be appended token by token; use a chat template that renders "
+                         "role 'tool' messages after the assistant turn")
+    after = a[a.rindex(MARK) + len(MARK):]
+    eos = tokenizer.eos_token
+    sep = after.split(eos, 1)[1] if eos and eos in after else after
+    return sep + b[len(a):]
+
+
+class ToolStats:
+    """Counts over one run of episodes -> the step's ``tool/*`` metrics."""
+
+    def __init__(self):
+        self.rows: List[EpisodeRow] = []
+
+    def metrics(self) -> Dict[str, float]:
+        rows = self.rows
+        if not rows:
+            return {}
+        calls = sum(r.calls for r in rows)
+        st = [s for r in rows for s in r.statuses]
+        rate = (lambda *k: sum(s in k for s in st) / calls) if calls else (lambda *k: 0.0)
+        return {"tool/calls_per_episode": calls / len(rows), "tool/turns_per_episode": sum(r.turns for r in rows)
+                / len(rows), "tool/error_rate": rate("error", "unknown", "bad_args"), "tool/timeout_rate":
+                rate("timeout"), "tool/malformed_calls": float(sum(r.malformed for r in rows)),
+                "tool/over_limit_calls": float(sum(r.over_limit for r in rows)),
+                "tool/time_s": sum(r.tool_s for r in rows)}
+
+
+class ToolAgentExecutor(AgentExecutorBase):
+    """The executor contract (``run(prompt_ids, prompts, labels, params) -> Batch``, rlhf.agents.base) over tool
+    episodes; ``parser``: rlhf.agents.tool_parsers (``extract(text) -> Parsed``); ``reward_fn``: a RewardSource
+    (``(queries, prompts, labels) -> {rewards, scores, valid, ...}``)."""
+
+    def __init__(self, tools: ToolSet, parser, limits: ToolLimits, engine, tokenizer, reward_fn):
+        super().__init__(None, limits.max_turns, limits.max_episode_tokens, engine, tokenizer)
+        self.tools, self.parser, self.limits, self.reward_fn = tools, parser, limits, reward_fn
+        self.stats = ToolStats()
+
+    def take_metrics(self) -> Dict[str, float]:
+        m, self.stats = self.stats.metrics(), ToolStats()
+        return m
+
+    async def _run(self, prompt_ids, prompts, labels, params: SamplingParams) -> Batch:
+        eng = AsyncEngine(self.engine, self.tokenizer, params.max_new_tokens)
+        sp = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
+                  stop_token_ids=tuple(params.stop_token_ids))
+        jobs, p_ids, texts, labs = [], [], [], []
+        for ids, text, lab in zip(prompt_ids, prompts, labels):
+            for _ in range(params.n):
+                jobs.append(self.episode(list(ids), eng, sp, params.max_new_tokens))
+                p_ids.append(list(ids)), texts.append(text), labs.append(lab)
+        rows: List[EpisodeRow] = list(await asyncio.gather(*jobs))
+        self.stats.rows += rows
+        rewards, scores = self.score(texts, [r.response for r in rows], labs)
+        return batch_from_rows(p_ids, [r.response for r in rows], [r.logprobs for r in rows],
+                               [r.truncated for r in rows], self.tokenizer.pad_token_id,
+                               action_masks=[r.mask for r in rows], rewards=rewards, scores=scores)
+
+    def score(self, prompts: List[str], responses: List[List[int]], labels: List):
+        """The reward function on prompt + the whole episode (tool messages included); invalid rewards NaN."""
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        res = self.reward_fn([p + r for p, r in zip(prompts, texts)], list(prompts), list(labels))
+        r = torch.as_tensor(res["rewards"], dtype=torch.float32).reshape(-1)
+        s = torch.as_tensor(res["scores"], dtype=torch.float32).reshape(-1)
+        valid = torch.as_tensor(res.get("valid", torch.isfinite(r)), dtype=torch.bool).reshape(-1)
+        return (torch.where(valid, r, torch.full_like(r, math.nan)).tolist(),
+                torch.where(valid, s, torch.full_like(s, math.nan)).tolist())
+
+    async def episode(self, prompt: List[int], eng: AsyncEngine, sp: dict, max_new_tokens: int) -> EpisodeRow:
+        lim, row = self.limits, EpisodeRow()
+        stop = set(sp["stop_token_ids"])
+        while True:
+            room = lim.max_episode_tokens - len(row.response)
+            if room <= 0:
+                row.truncated = True
+                return row
+            out = (await eng.generate(prompt + row.response, OpenRLHFSamplingParams(
+                max_tokens=min(max_new_tokens, room), **sp))).outputs[0]
+            action = list(out.token_ids)
+            row.response += action
+            row.mask += [1] * len(action)
+            row.logprobs += [lp[t].logprob for t, lp in zip(action, out.logprobs)]
+            row.turns += 1
+            if out.finish_reason == "length" or not action or action[-1] not in stop:
+                row.truncated = out.finish_reason == "length"
+                return row
+            text = self.tokenizer.decode(action[:-1], skip_special_tokens=False)
+            parsed = self.parser.extract(text)
+            if (not parsed.calls and not parsed.malformed) or row.turns >= lim.max_turns:
+                return row
+            feedback = self.tokenizer(tool_turn_text(self.tokenizer, await self.run_tools(parsed, row)),
+                                      add_special_tokens=False)["input_ids"]
+            if len(row.response) + len(feedback) >= lim.max_episode_tokens:
+                row.truncated = True
+                return row
+            row.response += feedback
+            row.mask += [0] * len(feedback)
+            row.logprobs += [0.0] * len(feedback)
+
+    async def run_tools(self, parsed: Parsed, row: EpisodeRow) -> List[dict]:
+        """The tool messages for one turn's calls (run concurrently), counted in ``row``."""
+        lim = self.limits
+        if parsed.malformed:
+            row.malformed += 1
+            return [{"role": "tool", "content": "Error: the tool call could not be read (it must be valid JSON with "
+                                                "a 'name' and 'arguments', in the model's tool-call format)"}]
+        room = max(0, lim.max_tool_calls - row.calls)
+        run, refused = parsed.calls[:room], parsed.calls[room:]
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[run_call(self.tools, c.name, c.arguments, lim.timeout_s, lim.max_chars)
+                                         for c in run])
+        row.tool_s += time.perf_counter() - t0
+        row.calls += len(run)
+        row.over_limit += len(refused)
+        row.statuses += [r.status for r in results]
+        msgs = [{"role": "tool", "name": c.name, "content": r.content} for c, r in zip(run, results)]
+        return msgs + [{"role": "tool", "name": c.name, "content": f"Error: tool call limit reached "
+                        f"({lim.max_tool_calls} per episode, --max_tool_calls); {c.name!r} was not run"}
+                       for c in refused]
+
