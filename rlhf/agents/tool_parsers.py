@@ -105,8 +105,8 @@ def check_parser_name(name: str) -> None:
     names = parser_names()
     if name not in names:
         where = "vLLM's ToolParserManager" if has_vllm() else "this build without vLLM (rlhf's own parser)"
-        raise ConfigError("tool_call_parser", f"--tool_call_parser {name!r} is not a tool parser of {where}; use one of "
-                          f"{', '.join(names[:40])} (e.g. --tool_call_parser hermes)")
+        raise ConfigError("tool_call_parser", f"--tool_call_parser {name!r} is not a tool parser of {where}; use "
+                                              f"one of {', '.join(names[:60])} (e.g. --tool_call_parser hermes)")
 
 
 def make_parser(name: str, tokenizer, tools: Optional[list] = None):

@@ -58,17 +58,19 @@ def schema_of(fn: Callable, path: str) -> dict:
     try:
         return get_json_schema(fn)
     except Exception as e:
-        raise ConfigError("tools_path", f"--tools_path {path}: tool {fn.__name__!r} has no schema ({type(e).__name__}: {e}); give "
-                          f"it type hints and a Google-style docstring that describes it and every argument, e.g. "
-                          f"'\"\"\"Add two numbers.\\n\\n    Args:\\n        a: the first\\n        b: the second\\n    "
-                          f"\"\"\"', or list its schema in TOOL_SCHEMAS") from e
+        raise ConfigError("tools_path", f"--tools_path {path}: tool {fn.__name__!r} has no schema "
+                                        f"({type(e).__name__}: {e}); give it type hints and a Google-style docstring "
+                                        f"that describes it and every argument (a summary line, then 'Args:' and "
+                                        f"one 'name: what it is' line per argument), or list its schema in "
+                                        f"TOOL_SCHEMAS") from e
 
 
 def load_tools(path: str) -> ToolSet:
     """The tools of a --tools_path file, checked (ConfigError naming the flag and the fix)."""
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
-        raise ConfigError("tools_path", f"--tools_path {path}: no such file; give a .py file defining the tools as functions")
+        raise ConfigError("tools_path", f"--tools_path {path}: no such file; give a .py file defining the tools "
+                                        f"as functions")
     spec = importlib.util.spec_from_file_location("rlhf_user_tools", path)
     mod = importlib.util.module_from_spec(spec)
     try:
@@ -78,8 +80,8 @@ def load_tools(path: str) -> ToolSet:
     fns = _tool_functions(mod)
     bad = [f for f in fns if not callable(f)]
     if bad or not fns:
-        raise ConfigError("tools_path", f"--tools_path {path}: " + (f"TOOLS holds {bad[0]!r}, not a function" if bad else
-                                                      "no tools (define functions, or a TOOLS list of them)"))
+        why = f"TOOLS holds {bad[0]!r}, not a function" if bad else "no tools (define functions, or a TOOLS list)"
+        raise ConfigError("tools_path", f"--tools_path {path}: {why}")
     given = {s["function"]["name"]: s for s in vars(mod).get("TOOL_SCHEMAS", [])}
     schemas = [given.get(f.__name__) or schema_of(f, path) for f in fns]
     return ToolSet({f.__name__: f for f in fns}, schemas, path)

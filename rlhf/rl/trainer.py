@@ -72,7 +72,7 @@ class RLTrainer:
             load_agent(r.agent_func_path)  # fail on a bad file before any process group
         from rlhf.agents.tool_setup import check_tool_run, tool_schemas
 
-        check_tool_run(cfg)  # --tools_path: its file and flags, before any process group
+        check_tool_run(cfg.agent, r, cfg.model, cfg.data)  # --tools_path: its file and flags, before any process group
         self.reward_source = make_reward_source(r.remote_rm_url, r.reward_timeout_s, print0, r.remote_rm_retries)
         if self.reward_source is None and not cfg.model.reward_pretrain:
             self.reward_source = builtin_reward_source(print0)

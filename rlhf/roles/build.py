@@ -69,7 +69,8 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
         elif cfg.agent.tools_path:  # tool episodes (rlhf.agents.tool_agent)
             from rlhf.agents.tool_setup import build_tool_executor
 
-            rollout.agent = build_tool_executor(cfg, rollout.engine, load_tokenizer(path))
+            rollout.agent = build_tool_executor(cfg.agent, cfg.rollout, cfg.data.generate_max_len, rollout.engine,
+                                                load_tokenizer(path))
     from rlhf.rewards.reward_model import reward_model_stats
 
     return Roles(actor=actor, rollout=rollout, ref=ref, critic=critic, reward=reward, **declared,

@@ -10,11 +10,11 @@ import time
 
 import pytest
 import torch
-
 from helpers.engine_standin import StandInEngine
+
 from rlhf.agents.tool_agent import ToolAgentExecutor, ToolLimits, tool_turn_text
 from rlhf.agents.tool_parsers import HermesParser
-from rlhf.agents.tools import ToolSet, load_tools, schema_of
+from rlhf.agents.tools import load_tools, schema_of
 from rlhf.engines.rollout import SamplingParams, batch_from_rows
 from rlhf.errors import ConfigError
 
@@ -237,6 +237,9 @@ def test_bad_tools_files_and_flags_are_refused(tmp_path, tools_file):
     from rlhf.agents.tool_setup import check_tool_run
     from rlhf.config.cli import parse
 
+    def check(c):
+        check_tool_run(c.agent, c.rollout, c.model, c.data)
+
     bad = tmp_path / "bad.py"
     bad.write_text("import no_such_module_here\n")
     with pytest.raises(ConfigError, match="--tools_path .*cannot load: ModuleNotFoundError"):
@@ -252,10 +255,10 @@ def test_bad_tools_files_and_flags_are_refused(tmp_path, tools_file):
                        (["--agent_func_path", "a.py"], "give one"), (["--tool_timeout_s", "0"], "--tool_timeout_s 0"),
                        (["--max_steps", "0"], "--max_steps 0 must be at least 1")):
         with pytest.raises(ConfigError, match=re.escape(msg)):
-            check_tool_run(parse("grpo", base + extra))
+            check(parse("grpo", base + extra))
     with pytest.raises(ConfigError, match="cannot load"):
-        check_tool_run(parse("grpo", ["--tools_path", str(bad)]))
-    check_tool_run(parse("grpo", base))
+        check(parse("grpo", ["--tools_path", str(bad)]))
+    check(parse("grpo", base))
 
 
 def test_rows_tools_rendered_by_the_chat_template(tok):
@@ -282,6 +285,7 @@ def test_one_grpo_step_with_tools(tiny_kit, tmp_path, tools_file):
     """--tools_path without --agent_func_path: the rollout runs tool episodes (the HF engine), scored by the
     reward function at their end, and the step logs the tool metrics."""
     from helpers.e2e import flags_argv
+
     from rlhf.config import parse
     from rlhf.rl.trainer import RLTrainer
     from rlhf.train_grpo import GRPO_DEFAULTS
