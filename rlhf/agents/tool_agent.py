@@ -64,22 +64,28 @@ class EpisodeRow:
 
 
 def tool_turn_text(tokenizer, messages: List[dict]) -> str:
-    """The text the chat template puts after an assistant turn's end token for these tool messages, up to the next
-    assistant turn's opening: ``render(u, a, *tools, add_generation_prompt) - render(u, a)``, preceded by what the
-    template writes after the turn's end-of-turn token (ChatML: the newline after ``<|im_end|>``; the model's own
-    stop token ends its turn).  veRL renders the tool messages alone and cuts a system prefix instead
-    (tool_agent_loop.py ``_handle_processing_tools_state``); this form also holds for templates without one."""
+    """The text the chat template puts after an assistant turn for these tool messages, up to the next assistant
+    turn's opening, less the turn's end-of-turn token (the model's own stop token ends its turn):
+
+        tail = render(u, a, *tools, add_generation_prompt=True) after a's content
+        text = tail after its first eos text   where the template closes an assistant turn with eos (ChatML's
+               <|im_end|>: the text starts with the newline after it), else the whole tail
+
+    veRL renders the tool messages alone and cuts a system prefix instead (verl/experimental/agent_loop/
+    tool_agent_loop.py ``_handle_processing_tools_state``); this form also holds for templates without a system
+    prefix and for those that render the last assistant turn apart (Qwen3's empty think block)."""
     base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}]
     a = tokenizer.apply_chat_template(base, tokenize=False)
     b = tokenizer.apply_chat_template(base + messages, tokenize=False, add_generation_prompt=True)
-    if not b.startswith(a) or MARK not in a:
-        raise ValueError("the chat template renders tool messages without the conversation before them as a prefix, "
-                         "so the tool turn cannot be appended token by token; use a chat template that renders "
-                         "role 'tool' messages after the assistant turn")
-    after = a[a.rindex(MARK) + len(MARK):]
+    if MARK not in a or MARK not in b:
+        raise ValueError("the chat template does not render an assistant message's content, so a tool turn cannot "
+                         "be placed after the model's turn; use a chat template that renders role 'assistant' and "
+                         "role 'tool' messages")
+    closing, tail = a[a.rindex(MARK) + len(MARK):], b[b.rindex(MARK) + len(MARK):]
     eos = tokenizer.eos_token
-    sep = after.split(eos, 1)[1] if eos and eos in after else after
-    return sep + b[len(a):]
+    if eos and eos in closing and eos in tail:
+        return tail.split(eos, 1)[1]
+    return tail
 
 
 class ToolStats:

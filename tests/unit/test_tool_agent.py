@@ -193,6 +193,28 @@ def test_tool_tokens_out_of_the_action_mask(tok, tools_file):
     assert m["tool/calls_per_episode"] == 1 and m["tool/turns_per_episode"] == 2 and m["tool/error_rate"] == 0
 
 
+
+@pytest.mark.parametrize("name,eos,want", [
+    ("qwen2_5", "<|im_end|>", "\n<|im_start|>user\n<tool_response>\na\n</tool_response>\n<tool_response>\nb\n"
+                              "</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+    ("qwen3", "<|im_end|>", "\n<|im_start|>user\n<tool_response>\na\n</tool_response>\n<tool_response>\nb\n"
+                            "</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+    ("llama3_1", "<|eot_id|>", '<|start_header_id|>ipython<|end_header_id|>\n\n"a"<|eot_id|><|start_header_id|>'
+                               'ipython<|end_header_id|>\n\n"b"<|eot_id|><|start_header_id|>assistant<|end_header_id|>'
+                               '\n\n')])
+def test_tool_turn_through_real_chat_templates(name, eos, want):
+    """The tool turn after a model turn that ended with its stop token, through the real models' templates (TRL
+    ships copies: trl/chat_templates/*.jinja): Qwen2.5 and Qwen3 group tool messages in one user turn (Qwen3 also
+    renders its last assistant turn apart: an empty think block), Llama 3.1 one ipython turn each."""
+    trl = pytest.importorskip("trl")
+    from rlhf.models.tiny_kit import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.add_special_tokens({"eos_token": eos})
+    with open(os.path.join(os.path.dirname(trl.__file__), "chat_templates", f"{name}.jinja")) as fh:
+        tok.chat_template = fh.read()
+    assert tool_turn_text(tok, [{"role": "tool", "content": "a"}, {"role": "tool", "content": "b"}]) == want
+
 def test_hung_raising_capped_unknown_and_malformed_calls_are_fed_back(tok, tools_file):
     """A sync tool that hangs 30 s and an async one are cut at --tool_timeout_s (0.5 s) while the other episodes
     go on; a raise, an unknown tool, bad arguments and a malformed call come back as messages; output capped."""
