@@ -115,8 +115,8 @@ def _in_thread(fn: Callable, kwargs: dict) -> asyncio.Future:
     def work():
         try:
             value, ok = fn(**kwargs), True
-        except BaseException as e:  # the tool's error goes back to the model as text
-            value, ok = e, False
+        except BaseException as e:  # the tool's error goes back to the model as text (sys.exit in a tool too)
+            value, ok = (e if isinstance(e, Exception) else RuntimeError(f"{type(e).__name__}: {e}")), False
         try:
             loop.call_soon_threadsafe(settle, ok, value)
         except RuntimeError:  # the event loop is gone (the episode ended long ago)

@@ -299,6 +299,15 @@ def test_rows_tools_rendered_by_the_chat_template(tok):
     finally:
         tok.chat_template = old
     assert row_tools({"input": "x"}, schemas) == schemas and row_tools(row, None) == schemas
+    from types import SimpleNamespace
+
+    from rlhf.data.formatting import build_prompts
+
+    d = SimpleNamespace(input_key="input", label_key=None, apply_chat_template=True, input_template=None,
+                        prompt_max_len=64)
+    other = [{"type": "function", "function": {"name": "other"}}]
+    items = build_prompts([row, {"input": "yo"}], tok, d, tools=other)
+    assert [i.tools for i in items] == [schemas, other], "a row's own tools, else --tools_path's"
     with pytest.raises(ValueError, match="'tools' column is text but not JSON"):
         row_tools({"tools": "[{"})
 
