@@ -13,7 +13,7 @@ tool_agent_loop.py) and TRL's tool-calling GRPO (``max_tool_calling_iterations``
         each call (up to --max_tool_calls per episode): run_call (timeout, output cap, errors as text)
         a malformed call                      -> one error message instead ("could not read the tool call")
         tool_ids = the chat template's tool messages (role "tool") after the turn   # action mask 0, log-prob 0
-        over --max_episode_tokens             -> episode ends (truncated)
+        over --max_episode_tokens, or no room left in the engine's max_model_len -> episode ends (truncated)
 
 The generation goes through OpenRLHF's llm_engine contract (``rlhf.agents.openrlhf_agent.AsyncEngine``: ``await
 generate(prompt_token_ids, sampling_params)`` -> outputs[0].token_ids / .text / .logprobs / .finish_reason), so
@@ -150,14 +150,14 @@ class ToolAgentExecutor(AgentExecutorBase):
 
     async def episode(self, prompt: List[int], eng: AsyncEngine, sp: dict, max_new_tokens: int) -> EpisodeRow:
         lim, row = self.limits, EpisodeRow()
-        stop = set(sp["stop_token_ids"])
+        stop, context = set(sp["stop_token_ids"]), self.engine.max_model_len or math.inf
         while True:
-            room = lim.max_episode_tokens - len(row.response)
+            room = min(lim.max_episode_tokens - len(row.response), context - len(prompt) - len(row.response))
             if room <= 0:
                 row.truncated = True
                 return row
             out = (await eng.generate(prompt + row.response, OpenRLHFSamplingParams(
-                max_tokens=min(max_new_tokens, room), **sp))).outputs[0]
+                max_tokens=int(min(max_new_tokens, room)), **sp))).outputs[0]
             action = list(out.token_ids)
             row.response += action
             row.mask += [1] * len(action)
@@ -172,7 +172,7 @@ class ToolAgentExecutor(AgentExecutorBase):
                 return row
             feedback = self.tokenizer(tool_turn_text(self.tokenizer, await self.run_tools(parsed, row)),
                                       add_special_tokens=False)["input_ids"]
-            if len(row.response) + len(feedback) >= lim.max_episode_tokens:
+            if len(row.response) + len(feedback) >= min(lim.max_episode_tokens, context - len(prompt)):
                 row.truncated = True
                 return row
             row.response += feedback

@@ -59,7 +59,8 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     rollout = RolloutRole("rollout", groups.mesh("rollout"))
     if rollout.is_member:
         rollout.engine = build_rollout_engine(cfg.rollout, cfg.topology, path, groups, device, bf16=m.bf16,
-                                              seed=cfg.optim.seed, max_model_len=rl_max_len(cfg.data))
+                                              seed=cfg.optim.seed,
+                                              max_model_len=engine_len(cfg.agent, cfg.rollout, cfg.data))
         if cfg.rollout.agent_func_path:
             from rlhf.agents.load import load_agent
 
@@ -75,6 +76,16 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
 
     return Roles(actor=actor, rollout=rollout, ref=ref, critic=critic, reward=reward, **declared,
                  reward_stats=reward_model_stats(cfg.algorithm.normalize_reward, stats.get("v")))
+
+
+def engine_len(a, r, d) -> int:
+    """The rollout engine's context: ``rl_max_len``, or with --tools_path the prompt and a whole episode
+    (--prompt_max_len + --max_episode_tokens: its turns and tool messages)."""
+    if not a.tools_path:
+        return rl_max_len(d)
+    from rlhf.agents.tool_setup import episode_tokens
+
+    return d.prompt_max_len + episode_tokens(a, d.generate_max_len, r.max_steps)
 
 
 def rl_max_len(d) -> int:

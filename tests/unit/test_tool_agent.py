@@ -113,9 +113,10 @@ def contains_reward(needle):
     return fn
 
 
-def run(tok, tools_file, scripts, prompts, limits=None, max_new=300, needle="5"):
+def run(tok, tools_file, scripts, prompts, limits=None, max_new=300, needle="5", context=None):
     lim = limits or ToolLimits(max_turns=4, max_tool_calls=8, timeout_s=0.5, max_chars=60, max_episode_tokens=2000)
     eng = ScriptedEngine(tok, scripts)
+    eng.max_model_len = context
     ex = ToolAgentExecutor(load_tools(tools_file), HermesParser(), lim, eng, tok, contains_reward(needle))
     ids = [tok(tok.apply_chat_template([{"role": "user", "content": f"do:{p}"}], tokenize=False,
                                        add_generation_prompt=True), add_special_tokens=False)["input_ids"]
@@ -252,6 +253,10 @@ def test_limits_on_calls_turns_and_tokens(tok, tools_file):
     n = int(b.attention_mask[0, b.prompt_len:].sum())
     assert bool(b.truncated[0]) and n == n1 and int(b.action_mask[0].sum()) == n1, (n, n1, b.action_mask)
     assert m["tool/calls_per_episode"] == 1, "the call ran; its message did not fit in --max_episode_tokens"
+    # the engine's context (max_model_len) bounds the episode alike: prompt + turn + 2 tokens leave no room
+    P = len(tok("<|user|>do:T\n<|assistant|>", add_special_tokens=False)["input_ids"])
+    b, _, _, _ = run(tok, tools_file, {"T": [call("add", a=2, b=3), "done"]}, ["T"], context=P + n1 + 2)
+    assert bool(b.truncated[0]) and int(b.attention_mask[0, b.prompt_len:].sum()) == n1, "cut at max_model_len"
 
 
 # ---- loading and flags --------------------------------------------------------------------------------------------
