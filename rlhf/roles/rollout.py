@@ -20,7 +20,6 @@ class RolloutRole(Role):
         super().__init__(name, mesh)
         self.engine_ranks = mesh.ranks_along("tp")
         self.agent = None  # AgentExecutor driving the engine (--agent_func_path)
-        self.agent_metrics: dict = {}  # the agent's metrics of its last run (this engine's first rank)
 
     @property
     def engine_index(self) -> Optional[int]:
@@ -62,8 +61,12 @@ class RolloutRole(Role):
         try:
             return self.agent.run([p.ids for p in mine], [p.prompt for p in mine], [p.label for p in mine], params)
         finally:
-            self.agent_metrics = self.agent.take_metrics()
             self.engine.end_requests()
+
+    def take_agent_metrics(self) -> dict:
+        """The agent's metrics (``tool/*``) of the episodes it ran since the last call: on an engine's first rank
+        with an agent; {} elsewhere (the step's metrics are means over the ranks that report them)."""
+        return self.agent.take_metrics() if self.agent is not None else {}
 
     def gather(self, local: Optional[Batch], n_prompts: int, n_samples: int, pad_id: int,
                with_rewards: bool = False) -> Batch:
