@@ -13,10 +13,10 @@ def episode_tokens(a, generate_max_len: int, max_steps: int) -> int:
     return a.max_episode_tokens if a.max_episode_tokens is not None else generate_max_len * max_steps
 
 
-def check_tool_run(a, r, m, d) -> None:
-    """A --tools_path run's flags and its tools file, refused (ConfigError naming the flag and a value that works)
-    before any process group; a run without --tools_path is left as it is.  ``a``, ``r``, ``m``, ``d``: the agent,
-    rollout, model and data flag groups."""
+def check_tool_run(a, r, m, d, tokenizer) -> None:
+    """A --tools_path run's flags, its tools file, its parser and the chat template's tool turns, refused
+    (ConfigError naming the flag and a value that works) before any process group; a run without --tools_path is
+    left as it is.  ``a``, ``r``, ``m``, ``d``: the agent, rollout, model and data flag groups."""
     if not a.tools_path:
         return
     if r.agent_func_path:
@@ -41,7 +41,20 @@ def check_tool_run(a, r, m, d) -> None:
         raise ConfigError("max_episode_tokens", f"--max_episode_tokens {a.max_episode_tokens} must be at least 1 (e.g. "
                           f"--max_episode_tokens {d.generate_max_len * r.max_steps})")
     check_parser_name(a.tool_call_parser)
-    load_tools(a.tools_path)
+    tools = load_tools(a.tools_path)
+    try:
+        make_parser(a.tool_call_parser, tokenizer, tools.schemas)
+    except Exception as e:
+        raise ConfigError("tool_call_parser", f"--tool_call_parser {a.tool_call_parser} cannot read this model's "
+                                              f"tool calls ({type(e).__name__}: {e}); use the parser of the model's "
+                                              f"tool-call format (hermes: Qwen2.5 / Hermes / Qwen3 JSON; qwen3_xml / "
+                                              f"qwen3_coder: Qwen3-Coder; llama3_json: Llama 3.x)") from e
+    try:
+        tool_turn_text(tokenizer, [{"role": "tool", "name": "t", "content": "x"}])
+    except Exception as e:
+        raise ConfigError("tools_path", f"--tools_path: the tokenizer's chat template cannot append tool messages "
+                                        f"({type(e).__name__}: {e}); give the model a chat template that renders "
+                                        f"role 'tool' messages") from e
 
 
 def build_tool_executor(a, r, generate_max_len: int, engine, tokenizer) -> ToolAgentExecutor:
@@ -51,7 +64,6 @@ def build_tool_executor(a, r, generate_max_len: int, engine, tokenizer) -> ToolA
     from rlhf.rewards.reward_func import builtin_reward_source, make_reward_source
 
     tools = load_tools(a.tools_path)
-    tool_turn_text(tokenizer, [{"role": "tool", "name": "t", "content": "x"}])  # the template takes tool turns
     limits = ToolLimits(r.max_steps, a.max_tool_calls, a.tool_timeout_s, a.tool_output_max_chars,
                         episode_tokens(a, generate_max_len, r.max_steps))
     reward = make_reward_source(r.remote_rm_url, r.reward_timeout_s, print, r.remote_rm_retries) \

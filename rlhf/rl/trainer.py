@@ -70,14 +70,14 @@ class RLTrainer:
             from rlhf.agents.load import load_agent
 
             load_agent(r.agent_func_path)  # fail on a bad file before any process group
-        from rlhf.agents.tool_setup import check_tool_run, tool_schemas
-
-        check_tool_run(cfg.agent, r, cfg.model, cfg.data)  # --tools_path: its file and flags, before any process group
         self.reward_source = make_reward_source(r.remote_rm_url, r.reward_timeout_s, print0, r.remote_rm_retries)
         if self.reward_source is None and not cfg.model.reward_pretrain:
             self.reward_source = builtin_reward_source(print0)
         self.path = resolve_pretrain(cfg.model.pretrain)
         self.tokenizer = load_tokenizer(self.path)
+        from rlhf.agents.tool_setup import check_tool_run, tool_schemas
+
+        check_tool_run(cfg.agent, r, cfg.model, cfg.data, self.tokenizer)  # --tools_path: file, flags, parser, template
         self.prompts, eval_prompts, eval_sources = load_prompt_sets(
             cfg.data, cfg.optim.seed, self.tokenizer, None if cfg.model.pretrain else self.path,
             tool_schemas(cfg.agent.tools_path))

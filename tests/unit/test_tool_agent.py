@@ -260,12 +260,13 @@ def test_limits_on_calls_turns_and_tokens(tok, tools_file):
 
 
 # ---- loading and flags --------------------------------------------------------------------------------------------
-def test_bad_tools_files_and_flags_are_refused(tmp_path, tools_file):
+def test_bad_tools_files_and_flags_are_refused(tmp_path, tools_file, tok):
+    from rlhf.agents.tool_parsers import has_vllm
     from rlhf.agents.tool_setup import check_tool_run
     from rlhf.config.cli import parse
 
     def check(c):
-        check_tool_run(c.agent, c.rollout, c.model, c.data)
+        check_tool_run(c.agent, c.rollout, c.model, c.data, tok)
 
     bad = tmp_path / "bad.py"
     bad.write_text("import no_such_module_here\n")
@@ -280,7 +281,9 @@ def test_bad_tools_files_and_flags_are_refused(tmp_path, tools_file):
     base = ["--tools_path", tools_file, "--remote_rm_url", "builtin:arithmetic"]
     for extra, msg in ((["--tool_call_parser", "nonesuch"], "--tool_call_parser 'nonesuch' is not"),
                        (["--agent_func_path", "a.py"], "give one"), (["--tool_timeout_s", "0"], "--tool_timeout_s 0"),
-                       (["--max_steps", "0"], "--max_steps 0 must be at least 1")):
+                       (["--max_steps", "0"], "--max_steps 0 must be at least 1"),
+                       (["--tool_call_parser", "llama3_json"], "cannot read this model's tool calls" if has_vllm()
+                        else "'llama3_json' is not a tool parser of this build without vLLM")):
         with pytest.raises(ConfigError, match=re.escape(msg)):
             check(parse("grpo", base + extra))
     with pytest.raises(ConfigError, match="cannot load"):
