@@ -85,7 +85,7 @@ def call(name, **args):
 
 
 class ScriptedEngine(StandInEngine):
-    """Answers each prompt by its script (the text after "do:" in the prompt), one entry per model turn: the turn
+    """Answers each prompt by its script (the text after "do:" in the prompt, else "*"), one entry per model turn: the turn
     is the number of tool turns (role "tool" openings) already in the prompt.  Each token's log-prob is
     -(its position in the turn + 1) / 10; a turn longer than max_new_tokens is cut there without a stop token."""
 
@@ -96,7 +96,8 @@ class ScriptedEngine(StandInEngine):
         rows, lps, trunc = [], [], []
         for ids in prompt_ids:
             text = self.tok.decode(ids)
-            script = self.scripts[re.search(r"do:(\w+)", text).group(1)]
+            key = re.search(r"do:(\w+)", text)
+            script = self.scripts[key.group(1) if key else "*"]
             turn = min(text.count("<|tool|>"), len(script) - 1)
             r = self.tok(script[turn], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
             cut = len(r) > params.max_new_tokens
@@ -320,9 +321,11 @@ def test_rows_tools_rendered_by_the_chat_template(tok):
         row_tools({"tools": "[{"})
 
 
-def test_one_grpo_step_with_tools(tiny_kit, tmp_path, tools_file):
-    """--tools_path without --agent_func_path: the rollout runs tool episodes (the HF engine), scored by the
-    reward function at their end, and the step logs the tool metrics."""
+def test_one_grpo_step_with_tools(tiny_kit, tmp_path, tools_file, tok):
+    """--tools_path without --agent_func_path: the rollout runs tool episodes, scored by the reward function at
+    their end, and the step trains on them and logs the tool metrics.  The first step's episodes come from the HF
+    engine (a random tiny model: turns cut at --generate_max_len, no calls); then the scripted engine takes its
+    place, so the second step's episodes each call a tool once (tool tokens inside the response, action mask 0)."""
     from helpers.e2e import flags_argv
 
     from rlhf.config import parse
@@ -332,17 +335,33 @@ def test_one_grpo_step_with_tools(tiny_kit, tmp_path, tools_file):
 
     d = os.path.join(tiny_kit, "data")
     argv = flags_argv({"pretrain": tiny_kit, "prompt_data": f"{d}/prompts_train.jsonl", "tools_path": tools_file,
-                       "remote_rm_url": "builtin:arithmetic", "generate_max_len": 5, "rollout_batch_size": 3,
+                       "remote_rm_url": "builtin:arithmetic", "generate_max_len": 80, "rollout_batch_size": 3,
                        "n_samples_per_prompt": 2, "train_batch_size": 6, "micro_train_batch_size": 3,
-                       "micro_rollout_batch_size": 6, "max_global_steps": 1, "max_steps": 3,
+                       "micro_rollout_batch_size": 6, "max_global_steps": 2, "max_steps": 3, "max_episode_tokens": 240,
                        "rollout_engine": "hf", "log_dir": tmp_path / "logs", "save_path": tmp_path / "out"})
     cfg = parse("grpo", argv, GRPO_DEFAULTS)
     trainer = RLTrainer(cfg, "grpo")
+    agent = trainer.roles.rollout.agent
+    assert isinstance(agent, ToolAgentExecutor), type(agent)
+    real = agent.engine
+    scripted = ScriptedEngine(tok, {"*": [call("add", a=2, b=3), "so 5"]})
+    scripted.max_model_len = real.max_model_len
+
+    rollout = next(s for s in trainer.stages if s.name == "rollout")
+    first = rollout.run
+
+    def run_then_swap(batch, roles):  # after the first step's rollout the scripted engine answers
+        first(batch, roles)
+        agent.engine = scripted
+
+    rollout.run = run_then_swap
     try:
-        assert type(trainer.roles.rollout.agent).__name__ == "ToolAgentExecutor"
         trainer.fit()
     finally:
         trainer.close()
     rows = [r for r in read_metrics(os.path.join(tmp_path, "logs", "metrics.jsonl")) if r["split"] == "train"]
-    assert len(rows) == 1 and rows[0]["tool/turns_per_episode"] >= 1, rows
+    assert len(rows) == 2 and rows[0]["tool/turns_per_episode"] >= 1, rows
     assert {"tool/calls_per_episode", "tool/error_rate", "tool/timeout_rate", "tool/time_s"} <= set(rows[0]), rows[0]
+    assert (rows[1]["tool/calls_per_episode"], rows[1]["tool/turns_per_episode"], rows[1]["tool/error_rate"]) == \
+        (1.0, 2.0, 0.0), rows[1]
+    assert real.max_model_len == 1024 + 240, "the engine's context holds a prompt and a whole episode"
