@@ -90,7 +90,7 @@ class ScriptedEngine(StandInEngine):
     -(its position in the turn + 1) / 10; a turn longer than max_new_tokens is cut there without a stop token."""
 
     def __init__(self, tok, scripts):
-        self.tok, self.scripts, self.calls = tok, scripts, []
+        self.tok, self.scripts, self.calls, self.times = tok, scripts, [], []
 
     def generate(self, prompt_ids, params):
         rows, lps, trunc = [], [], []
@@ -104,6 +104,7 @@ class ScriptedEngine(StandInEngine):
             r = r[:params.max_new_tokens]
             rows.append(r), lps.append([-(k + 1) / 10 for k in range(len(r))]), trunc.append(cut)
         self.calls.append(len(prompt_ids))
+        self.times.append(time.perf_counter())
         return batch_from_rows(prompt_ids, rows, lps, trunc, self.tok.pad_token_id)
 
 
@@ -175,6 +176,18 @@ def test_hermes_parser_agrees_with_vllms(tok):
     assert ours.extract(TEXTS[1]).content == "let me add " and ours.extract(TEXTS[11]).calls[0].arguments == '"1, 2"'
 
 
+
+def test_own_parser_only_without_vllm(tok, monkeypatch):
+    """Where vLLM is absent --tool_call_parser takes hermes only, served by our parser; another name is refused
+    naming the one that works."""
+    from rlhf.agents import tool_parsers
+
+    monkeypatch.setattr(tool_parsers, "has_vllm", lambda: False)
+    assert tool_parsers.parser_names() == ["hermes"]
+    assert isinstance(tool_parsers.make_parser("hermes", tok), HermesParser)
+    with pytest.raises(ConfigError, match="'qwen3_xml' is not a tool parser of this build without vLLM.*hermes"):
+        tool_parsers.make_parser("qwen3_xml", tok)
+
 # ---- episodes -----------------------------------------------------------------------------------------------------
 def test_tool_tokens_out_of_the_action_mask(tok, tools_file):
     """A call, its tool message through the chat template (action mask 0, log-prob 0), then the answer; the reward
@@ -233,6 +246,8 @@ def test_hung_raising_capped_unknown_and_malformed_calls_are_fed_back(tok, tools
     assert "unknown tool 'nope'" in fed["U"] and "bad arguments for tool 'add'" in fed["X"], fed
     assert "could not be read" in fed["M"] and fed["F"] == "", fed
     assert eng.calls[0] == 8 and sum(eng.calls[1:]) == 7, f"one first turn each, one second turn for 7: {eng.calls}"
+    early = sum(n for n, t in zip(eng.calls[1:], eng.times[1:]) if t - eng.times[0] < 0.4)
+    assert early >= 5, f"the episodes whose tools returned went on before the hung ones' timeout: {early} of 5"
     assert m["tool/calls_per_episode"] == pytest.approx(6 / 8) and m["tool/timeout_rate"] == pytest.approx(2 / 6)
     assert m["tool/error_rate"] == pytest.approx(3 / 6) and m["tool/malformed_calls"] == 1, m
 
