@@ -122,21 +122,23 @@ class ToolAgentExecutor(AgentExecutorBase):
         m, self.stats = self.stats.metrics(), ToolStats()
         return m
 
-    async def _run(self, prompt_ids, prompts, labels, params: SamplingParams) -> Batch:
-        eng = AsyncEngine(self.engine, self.tokenizer, params.max_new_tokens)
-        sp = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
-                  stop_token_ids=tuple(params.stop_token_ids))
-        jobs, p_ids, texts, labs = [], [], [], []
-        for ids, text, lab in zip(prompt_ids, prompts, labels):
-            for _ in range(params.n):
-                jobs.append(self.episode(list(ids), eng, sp, params.max_new_tokens))
-                p_ids.append(list(ids)), texts.append(text), labs.append(lab)
-        rows: List[EpisodeRow] = list(await asyncio.gather(*jobs))
+    def run(self, prompt_ids, prompts, labels, params: SamplingParams) -> Batch:
+        """Every sample's episode concurrently (``n`` per prompt, prompt-major), then the reward function on all of
+        them outside the event loop (where its deadline and an async reward function work as in a plain call)."""
+        p_ids = [list(ids) for ids in prompt_ids for _ in range(params.n)]
+        rows: List[EpisodeRow] = asyncio.run(self._episodes(p_ids, params))
         self.stats.rows += rows
-        rewards, scores = self.score(texts, [r.response for r in rows], labs)
+        rewards, scores = self.score([t for t in prompts for _ in range(params.n)], [r.response for r in rows],
+                                     [lab for lab in labels for _ in range(params.n)])
         return batch_from_rows(p_ids, [r.response for r in rows], [r.logprobs for r in rows],
                                [r.truncated for r in rows], self.tokenizer.pad_token_id,
                                action_masks=[r.mask for r in rows], rewards=rewards, scores=scores)
+
+    async def _episodes(self, p_ids: List[List[int]], params: SamplingParams) -> List[EpisodeRow]:
+        eng = AsyncEngine(self.engine, self.tokenizer, params.max_new_tokens)
+        sp = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
+                  stop_token_ids=tuple(params.stop_token_ids))
+        return list(await asyncio.gather(*[self.episode(ids, eng, sp, params.max_new_tokens) for ids in p_ids]))
 
     def score(self, prompts: List[str], responses: List[List[int]], labels: List):
         """The reward function on prompt + the whole episode (tool messages included); invalid rewards NaN."""

@@ -2,6 +2,7 @@
 errors and malformed calls fed back, the output cap, the per-episode limits, tool tokens out of the action mask, and
 one GRPO step with --tools_path.  The engine is a scripted stand-in of the RolloutEngine contract (its rows as
 rlhf.engines.rollout.batch_from_rows lays them out, as the HF and vLLM engines return them)."""
+import asyncio
 import json
 import os
 import re
@@ -110,6 +111,8 @@ class ScriptedEngine(StandInEngine):
 
 def contains_reward(needle):
     def fn(queries, prompts, labels):
+        with pytest.raises(RuntimeError, match="no running event loop"):  # called as a plain reward call
+            asyncio.get_running_loop()
         r = torch.tensor([float(needle in q[len(p):]) for q, p in zip(queries, prompts)])
         return {"rewards": r, "scores": r, "valid": torch.ones_like(r, dtype=torch.bool)}
     return fn
