@@ -152,7 +152,8 @@ class ToolAgentExecutor(AgentExecutorBase):
 
     async def episode(self, prompt: List[int], eng: AsyncEngine, sp: dict, max_new_tokens: int) -> EpisodeRow:
         lim, row = self.limits, EpisodeRow()
-        stop, context = set(sp["stop_token_ids"]), self.engine.max_model_len or math.inf
+        stop = set(sp["stop_token_ids"]) or {self.tokenizer.eos_token_id}  # a turn ends at its stop token
+        context = self.engine.max_model_len or math.inf
         while True:
             room = min(lim.max_episode_tokens - len(row.response), context - len(prompt) - len(row.response))
             if room <= 0:
