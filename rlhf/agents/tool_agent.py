@@ -71,9 +71,10 @@ def tool_turn_text(tokenizer, messages: List[dict]) -> str:
         text = tail after its first eos text   where the template closes an assistant turn with eos (ChatML's
                <|im_end|>: the text starts with the newline after it), else the whole tail
 
-    veRL renders the tool messages alone and cuts a system prefix instead (verl/experimental/agent_loop/
-    tool_agent_loop.py ``_handle_processing_tools_state``); this form also holds for templates without a system
-    prefix and for those that render the last assistant turn apart (Qwen3's empty think block)."""
+    TRL cuts the same way at the eos (trl/trainer/grpo_trainer.py ``_get_tool_suffix_ids``: a dummy conversation,
+    its ids trimmed after the last eos, must prefix the one with the tool messages); here the cut is made after the
+    assistant's content in each rendering, so templates that render the last assistant turn apart (Qwen3's empty
+    think block) work too."""
     base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MARK}]
     a = tokenizer.apply_chat_template(base, tokenize=False)
     b = tokenizer.apply_chat_template(base + messages, tokenize=False, add_generation_prompt=True)
