@@ -166,6 +166,11 @@ class AgentExecutorBase:
             ) -> Batch:
         return asyncio.run(self._run(prompt_ids, prompts, labels, params))
 
+    def run_items(self, items, params: SamplingParams) -> Batch:
+        """``run`` on prompt items (rlhf.data.formatting.PromptItem: ids, prompt, label, tools); the tool executor
+        also reads each row's ``tools``."""
+        return self.run([p.ids for p in items], [p.prompt for p in items], [p.label for p in items], params)
+
     def take_metrics(self) -> Dict[str, float]:
         """The step's metrics of the episodes run since the last call (the tool executor's ``tool/*``); none here."""
         return {}

@@ -27,7 +27,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -123,11 +123,18 @@ class ToolAgentExecutor(AgentExecutorBase):
         m, self.stats = self.stats.metrics(), ToolStats()
         return m
 
-    def run(self, prompt_ids, prompts, labels, params: SamplingParams) -> Batch:
+    def run_items(self, items, params: SamplingParams) -> Batch:
+        """``run``, each row's episodes limited to the tools its prompt offered (its ``tools`` column, if any)."""
+        offered = [None if not p.tools else {t["function"]["name"] for t in p.tools} for p in items]
+        return self.run([p.ids for p in items], [p.prompt for p in items], [p.label for p in items], params, offered)
+
+    def run(self, prompt_ids, prompts, labels, params: SamplingParams, offered=None) -> Batch:
         """Every sample's episode concurrently (``n`` per prompt, prompt-major), then the reward function on all of
-        them outside the event loop (where its deadline and an async reward function work as in a plain call)."""
+        them outside the event loop (where its deadline and an async reward function work as in a plain call).
+        ``offered``: per prompt, the tool names it may call (None: every tool of --tools_path)."""
         p_ids = [list(ids) for ids in prompt_ids for _ in range(params.n)]
-        rows: List[EpisodeRow] = asyncio.run(self._episodes(p_ids, params))
+        names = [o for o in (offered or [None] * len(prompt_ids)) for _ in range(params.n)]
+        rows: List[EpisodeRow] = asyncio.run(self._episodes(p_ids, names, params))
         self.stats.rows += rows
         rewards, scores = self.score([t for t in prompts for _ in range(params.n)], [r.response for r in rows],
                                      [lab for lab in labels for _ in range(params.n)])
@@ -135,11 +142,12 @@ class ToolAgentExecutor(AgentExecutorBase):
                                [r.truncated for r in rows], self.tokenizer.pad_token_id,
                                action_masks=[r.mask for r in rows], rewards=rewards, scores=scores)
 
-    async def _episodes(self, p_ids: List[List[int]], params: SamplingParams) -> List[EpisodeRow]:
+    async def _episodes(self, p_ids: List[List[int]], names, params: SamplingParams) -> List[EpisodeRow]:
         eng = AsyncEngine(self.engine, self.tokenizer, params.max_new_tokens)
         sp = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
                   stop_token_ids=tuple(params.stop_token_ids))
-        return list(await asyncio.gather(*[self.episode(ids, eng, sp, params.max_new_tokens) for ids in p_ids]))
+        return list(await asyncio.gather(*[self.episode(ids, eng, sp, params.max_new_tokens, offered)
+                                           for ids, offered in zip(p_ids, names)]))
 
     def score(self, prompts: List[str], responses: List[List[int]], labels: List):
         """The reward function on prompt + the whole episode (tool messages included); invalid rewards NaN."""
@@ -151,7 +159,8 @@ class ToolAgentExecutor(AgentExecutorBase):
         return (torch.where(valid, r, torch.full_like(r, math.nan)).tolist(),
                 torch.where(valid, s, torch.full_like(s, math.nan)).tolist())
 
-    async def episode(self, prompt: List[int], eng: AsyncEngine, sp: dict, max_new_tokens: int) -> EpisodeRow:
+    async def episode(self, prompt: List[int], eng: AsyncEngine, sp: dict, max_new_tokens: int,
+                      offered: Optional[set] = None) -> EpisodeRow:
         lim, row = self.limits, EpisodeRow()
         stop = set(sp["stop_token_ids"]) or {self.tokenizer.eos_token_id}  # a turn ends at its stop token
         context = self.engine.max_model_len or math.inf
@@ -174,7 +183,7 @@ class ToolAgentExecutor(AgentExecutorBase):
             parsed = self.parser.extract(text)
             if (not parsed.calls and not parsed.malformed) or row.turns >= lim.max_turns:
                 return row
-            feedback = self.tokenizer(tool_turn_text(self.tokenizer, await self.run_tools(parsed, row)),
+            feedback = self.tokenizer(tool_turn_text(self.tokenizer, await self.run_tools(parsed, row, offered)),
                                       add_special_tokens=False)["input_ids"]
             if len(row.response) + len(feedback) >= min(lim.max_episode_tokens, context - len(prompt)):
                 row.truncated = True
@@ -183,8 +192,9 @@ class ToolAgentExecutor(AgentExecutorBase):
             row.mask += [0] * len(feedback)
             row.logprobs += [0.0] * len(feedback)
 
-    async def run_tools(self, parsed: Parsed, row: EpisodeRow) -> List[dict]:
-        """The tool messages for one turn's calls (run concurrently), counted in ``row``."""
+    async def run_tools(self, parsed: Parsed, row: EpisodeRow, offered: Optional[set] = None) -> List[dict]:
+        """The tool messages for one turn's calls (run concurrently), counted in ``row``; ``offered``: the names
+        this episode's prompt offered (None: all)."""
         lim = self.limits
         if parsed.malformed:
             row.malformed += 1
@@ -193,8 +203,8 @@ class ToolAgentExecutor(AgentExecutorBase):
         room = max(0, lim.max_tool_calls - row.calls)
         run, refused = parsed.calls[:room], parsed.calls[room:]
         t0 = time.perf_counter()
-        results = await asyncio.gather(*[run_call(self.tools, c.name, c.arguments, lim.timeout_s, lim.max_chars)
-                                         for c in run])
+        results = await asyncio.gather(*[run_call(self.tools, c.name, c.arguments, lim.timeout_s, lim.max_chars,
+                                                  offered) for c in run])
         row.tool_s += time.perf_counter() - t0
         row.calls += len(run)
         row.over_limit += len(refused)

@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Set
 
 from rlhf.errors import ConfigError
 
@@ -141,16 +141,19 @@ def _arguments(fn: Callable, arguments: str):
     return args, None
 
 
-async def run_call(tools: ToolSet, name: str, arguments: str, timeout_s: float, max_chars: int) -> ToolResult:
-    """One tool call's message text and status (never raises)."""
+async def run_call(tools: ToolSet, name: str, arguments: str, timeout_s: float, max_chars: int,
+                   offered: Optional[Set[str]] = None) -> ToolResult:
+    """One tool call's message text and status (never raises); ``offered``: the names the prompt offered (a call
+    to another is ``unknown``; None: every tool of the file)."""
     t0 = time.perf_counter()
 
     def done(text: str, status: str) -> ToolResult:
         return ToolResult(cap(text, max_chars), status, time.perf_counter() - t0)
 
-    fn = tools.functions.get(name)
+    names = [n for n in tools.functions if offered is None or n in offered]
+    fn = tools.functions.get(name) if name in names else None
     if fn is None:
-        return done(f"Error: unknown tool {name!r}; the tools are {', '.join(tools.functions)}", "unknown")
+        return done(f"Error: unknown tool {name!r}; the tools are {', '.join(names)}", "unknown")
     args, why = _arguments(fn, arguments)
     if why is not None:
         return done(f"Error: bad arguments for tool {name!r}: {why}", "bad_args")

@@ -59,7 +59,7 @@ class RolloutRole(Role):
             self.engine.serve()
             return None
         try:
-            return self.agent.run([p.ids for p in mine], [p.prompt for p in mine], [p.label for p in mine], params)
+            return self.agent.run_items(mine, params)
         finally:
             self.engine.end_requests()
 

@@ -255,6 +255,23 @@ def test_hung_raising_capped_unknown_and_malformed_calls_are_fed_back(tok, tools
     assert m["tool/error_rate"] == pytest.approx(3 / 6) and m["tool/malformed_calls"] == 1, m
 
 
+def test_a_rows_tools_limit_its_calls(tok, tools_file):
+    """run_items (what RolloutRole calls): a row whose ``tools`` offer only ``add`` gets "unknown tool" for ``big``,
+    which the file has; a row without its own tools may call every tool of the file."""
+    from rlhf.data.formatting import PromptItem
+
+    eng = ScriptedEngine(tok, {"A": [call("big", n=3), "ok"]})
+    lim = ToolLimits(max_turns=4, max_tool_calls=8, timeout_s=1, max_chars=60, max_episode_tokens=2000)
+    ex = ToolAgentExecutor(load_tools(tools_file), HermesParser(), lim, eng, tok, contains_reward("yyy"))
+    ids = tok("<|user|>do:A\n<|assistant|>", add_special_tokens=False)["input_ids"]
+    add_only = [{"type": "function", "function": {"name": "add"}}]
+    b = ex.run_items([PromptItem("p", None, ids, add_only), PromptItem("p", None, ids, None)],
+                     SamplingParams(max_new_tokens=300, stop_token_ids=(tok.eos_token_id,)))
+    fed = [tok.decode(dict(spans(b, i))[0]) for i in range(2)]
+    assert "unknown tool 'big'; the tools are add" in fed[0] and "<|tool|>yyy" in fed[1], fed
+    assert b.rewards.tolist() == [0.0, 1.0], b.rewards
+
+
 def test_limits_on_calls_turns_and_tokens(tok, tools_file):
     """--max_tool_calls: calls past it get a message and do not run; --max_steps ends a model that keeps calling;
     --max_episode_tokens ends (truncated) an episode whose next tool message would not fit."""
