@@ -177,6 +177,11 @@ class AgentExecutorBase:
             ) -> Batch:
         return asyncio.run(self._run(prompt_ids, prompts, labels, params))
 
+    def run_items(self, items, params: SamplingParams) -> Batch:
+        """``run`` on prompt items (rlhf.data.formatting.PromptItem: ids, prompt, label, tools); the tool executor
+        also reads each row's ``tools``."""
+        return self.run([p.ids for p in items], [p.prompt for p in items], [p.label for p in items], params)
+
     def take_metrics(self) -> Dict[str, float]:
         """The agent metrics (``episode_stats.agent_metrics``) of the runs since the last call, then cleared."""
         m = episode_stats.agent_metrics(self.stats, self.occupancy)

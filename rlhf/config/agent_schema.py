@@ -4,9 +4,30 @@ Its flags are command-line flags of the same name and YAML keys (flat, or under 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def _opt(default, help: str, choices=None):
+    """rlhf.config.schema's ``opt`` (copied: schema.py imports this file, so importing it here would be a circle)."""
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class AgentConfig:
     """The ``agent`` flag group (fields are added by the feature that reads them; see docs/FLAGS.md)."""
+    # ---- tool calls (rlhf.agents.tool_agent) ----
+    tools_path: Optional[str] = _opt(None, "python file of tools (its TOOLS list, else its public functions; schemas "
+                                           "from signatures and Google-style docstrings): with no --agent_func_path "
+                                           "the rollout runs multi-turn tool episodes (turns: --max_steps)")
+    tool_call_parser: str = _opt("hermes", "vLLM tool parser that reads the model's tool calls (any name in vLLM's "
+                                           "ToolParserManager: hermes, qwen3_xml, qwen3_coder, llama3_json, ...); "
+                                           "without vLLM only hermes (rlhf's own parser)")
+    max_tool_calls: int = _opt(8, "tool calls per episode; calls beyond it get an error message instead of running")
+    tool_timeout_s: float = _opt(30.0, "seconds one tool call may run; a call cut there returns an error message")
+    tool_output_max_chars: int = _opt(4000, "characters of a tool's output kept in its tool message (the rest cut)")
+    max_episode_tokens: Optional[int] = _opt(None, "response tokens of one episode (model turns + tool messages); "
+                                                   "default --generate_max_len x --max_steps")

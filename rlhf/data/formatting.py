@@ -9,11 +9,14 @@ import torch
 from rlhf.console import is_rank0
 
 
-def format_prompt(raw, tokenizer, apply_chat_template: bool, input_template: Optional[str] = None) -> str:
-    """Chat template (messages list or plain text as one user turn) or ``input_template.format(text)``."""
+def format_prompt(raw, tokenizer, apply_chat_template: bool, input_template: Optional[str] = None,
+                  tools: Optional[list] = None) -> str:
+    """Chat template (messages list or plain text as one user turn) or ``input_template.format(text)``; ``tools``:
+    OpenAI function schemas the chat template renders (``apply_chat_template(..., tools=tools)``; template only)."""
     if apply_chat_template:
         msgs = raw if isinstance(raw, list) else [{"role": "user", "content": str(raw)}]
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        kw = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
     text = raw if isinstance(raw, str) else "\n".join(m["content"] for m in raw)
     return input_template.format(text) if input_template else text
 
@@ -121,15 +124,36 @@ class PromptItem:
     prompt: str
     label: Optional[str]
     ids: List[int]
+    tools: Optional[list] = None  # the OpenAI function schemas rendered into the prompt (row_tools)
 
 
-def build_prompts(rows: List[Dict], tokenizer, cfg_data) -> List[PromptItem]:
+def row_tools(row, default: Optional[list] = None) -> Optional[list]:
+    """A row's ``tools`` column (OpenAI function schemas; a JSON text of them too, as datasets often store it), else
+    ``default`` (the --tools_path file's schemas)."""
+    t = row.get("tools")
+    if isinstance(t, str):
+        import json
+
+        try:
+            t = json.loads(t)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"a row's 'tools' column is text but not JSON ({e}): {t[:80]!r}; give a list of OpenAI "
+                             f'function schemas, e.g. [{{"type": "function", "function": {{"name": ...}}}}]') from e
+    if t is not None and not (isinstance(t, list) and all(isinstance(x, dict) for x in t)):
+        raise ValueError(f"a row's 'tools' column holds {str(t)[:80]!r}; give a list of OpenAI function schemas")
+    return t if t else default
+
+
+def build_prompts(rows: List[Dict], tokenizer, cfg_data, tools: Optional[list] = None) -> List[PromptItem]:
     """Prompts left-truncated to --prompt_max_len; how many were cut is said once (not silently).  A prompt with
     no tokens at all (an empty --input_key, no chat template) has nothing to condition on and would break the
-    rollout's shapes: such rows are dropped and counted; a file of nothing else is refused here, at load."""
+    rollout's shapes: such rows are dropped and counted; a file of nothing else is refused here, at load.
+    ``tools``: the schemas of rows without a ``tools`` column of their own (``row_tools``)."""
     out, cut, empty = [], 0, 0
     for r in rows:
-        text = format_prompt(r[cfg_data.input_key], tokenizer, cfg_data.apply_chat_template, cfg_data.input_template)
+        offered = row_tools(r, tools)
+        text = format_prompt(r[cfg_data.input_key], tokenizer, cfg_data.apply_chat_template, cfg_data.input_template,
+                             offered)
         full = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not full:
             empty += 1
@@ -137,7 +161,7 @@ def build_prompts(rows: List[Dict], tokenizer, cfg_data) -> List[PromptItem]:
         ids = full[-cfg_data.prompt_max_len:]
         cut += len(ids) < len(full)
         label = r.get(cfg_data.label_key) if cfg_data.label_key else None
-        out.append(PromptItem(text, None if label is None else str(label), ids))
+        out.append(PromptItem(text, None if label is None else str(label), ids, offered))
     if rows and not out:
         from rlhf.data.loading import DataError
 

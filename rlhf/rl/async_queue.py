@@ -165,14 +165,13 @@ class AsyncRollout:
         ``version``; kept here until ``take`` gathers it."""
         if self.stream is None:
             return
+        self.roles.rollout.take_agent_metrics()  # an eval's episodes are not this batch's
         groups, stats = self.stream.produce(version, train_at, self.sampler.params(train_at),
                                             round_params=lambda r: self.sampler.params(train_at, salt=r))
         b = groups_to_batch(groups, self.pad_id) if groups else None
         m = stats.as_metrics()
-        if self.roles.rollout.agent is not None:  # the episodes' turns, latency, time in tools, engine occupancy
-            m.update(self.roles.rollout.agent.take_metrics())
         m.update({"async/in_flight_groups": float(len(self.stream.flight)),
-                  "async/buffered_groups": float(len(self.stream.buffer))})
+                  "async/buffered_groups": float(len(self.stream.buffer)), **self.roles.rollout.take_agent_metrics()})
         self.produced.append((b, m))
 
     def warm_up(self, step: int, total: int) -> None:

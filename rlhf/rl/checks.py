@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 from typing import List, Optional, Tuple
 
-from rlhf.data.formatting import build_prompts, format_prompt
+from rlhf.data.formatting import build_prompts, format_prompt, row_tools
 from rlhf.data.loading import load_train_eval
 from rlhf.errors import InputError
 from rlhf.utils.cadence import planned_steps
 
 
-def load_prompt_sets(d, seed: int, tokenizer, kit_dir: Optional[str]):
+def load_prompt_sets(d, seed: int, tokenizer, kit_dir: Optional[str], tools: Optional[list] = None):
     """(training prompts, eval prompts, eval prompt -> datasource) from the data flags ``d`` (``DataConfig``), the
     built-in kit's files when ``kit_dir`` is given; ``seed`` (--seed) draws the --eval_holdout rows."""
     kit = None if kit_dir is None else tuple(os.path.join(kit_dir, "data", f"prompts_{s}.jsonl") for s in ("train", "eval"))
@@ -23,13 +23,15 @@ def load_prompt_sets(d, seed: int, tokenizer, kit_dir: Optional[str]):
                                d.prompt_data_probs, kit, "--prompt_data is required with --pretrain (the built-in task "
                                "comes with the built-in kit); e.g. --prompt_data prompts.jsonl --input_key input "
                                "--label_key label", seed)
-    return build_prompts(rows, tokenizer, d), build_prompts(ev, tokenizer, d), datasources(ev, tokenizer, d)
+    return (build_prompts(rows, tokenizer, d, tools), build_prompts(ev, tokenizer, d, tools),
+            datasources(ev, tokenizer, d, tools))
 
 
-def datasources(rows, tokenizer, d) -> dict:
+def datasources(rows, tokenizer, d, tools: Optional[list] = None) -> dict:
     """Formatted prompt text -> its row's ``datasource`` (rows without one: none, read as "default"): OpenRLHF's
     ``prompt_to_datasource`` (openrlhf/trainer/ppo_trainer.py compute_eval_metrics), which keys pass@k by source."""
-    return {format_prompt(r[d.input_key], tokenizer, d.apply_chat_template, d.input_template): str(r["datasource"])
+    return {format_prompt(r[d.input_key], tokenizer, d.apply_chat_template, d.input_template, row_tools(r, tools)):
+            str(r["datasource"])
             for r in rows if r.get("datasource") is not None}
 
 

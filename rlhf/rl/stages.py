@@ -80,9 +80,9 @@ class RolloutStage(Stage):
         if self.queue is not None:  # generated ahead (rlhf.rl.async_queue): gathered now
             self.queue.take(batch)
             return
+        roles.rollout.take_agent_metrics()  # an eval's episodes are not this step's
         batch.fill(self.rollouts.generate(roles, batch.prompts, self.sampler.params(batch.step)))
-        if roles.rollout.agent is not None:  # the episodes' turns, latency, time in tools, engine occupancy
-            batch.metrics.update(roles.rollout.agent.take_metrics())
+        batch.metrics.update(roles.rollout.take_agent_metrics())  # turns, latency, occupancy (agent/*), tools (tool/*)
         self.scheduler.sync_follows("rollout")  # the step's weight sync comes before the next generate: vLLM
         # sleeps level 2
 

@@ -65,8 +65,8 @@ class RLTrainer:
         check_async_placement(r.async_train, self.plan)
         check_batch_sizes(cfg.optim, r.rollout_batch_size * r.n_samples_per_prompt, self.plan)
         check_backend_placement(t.backend, self.plan)
-        self.agent_mode = bool(r.agent_func_path)
-        if self.agent_mode:
+        self.agent_mode = bool(r.agent_func_path or cfg.agent.tools_path)  # tool episodes: scored at their end
+        if r.agent_func_path:
             from rlhf.agents.load import load_agent
 
             load_agent(r.agent_func_path)  # fail on a bad file before any process group
@@ -75,8 +75,12 @@ class RLTrainer:
             self.reward_source = builtin_reward_source(print0)
         self.path = resolve_pretrain(cfg.model.pretrain)
         self.tokenizer = load_tokenizer(self.path)
+        from rlhf.agents.tool_setup import check_tool_run, tool_schemas
+
+        check_tool_run(cfg.agent, r, cfg.model, cfg.data, self.tokenizer)  # --tools_path: file, flags, parser, template
         self.prompts, eval_prompts, eval_sources = load_prompt_sets(
-            cfg.data, cfg.optim.seed, self.tokenizer, None if cfg.model.pretrain else self.path)
+            cfg.data, cfg.optim.seed, self.tokenizer, None if cfg.model.pretrain else self.path,
+            tool_schemas(cfg.agent.tools_path))
         rb = r.rollout_batch_size
         self.steps_per_episode, total, notes = plan_steps(len(self.prompts), len(eval_prompts), rb, cfg.data,
                                                           cfg.optim)

@@ -59,17 +59,33 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     rollout = RolloutRole("rollout", groups.mesh("rollout"))
     if rollout.is_member:
         rollout.engine = build_rollout_engine(cfg.rollout, cfg.topology, path, groups, device, bf16=m.bf16,
-                                              seed=cfg.optim.seed, max_model_len=rl_max_len(cfg.data))
+                                              seed=cfg.optim.seed,
+                                              max_model_len=engine_len(cfg.agent, cfg.rollout, cfg.data))
         if cfg.rollout.agent_func_path:
             from rlhf.agents.load import load_agent
 
             inst, exe = load_agent(cfg.rollout.agent_func_path)
             rollout.agent = exe(inst, cfg.rollout.max_steps, cfg.data.generate_max_len * cfg.rollout.max_steps,
                                 rollout.engine, load_tokenizer(path))
+        elif cfg.agent.tools_path:  # tool episodes (rlhf.agents.tool_agent)
+            from rlhf.agents.tool_setup import build_tool_executor
+
+            rollout.agent = build_tool_executor(cfg.agent, cfg.rollout, cfg.data.generate_max_len, rollout.engine,
+                                                load_tokenizer(path))
     from rlhf.rewards.reward_model import reward_model_stats
 
     return Roles(actor=actor, rollout=rollout, ref=ref, critic=critic, reward=reward, **declared,
                  reward_stats=reward_model_stats(cfg.algorithm.normalize_reward, stats.get("v")))
+
+
+def engine_len(a, r, d) -> int:
+    """The rollout engine's context: ``rl_max_len``, or with --tools_path the prompt and a whole episode
+    (--prompt_max_len + --max_episode_tokens: its turns and tool messages)."""
+    if not a.tools_path:
+        return rl_max_len(d)
+    from rlhf.agents.tool_setup import episode_tokens
+
+    return d.prompt_max_len + episode_tokens(a, d.generate_max_len, r.max_steps)
 
 
 def rl_max_len(d) -> int:

@@ -59,9 +59,14 @@ class RolloutRole(Role):
             self.engine.serve()
             return None
         try:
-            return self.agent.run([p.ids for p in mine], [p.prompt for p in mine], [p.label for p in mine], params)
+            return self.agent.run_items(mine, params)
         finally:
             self.engine.end_requests()
+
+    def take_agent_metrics(self) -> dict:
+        """The agent's metrics (``tool/*``) of the episodes it ran since the last call: on an engine's first rank
+        with an agent; {} elsewhere (the step's metrics are means over the ranks that report them)."""
+        return self.agent.take_metrics() if self.agent is not None else {}
 
     def gather(self, local: Optional[Batch], n_prompts: int, n_samples: int, pad_id: int,
                with_rewards: bool = False) -> Batch:
