@@ -11,6 +11,7 @@ from rlhf.distributed.weight_sync import tied_aliases
 from rlhf.engines.rollout import RolloutEngine, SamplingParams, response_mask
 from rlhf.engines.rollout_registry import EngineArgs
 from rlhf.engines.sampling import decode_with_head, logits_head
+from rlhf.models import moe
 from rlhf.models.load import load_causal_lm, load_tokenizer
 
 
@@ -43,6 +44,7 @@ class HFEngine(RolloutEngine):
         self.device = device or torch.device("cpu")
         self.micro_batch_size = micro_batch_size
         self._offloaded = False
+        self._routes = False  # record_routing
 
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Batch:
@@ -55,7 +57,25 @@ class HFEngine(RolloutEngine):
         with logits_head(self.model) as head:  # one head copy for every chunk of this call
             for s in range(0, len(prompt_ids), per):
                 outs.append(self._generate_chunk(prompt_ids[s:s + per], params, stop, gen, head))
-        return cat(outs, self.tokenizer.pad_token_id)
+        out = cat(outs, self.tokenizer.pad_token_id)
+        if self._routes:
+            out.routed_experts = self._routing(out)
+        return out
+
+    def record_routing(self) -> bool:
+        """Its MoE routers' choices ride in ``routed_experts`` (a dense model: False)."""
+        self._routes = bool(moe.routers(self.model))
+        return self._routes
+
+    def _routing(self, b: Batch) -> torch.Tensor:
+        """(B, P + R, L * k): the experts the engine's routers pick for every token of the finished rows, from one
+        no-grad forward of the engine's own model (its weights and dtype) over them, -1 on padding; the decode loop
+        saw the same tokens one at a time (same choices up to kernel rounding at exact near-ties)."""
+        ids, att = b.sequences.to(self.device), b.attention_mask.to(self.device)
+        with moe.Routing(self.model, record=True) as r:
+            self.model(input_ids=ids, attention_mask=att, position_ids=(att.long().cumsum(-1) - 1).clamp(min=0),
+                       use_cache=False, logits_to_keep=1)
+        return r.used.view(*ids.shape, -1).masked_fill(~att.bool().unsqueeze(-1), moe.NO_ROUTE).cpu()
 
     def _generate_chunk(self, prompts, params: SamplingParams, stop, gen, head) -> Batch:
         pad = self.tokenizer.pad_token_id
