@@ -152,6 +152,7 @@ def num_experts(model) -> int:
 
 
 def set_experts(model, implementation: str) -> None:
-    """--experts_implementation: transformers' ``set_experts_implementation`` (``auto``: leave its default)."""
-    if implementation != "auto":
+    """--experts_implementation: transformers' ``set_experts_implementation`` on an MoE model (``auto``, or a dense
+    model: nothing)."""
+    if implementation != "auto" and routers(model):
         model.set_experts_implementation(implementation)
