@@ -180,3 +180,18 @@ def test_router_replay_refuses_what_it_cannot_replay(argv, words):
     assert "--router_replay" in str(e.value) and words in str(e.value), str(e.value)
     assert parse("grpo", ["--pretrain", "x", "--router_replay", "R3", "--rollout_engine", "hf"]).parallel \
         .router_replay == "R3"
+
+
+def test_weight_sync_names_are_the_checkpoints_per_expert_tensors(tmp_path):
+    """vLLM loads a checkpoint's per-expert names (transformers 5 saves ``experts.{e}.gate_proj.weight``, ...);
+    the stacked parameters the trainer sends become exactly those tensors (names and values)."""
+    from safetensors import safe_open
+
+    m = tiny_moe(layers=3)
+    m.save_pretrained(str(tmp_path))
+    f = safe_open(str(tmp_path / "model.safetensors"), "pt")
+    sent = dict(moe.checkpoint_layout((n, p.detach()) for n, p in m.named_parameters()))
+    assert set(sent) == set(f.keys()), sorted(set(sent) ^ set(f.keys()))[:6]
+    assert "model.layers.2.mlp.experts.3.up_proj.weight" in sent
+    for k in f.keys():
+        assert torch.equal(sent[k], f.get_tensor(k)), k
