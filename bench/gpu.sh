@@ -14,6 +14,7 @@
 #   comm_init          comm.init under cuda:nccl,cpu:gloo with device_id, new_group, object collectives (torchrun)
 #   weight_receiver    tests/multiprocess/test_weight_transfer.py's direct path with the workers' buffers on the GPU
 #   head_gap           the fused head's log-prob gap at a 152k vocabulary, bf16 vs fp32 (vs fp64)
+#   moe                MoE expert kernels agree (eager/batched_mm/grouped_mm), R3 replay closes routing (bench/moe_gpu.py)
 #   master_update      the fraction of weights one fp32-master AdamW step at lr 1e-6 moves
 #   gpu_tests          tests/gpu/test_gpu.py (pytest -m gpu)
 #   mfu, memory_plan   last: engine-level MFU (bench/mfu.py) and predicted vs measured memory (memory_plan_check.py)
@@ -93,6 +94,7 @@ gate collectives 90 env RLHF_DIST_BACKEND="$B2" python -m torch.distributed.run 
 gate comm_init 90 python -m torch.distributed.run --standalone --nproc_per_node 1 bench/gpu_gates.py comm_init
 gate weight_receiver 120 python bench/gpu_gates.py weight_receiver
 gate head_gap 60 python bench/gpu_gates.py head_gap --vocab "$VOCAB"
+gate moe 90 python bench/moe_gpu.py  # MoE kernels (grouped_mm) and R3 routing replay on the device (issue 45)
 gate master_update 90 python bench/gpu_gates.py master_update --kit "$KIT"
 
 if [ $SMOKE = 0 ]; then  # the GPU-marked tests, then last: engine-level MFU, the planner against the allocator

@@ -77,6 +77,10 @@ class Batch:
         TOKEN, "float", torch.float32, 0.0, "advantages", "(B, R) advantages, 0 where action_mask is")
     returns: torch.Tensor = tensor_field(
         TOKEN, "float", torch.float32, 0.0, "advantages", "(B, R) returns, 0 where action_mask is")
+    routed_experts: torch.Tensor = tensor_field(
+        SEQ, "int", torch.long, -1, "rollout", "(B, P + R, L * k) MoE routing: the experts each token went to, "
+        "layer-major (column l * k + j: layer l's j-th choice), -1 where none (rlhf.models.moe); --router_replay R3: "
+        "the rollout engine's, R2: the old-log-prob forward's", only="routing")
     prompt_len: Optional[int] = meta_field(None, "rollout", "P: the prompt columns of sequences (the layout)")
     step: int = meta_field(0, "loop", "0-based training step")
     prompts: list = meta_field(list, "loop", "the step's prompts, one per group of n_samples rows")
@@ -112,7 +116,8 @@ class Batch:
             v, m = getattr(self, f.name), f.metadata
             if v is not None and m["kind"] in (SEQ, TOKEN) and (lp or rp):
                 pad = pad_id if m["pad"] == PAD_ID else m["pad"]
-                v = torch.nn.functional.pad(v, (lp if m["kind"] == SEQ else 0, rp), value=pad)
+                v = torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (lp if m["kind"] == SEQ else 0, rp),
+                                            value=pad)  # columns are dim 1 (routed_experts has one more)
             out[f.name] = v
         out["prompt_len"] = P
         return type(self)(**out)

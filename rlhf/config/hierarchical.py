@@ -150,7 +150,7 @@ HIERARCHICAL: Dict[str, Entry] = {
     "ds.ring_attn_size": "ring_attn_size", "ds.ring_attn_head_stride": "ring_head_stride",
     "ds.packing_samples": "packing_samples", "ds.param_dtype": "param_dtype", "ds.deepcompile": "deepcompile",
     "ds.attn_implementation": "attn_implementation",
-    "ds.experts_implementation": Notice(1, "transformers picks the MoE expert kernels itself here"),
+    "ds.experts_implementation": "experts_implementation",
     "ds.load_in_4bit": "load_in_4bit", "ds.lora.rank": "lora_rank", "ds.lora.alpha": "lora_alpha",
     "ds.lora.target_modules": "target_modules", "ds.lora.dropout": "lora_dropout",
     "ds.value_head_prefix": "value_head_prefix", "ds.use_universal_ckpt": "use_ds_universal_ckpt",

@@ -4,9 +4,24 @@ Its flags are command-line flags of the same name and YAML keys (flat, or under 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+def _opt(default, help: str, choices=None):
+    """rlhf.config.schema ``opt`` (schema imports this file: a copy, not an import)."""
+    return field(default=default, metadata={"help": help, **({"choices": tuple(choices)} if choices else {})})
 
 
 @dataclass
 class ParallelConfig:
     """The ``parallel`` flag group (fields are added by the feature that reads them; see docs/FLAGS.md)."""
+    # --- MoE (issue 45 items 3-4; rlhf.models.moe) ---
+    experts_implementation: str = _opt(
+        "auto", "MoE expert kernels (OpenRLHF --ds.experts_implementation; transformers' experts_implementation): "
+        "eager (a loop over experts), batched_mm, grouped_mm (torch grouped GEMM); auto = transformers' default "
+        "(grouped_mm where it can dispatch)", choices=("auto", "eager", "batched_mm", "grouped_mm"))
+    router_replay: str = _opt(
+        "off", "MoE rollout routing replay (veRL actor.router_replay.mode): R3 replays the rollout engine's expert "
+        "choices in the reference, old-log-prob and update forwards; R2 records the old-log-prob forward's and "
+        "replays them in the update; off: the trainer routes by itself (with R2/R3 router/mismatch metrics are "
+        "logged)", choices=("off", "R2", "R3"))

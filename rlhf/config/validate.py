@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from rlhf.config.algorithm_checks import validate_algorithm
 from rlhf.config.batching_checks import validate_batching  # --use_dynamic_batch budgets, --adam_offload
+from rlhf.config.moe_checks import validate_moe
 from rlhf.config.openrlhf_meaning import resolve_async_colocate  # OpenRLHF: colocates the training models only
 from rlhf.errors import ConfigError
 
@@ -55,6 +56,7 @@ def validate(cfg, kind: str) -> None:
     if kind in RL_KINDS:
         _validate_rl(cfg)
     validate_batching(cfg)
+    validate_moe(cfg, kind)  # --router_replay (rlhf.config.moe_checks)
     if kind in ("sft", "rm", "dpo"):
         _check(d.max_len > 8, "max_len", "--max_len must be > 8")
     for flag, on in (("multiturn", d.multiturn), ("pretrain_mode", m.pretrain_mode)):  # rlhf.data.sft_modes

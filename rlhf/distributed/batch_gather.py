@@ -27,9 +27,12 @@ def gather_batch(local: Optional[Batch], owned: Optional[slice], n_rows: int, na
     cls = cls or Batch
     specs = [(n, spec(n, cls)) for n in names]
     P = R = 0
+    deep = {n: 1 for n, m in specs if m.get("only") == "routing"}  # (B, T, D) fields: D per column, from the owners
     if any(m["kind"] in (SEQ, TOKEN) for _, m in specs):
-        P, R = gather_max([local.prompt_len if local is not None else 0,
-                           local.num_actions if local is not None else 0], group)
+        P, R, *ds = gather_max([local.prompt_len if local is not None else 0,
+                                local.num_actions if local is not None else 0]
+                               + [getattr(local, n).size(-1) if local is not None else 0 for n in deep], group)
+        deep = dict(zip(deep, ds))
     keys: List[str] = []
     if any(m["kind"] == NAMED for _, m in specs):
         own = sorted(local.extra_logs) if local is not None else None
@@ -42,13 +45,13 @@ def gather_batch(local: Optional[Batch], owned: Optional[slice], n_rows: int, na
         mine = [(n, m) for n, m in specs if m["block"] == block]
         if not mine:  # from ``names``, the same on every rank: no collective for an empty block
             continue
-        width = sum(_width(m["kind"], P, R, len(keys)) for _, m in mine)
+        width = sum(_width(m["kind"], P, R, len(keys)) * deep.get(n, 1) for n, m in mine)
         cols = None if local is None else torch.cat([_columns(local, n, m, keys, dtype) for n, m in mine], 1)
         got = gather_rows(cols, owned, n_rows, width, dtype, group)
         o = 0
         for n, m in mine:
-            w = _width(m["kind"], P, R, len(keys))
-            part = got[:, o:o + w]
+            w = _width(m["kind"], P, R, len(keys)) * deep.get(n, 1)
+            part = got[:, o:o + w] if n not in deep else got[:, o:o + w].reshape(n_rows, -1, deep[n])
             o += w
             if m["kind"] == NAMED:
                 out[n] = {k: part[:, i].to(m["dtype"]) for i, k in enumerate(keys)}
@@ -68,4 +71,4 @@ def _columns(b: Batch, name: str, m: dict, keys: List[str], dtype) -> torch.Tens
     if m["kind"] == NAMED:
         return torch.stack([v[k].to(dtype) for k in keys], 1) if keys else torch.zeros(b.size(), 0, dtype=dtype)
     v = v.to(dtype)
-    return v.unsqueeze(1) if m["kind"] == ROW else v
+    return v.unsqueeze(1) if m["kind"] == ROW else v.flatten(1)

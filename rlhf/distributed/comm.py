@@ -236,6 +236,38 @@ def all_to_all_single(x: torch.Tensor, group=None) -> torch.Tensor:
     return _AllToAll.apply(x, group)
 
 
+class _AllToAllV(torch.autograd.Function):
+    """Uneven all-to-all: ``send[j]`` rows of x go to rank j, ``recv[j]`` rows come from it; the gradient goes
+    back the same way with the counts swapped (torch.distributed.nn.functional.all_to_all_single)."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _a2av(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _a2av(g.contiguous(), ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _a2av(x: torch.Tensor, send: List[int], recv: List[int], group) -> torch.Tensor:
+    y = _on_device(x.contiguous())
+    out = y.new_empty((sum(recv),) + tuple(y.shape[1:]))
+    dist.all_to_all_single(out, y, output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out if out.device == x.device else out.to(x.device)
+
+
+def all_to_all_v(x: torch.Tensor, send: Sequence[int], group=None):
+    """Rows ``[sum(send[:j]), sum(send[:j+1]))`` of ``x`` go to rank j of ``group``; returns (the rows every rank
+    sent here, in rank order; the row count from each rank).  One all-to-all of the counts, one of the rows;
+    differentiable in ``x`` (expert-parallel token dispatch, rlhf.distributed.expert_parallel)."""
+    if not distributed(group):
+        return x, list(send)
+    counts = torch.tensor(list(send), dtype=torch.long)
+    recv = [int(c) for c in _a2a(counts, group).tolist()]
+    return _AllToAllV.apply(x, [int(c) for c in send], recv, group), recv
+
+
 class _SumOver(torch.autograd.Function):
     """y = sum_r x_r over the group; dL/dx_r = sum_s dL_s/dy (every rank's loss sees y), one all-reduce each way
     (torch.distributed.nn.functional.all_reduce's gradient)."""

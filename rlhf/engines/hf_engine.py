@@ -13,6 +13,7 @@ from rlhf.engines.requests import StepResult, run_whole
 from rlhf.engines.rollout import RolloutEngine, SamplingParams, response_mask
 from rlhf.engines.rollout_registry import EngineArgs
 from rlhf.engines.sampling import decode_with_head, logits_head
+from rlhf.models import moe
 from rlhf.models.load import load_causal_lm, load_tokenizer
 
 
@@ -47,6 +48,7 @@ class HFEngine(RolloutEngine):
         self._offloaded = False
         self.decoder: Optional[ContinuousDecoder] = None  # the running batch of step_requests, built at its first
         self._continuous = continuous_cache_ok(self.model)
+        self._routes = False  # record_routing
 
     def _stop_ids(self, params: SamplingParams) -> tuple:
         return stop_ids(params.stop_token_ids, self.tokenizer.eos_token_id, getattr(self.model, "generation_config", None))
@@ -81,7 +83,25 @@ class HFEngine(RolloutEngine):
         with logits_head(self.model) as head:  # one head copy for every chunk of this call
             for s in range(0, len(prompt_ids), per):
                 outs.append(self._generate_chunk(prompt_ids[s:s + per], params, stop, gen, head))
-        return cat(outs, self.tokenizer.pad_token_id)
+        out = cat(outs, self.tokenizer.pad_token_id)
+        if self._routes:
+            out.routed_experts = self._routing(out)
+        return out
+
+    def record_routing(self) -> bool:
+        """Its MoE routers' choices ride in ``routed_experts`` (a dense model: False)."""
+        self._routes = bool(moe.routers(self.model))
+        return self._routes
+
+    def _routing(self, b: Batch) -> torch.Tensor:
+        """(B, P + R, L * k): the experts the engine's routers pick for every token of the finished rows, from one
+        no-grad forward of the engine's own model (its weights and dtype) over them, -1 on padding; the decode loop
+        saw the same tokens one at a time (same choices up to kernel rounding at exact near-ties)."""
+        ids, att = b.sequences.to(self.device), b.attention_mask.to(self.device)
+        with moe.Routing(self.model, record=True) as r:
+            self.model(input_ids=ids, attention_mask=att, position_ids=(att.long().cumsum(-1) - 1).clamp(min=0),
+                       use_cache=False, logits_to_keep=1)
+        return r.used.view(*ids.shape, -1).masked_fill(~att.bool().unsqueeze(-1), moe.NO_ROUTE).cpu()
 
     def _generate_chunk(self, prompts, params: SamplingParams, stop, gen, head) -> Batch:
         pad = self.tokenizer.pad_token_id

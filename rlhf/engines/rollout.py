@@ -66,6 +66,11 @@ class RolloutEngine(abc.ABC):
     def end_requests(self) -> None:
         """On the first TP rank, after its agent: release the ranks in ``serve``.  Default: nothing to release."""
 
+    def record_routing(self) -> bool:
+        """From now on every generated batch carries ``routed_experts`` (Batch: the MoE experts each token went to,
+        --router_replay R3).  Default: False, this engine cannot."""
+        return False
+
     # ---- weights -------------------------------------------------------------------------------------------------
     @abc.abstractmethod
     def load_weights(self, named_tensors) -> None:

@@ -42,6 +42,7 @@ from rlhf.engines.vllm_launch import (
 from rlhf.engines.vllm_memory import EngineMemory, empty_device_cache, release_vllm_groups
 from rlhf.engines.vllm_requests import step_llm
 from rlhf.engines.vllm_worker import WorkerExtension
+from rlhf.models import moe
 from rlhf.models.load import load_tokenizer
 
 MODES = ("colocated", "separate")
@@ -228,6 +229,7 @@ class VLLMEngine(RolloutEngine):
         of their own vLLM's workers receive the weights themselves (``receive_weights``)."""
         if not self.driver:
             return
+        named_tensors = moe.checkpoint_layout(named_tensors)  # MoE experts under the checkpoint's per-expert names
         ready, self._pending = split_last_layer(self._pending + list(named_tensors), layer_key)
         self._send(ready)
 

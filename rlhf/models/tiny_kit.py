@@ -1,6 +1,6 @@
 """Write an offline tiny kit: causal LM, reward model, tokenizer, task data.
 
-    python -m rlhf.models.tiny_kit --out DIR [--arch llama|qwen2] [--layers 2] [--hidden 64] [--heads 4] [--tie]
+    python -m rlhf.models.tiny_kit --out DIR [--arch llama|qwen2|qwen3_moe] [--layers 2] [--hidden 64] [--heads 4] [--tie]
     python -m rlhf.models.tiny_kit --out DIR --shape real     # shaped like a real small chat checkpoint
 
 DIR            HF causal LM + tokenizer (AutoModelForCausalLM.from_pretrained(DIR))
@@ -40,6 +40,8 @@ CHATML_TEMPLATE = (
     "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 REAL_KIT = dict(vocab_size=32768, layers=2, hidden=64, heads=2, kv_heads=1)
+# the MoE kit (--arch qwen3_moe): Qwen3-MoE with 4 experts, top-2, in every layer (issue 45)
+MOE_KIT = dict(experts=4, top_k=2)
 DEFAULT_KIT = os.path.join(os.path.expanduser(os.environ.get("RLHF_CACHE", "~/.cache/rlhf")), "tiny-llama-v1")
 
 
@@ -72,6 +74,12 @@ def build_config(arch: str, vocab: int, layers: int, hidden: int, tok, heads: in
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
                   pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   tie_word_embeddings=tie)
+    if arch == "qwen3_moe":  # MOE_KIT: every layer sparse, E experts, top-k (issue 45)
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**common, head_dim=hidden // heads, num_experts=MOE_KIT["experts"],
+                              num_experts_per_tok=MOE_KIT["top_k"], moe_intermediate_size=hidden,
+                              norm_topk_prob=True, router_aux_loss_coef=0.01)
     return (Qwen2Config if arch == "qwen2" else LlamaConfig)(**common)
 
 
@@ -225,7 +233,8 @@ def ensure_tiny(path: str = DEFAULT_KIT) -> str:
 
 @click.command()
 @click.option("--out", required=True, help="output directory")
-@click.option("--arch", type=click.Choice(["llama", "qwen2"]), default="llama")
+@click.option("--arch", type=click.Choice(["llama", "qwen2", "qwen3_moe"]), default="llama",
+              help="qwen3_moe: a mixture of experts (MOE_KIT: 4 experts, top-2, every layer sparse)")
 @click.option("--layers", default=2, show_default=True)
 @click.option("--hidden", default=64, show_default=True)
 @click.option("--seed", default=0, show_default=True)

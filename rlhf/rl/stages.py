@@ -26,6 +26,7 @@ from rlhf.console import print0
 from rlhf.distributed.role_table import ROLE_TABLE
 from rlhf.rl.advantage_stage import _gap_metric, advantage_stage, needs_old_logprobs
 from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer, gap_due, measures_gap_only, on_policy_single_update, refills
+from rlhf.roles.routing import route_metrics
 from rlhf.stage_table import RL_STAGE
 
 
@@ -203,7 +204,9 @@ class ForwardStage(Stage):
         self.forwards = forwards
 
     def run(self, batch: Batch, roles) -> None:
-        setattr(batch, self.writes[0], self.forward(getattr(roles, self.role), batch))
+        role = getattr(roles, self.role)
+        setattr(batch, self.writes[0], self.forward(role, batch))
+        batch.metrics.update(route_metrics(role))  # MoE: router/<ref|old>_mismatch (rlhf.roles.routing)
 
     def forward(self, role, batch: Batch):
         return self.forwards.logprobs(role, batch)
@@ -238,6 +241,11 @@ class ValuesStage(ForwardStage):
 
 class OldLogprobsStage(ForwardStage):
     name, writes = "old_logprobs", ("old_logprobs",)
+
+    def run(self, batch: Batch, roles) -> None:
+        super().run(batch, roles)
+        if roles.actor.records_routing:  # --router_replay R2: the update replays this forward's routing
+            batch.routed_experts = roles.actor.recorded
 
 
 class LogprobGapStage(Stage):

@@ -22,7 +22,9 @@ from rlhf.algorithms import aggregate, compute_kl, importance_weights, kl_unbias
 from rlhf.algorithms.is_filter import is_filter_ratio
 from rlhf.algorithms.masked import masked_mean
 from rlhf.algorithms.registry import POLICY_LOSSES
+from rlhf.models import moe
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
+from rlhf.roles.routing import route_metrics, routed_forward
 from rlhf.roles.update_batches import (
     AuxLossTap,
     Micro,
@@ -58,7 +60,9 @@ class Actor(UpdatingRole):
                 self._optimizer_step(batch, micro_rows, max(float(kl_coef), 0.0), dyn, aux, logs, pad)
         finally:
             aux.close()
-        out = mean_logs(logs)
+            if self.route is not None:
+                moe.clear(engine.model)
+        out = {**mean_logs(logs), **route_metrics(self)}
         for k, f in (("is_weight_min", min), ("is_weight_max", max)):  # this rank's extremes, not a mean of them
             if logs.get(k):
                 out[k] = f(logs[k])
@@ -111,11 +115,13 @@ class Actor(UpdatingRole):
         """(log-probs, entropy) of the micro-batch's response tokens, padded or packed (one row, no padding)."""
         s, model = self.settings, self.engine.model
         kw = dict(with_entropy=True, entropy_grad=ent_grad, keep_bytes=s.lm_head_keep_bytes)
-        if s.packing_samples:
-            return packed_action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev),
-                                          mb.action_mask.to(dev), s.temperature, s.logprob_chunk_size, **kw)
-        return action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev), mb.action_mask.size(1),
-                               s.temperature, s.logprob_chunk_size, **kw)
+        with routed_forward(self.route, "update", mb, slice(None), mb.attention_mask.to(dev), s.packing_samples,
+                            keep=True):  # a gradient-checkpointed recompute replays the same ids
+            if s.packing_samples:
+                return packed_action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev),
+                                              mb.action_mask.to(dev), s.temperature, s.logprob_chunk_size, **kw)
+            return action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev), mb.action_mask.size(1),
+                                   s.temperature, s.logprob_chunk_size, **kw)
 
     def _micro_loss(self, mb, mr: Micro, tot, kl_coef: float, n_real: int, step, logs):
         """(loss, policy loss, entropy term, policy-loss metrics) of one micro-batch, before the backward scale:

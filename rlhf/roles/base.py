@@ -27,6 +27,7 @@ from rlhf.engines.train import EngineSpec, TrainEngine, reads_weights, spec_from
 from rlhf.engines.train_registry import make_engine
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
 from rlhf.rewards.reward_model import score_sequences
+from rlhf.roles.routing import keep_routing, record_width, routed_forward, with_routing
 
 
 class Role:
@@ -112,6 +113,8 @@ class ModelRole(Role):
     engine: Optional[TrainEngine]
     trains = False   # whether it holds optimizer state: its state is part of a run's checkpoint
     state_name = ""  # its directory in a run's checkpoint ("": the role's name)
+    route = None     # an MoE model's routing in its forwards (rlhf.roles.routing.RouteLog; build_roles sets it)
+    records_routing = False  # --router_replay R2 on the actor: logprobs keeps its forward's routing (every rank)
 
     @property
     def state_dir(self) -> str:
@@ -154,11 +157,16 @@ class ModelRole(Role):
         def fn(p: slice):
             model, dev = self.engine.model, self.engine.compute_device
             ids, att = batch.sequences[p].to(dev), batch.attention_mask[p].to(dev)
-            if packing:
-                return packed_action_logprobs(model, ids, att, batch.action_mask[p].to(dev), temperature, chunk)
-            return action_logprobs(model, ids, att, batch.num_actions, temperature, chunk)[0]
+            with routed_forward(self.route, "ref" if self.name == "ref" else "old", batch, p, att, packing) as r:
+                if packing:
+                    lp = packed_action_logprobs(model, ids, att, batch.action_mask[p].to(dev), temperature, chunk)
+                else:
+                    lp = action_logprobs(model, ids, att, batch.num_actions, temperature, chunk)[0]
+            return with_routing(lp, r, att, packing) if self.records_routing else lp
 
-        return self.rows_forward(batch.sequences.size(0), micro, fn, batch.num_actions) * batch.action_mask
+        width = batch.num_actions + record_width(self, batch)  # R2: the routing rides in the same gather
+        return keep_routing(self, self.rows_forward(batch.sequences.size(0), micro, fn, width), batch) \
+            * batch.action_mask
 
     @torch.no_grad()
     def values(self, batch: Batch, micro: int) -> torch.Tensor:

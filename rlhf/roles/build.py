@@ -7,6 +7,7 @@ import torch
 from rlhf.distributed import Groups
 from rlhf.engines.rollout_registry import EngineArgs, EnginePlace, auto_engine, build_engine
 from rlhf.engines.train import spec_from_config
+from rlhf.models import moe
 from rlhf.models.lm_head import use_fp32_head
 from rlhf.models.load import load_causal_lm, load_reward_model, load_tokenizer, resolve_pretrain
 from rlhf.roles.actor import Actor
@@ -15,6 +16,7 @@ from rlhf.roles.critic import Critic, load_critic
 from rlhf.roles.reference import build_reference
 from rlhf.roles.registry import declared_roles
 from rlhf.roles.rollout import RolloutRole
+from rlhf.roles.routing import route_log
 from rlhf.roles.update_batches import update_settings
 
 
@@ -72,6 +74,7 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
 
             rollout.agent = build_tool_executor(cfg.agent, cfg.rollout, cfg.data.generate_max_len, rollout.engine,
                                                 load_tokenizer(path))
+    set_routing(cfg.parallel, actor, ref, rollout)
     from rlhf.rewards.reward_model import reward_model_stats
 
     return Roles(actor=actor, rollout=rollout, ref=ref, critic=critic, reward=reward, **declared,
@@ -86,6 +89,24 @@ def engine_len(a, r, d) -> int:
     from rlhf.agents.tool_setup import episode_tokens
 
     return d.prompt_max_len + episode_tokens(a, d.generate_max_len, r.max_steps)
+
+
+def set_routing(par, actor, ref, rollout) -> None:
+    """MoE (``par``: the parallel group): the actor's and reference's expert kernels (--experts_implementation)
+    and routing (--router_replay: rlhf.roles.routing); under R3 the rollout engines record their routing."""
+    for r in (actor, ref):
+        if r is not None and r.engine is not None and moe.routers(r.engine.model):
+            moe.set_experts(r.engine.model, par.experts_implementation)
+            r.route = route_log(par.router_replay, r.engine.model, actor=r is actor)
+        elif r is not None and r.engine is not None and par.router_replay != "off":
+            raise RuntimeError(f"--router_replay {par.router_replay}: the {r.name} model has no MoE router (no "
+                               f"module with 'gate' and 'experts'); drop the flag for a dense model")
+    actor.records_routing = par.router_replay == "R2"
+    rollout.routes = par.router_replay == "R3"
+    if rollout.routes and rollout.engine is not None and not rollout.engine.record_routing():
+        raise RuntimeError(f"--router_replay R3: the rollout engine {type(rollout.engine).__name__} does not return "
+                           f"the experts it routed each token to (or the model has no MoE router); use "
+                           f"--rollout_engine hf with an MoE model, or --router_replay R2")
 
 
 def rl_max_len(d) -> int:

@@ -20,6 +20,7 @@ class RolloutRole(Role):
         super().__init__(name, mesh)
         self.engine_ranks = mesh.ranks_along("tp")
         self.agent = None  # AgentExecutor driving the engine (--agent_func_path)
+        self.routes = False  # its batches carry routed_experts (--router_replay R3; build_roles)
 
     @property
     def engine_index(self) -> Optional[int]:
@@ -80,5 +81,6 @@ class RolloutRole(Role):
             owned = slice(pr.start * n_samples, pr.stop * n_samples)
             assert local.sequences.size(0) == owned.stop - owned.start, \
                 f"engine {e} returned {local.sequences.size(0)} rows for {owned.stop - owned.start}"
-        names = row_fields("rollout") + (["rewards", "scores"] if with_rewards else [])
+        names = row_fields("rollout", "routing" if self.routes else None) + (
+            ["rewards", "scores"] if with_rewards else [])
         return gather_batch(local, owned, n_prompts * n_samples, names, pad_id)

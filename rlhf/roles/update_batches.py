@@ -129,7 +129,8 @@ def trim_padding(mb):
     cut = lambda t: None if t is None else t[:, :r]  # noqa: E731
     return replace(mb, sequences=mb.sequences[:, lead:P + r], attention_mask=mb.attention_mask[:, lead:P + r],
                    **{f: cut(getattr(mb, f)) for f in ("action_mask", "rollout_logprobs", "old_logprobs",
-                                                       "ref_logprobs", "values", "advantages", "returns")})
+                                                       "ref_logprobs", "values", "advantages", "returns")},
+                   routed_experts=None if mb.routed_experts is None else mb.routed_experts[:, lead:P + r])
 
 
 def micro_batch(exp, micro: Micro, dyn: Optional[TokenBudget]):

@@ -24,6 +24,7 @@ from rlhf.distributed.groups import Groups, build_groups, nnodes_from_env
 from rlhf.distributed.placement import supervised_placement
 from rlhf.distributed.watchdog import Watchdog
 from rlhf.engines.train import spec_from_config
+from rlhf.models import moe
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.roles.actor import Actor
 from rlhf.roles.base import Roles, model_role
@@ -179,6 +180,9 @@ class SupervisedTrainer:
         torch.manual_seed(o.seed)
         with self.watchdog.phase("load"):
             self.roles = supervised_roles(cfg.model, o, t, self.task, self.groups, self.path, self.device, self.total_steps)
+        for r in (self.roles.actor, self.roles.ref):  # --experts_implementation (an MoE model's expert kernels)
+            if r is not None and r.engine is not None:
+                moe.set_experts(r.engine.model, cfg.parallel.experts_implementation)
         self.engine = self.roles.actor.engine  # the engine the loop trains
         self.task.device = self.engine.compute_device  # batches go there, whatever device the parameters are on
         self.task.ref = self.roles.ref.engine if self.roles.ref is not None else None

@@ -36,6 +36,8 @@ def rows_batch(P: int, R: int, prompt_lens, resp_lens, seed: int = 0, every: boo
         b.valid = torch.rand(B, generator=g) > 0.3
         b.extra_logs = {"acc": torch.rand(B, generator=g), "len": torch.rand(B, generator=g)}
         b.ref_logprobs, b.old_logprobs, b.values, b.advantages, b.returns = tok(), tok(), tok(), tok(), tok()
+        # (B, P + R, L * k): 3 layers x top-2 of 5 experts, -1 on padding (a column that is itself (L * k,))
+        b.routed_experts = torch.where(att.bool().unsqueeze(-1), torch.randint(0, 5, (B, P + R, 6), generator=g), -1)
     return b
 
 
@@ -44,7 +46,7 @@ def unpadded(b: Batch, i: int, name: str):
     m, v, P = spec(name, type(b)), getattr(b, name), b.prompt_len
     if m["kind"] == SEQ:
         keep = b.attention_mask[i].bool()
-        return v[i][keep].tolist()
+        return v[i][keep].reshape(-1).tolist()  # routed_experts: each column (L * k,) in turn
     if m["kind"] == TOKEN:
         n = int(b.attention_mask[i, P:].sum())
         return v[i, :n].tolist()
@@ -180,7 +182,7 @@ def world(monkeypatch):
 
 
 @pytest.mark.parametrize("names", [row_fields("rollout"), row_fields("rollout", "async") + row_fields("reward"),
-                                   PER_ROW])
+                                   [n for n in PER_ROW if n != "routed_experts"]])  # its depth: next test
 def test_gather_over_ranks_with_awkward_shards(world, names):
     """4 ranks: two own rows (of different widths), one owns none, one holds nothing (local None): every rank
     gets every row back, exactly, with one widths max, [one names gather,] one int and one float gather."""
@@ -214,6 +216,23 @@ def test_gather_over_ranks_with_awkward_shards(world, names):
     want_calls = [("all_reduce", "max", (2,))] + ([("all_gather_object",)] if named else [])
     assert all(c[:len(want_calls)] == want_calls and len(c) == len(want_calls) + 2 for c in w.calls), w.calls
     assert all(c == w.calls[0] for c in w.calls), "the same collectives on every rank"
+
+
+def test_gather_carries_routed_experts_of_any_depth(world):
+    """routed_experts (B, P + R, L * k) from 3 ranks of awkward widths, one owning no rows and one holding
+    nothing: its depth L * k rides in the widths max (3 values), every row comes back exactly, -1 on padding."""
+    parts = [rows_batch(3, 2, [3, 1], [2, 0], seed=1), rows_batch(1, 4, [1, 1, 1], [4, 1, 3], seed=2)]
+    full = cat(parts, PAD)
+    names = row_fields("rollout", "routing")
+    assert "routed_experts" in names and "routed_experts" not in row_fields("rollout")
+    w = world(3)
+    got = w.run(lambda r: gather_batch(parts[r] if r < 2 else None, (slice(0, 2), slice(2, 5), None)[r], 5, names,
+                                       PAD))
+    for g in got:
+        assert g.routed_experts.shape == (5, 7, 6) and g.routed_experts.dtype == torch.long
+        assert torch.equal(g.routed_experts, full.routed_experts), "routing rows changed in the gather"
+        assert bool((g.routed_experts[~g.attention_mask.bool()] == -1).all()), "padding must read -1 (no route)"
+    assert w.calls[0][0] == ("all_reduce", "max", (3,)), w.calls[0]
 
 
 def test_gather_of_row_fields_only_needs_no_widths(world):
