@@ -1,0 +1,264 @@
+"""The in-job OpenAI-compatible endpoint (rlhf.agents.endpoint, issue 44 item 3): a ``run_agent`` file drives the
+HF engine through the real ``openai`` client; each session's calls are stitched into one training sample whose
+tokens are exactly the engine's and whose log-probs the trainer's forward reproduces; bad calls get their 4xx
+without stalling the other episodes."""
+import threading
+
+import httpx
+import openai
+import pytest
+import torch
+
+from rlhf.agents.endpoint.hub import Hub, Settings
+from rlhf.agents.endpoint.server import endpoint
+from rlhf.agents.endpoint.sessions import EndpointError, Session, next_prompt, record, stitched
+from rlhf.agents.load import load_agent
+from rlhf.engines.hf_engine import HFEngine
+from rlhf.engines.rollout import SamplingParams
+from rlhf.models.forward import action_logprobs
+from rlhf.models.load import load_tokenizer
+
+THREE_TURNS = '''
+CALLS = []
+
+
+async def run_agent(client, prompt, label, **kw):
+    """Three model turns, a tool's answer after each of the first two (the label's digits, so rows differ)."""
+    msgs = [{"role": "system", "content": "add"}, {"role": "user", "content": prompt}]
+    for turn in range(3):
+        r = await client.chat.completions.create(model=kw["model"], messages=msgs, logprobs=True,
+                                                 max_tokens=3 + turn)
+        c = r.choices[0]
+        CALLS.append((kw["session_id"], r.model_extra["prompt_token_ids"], c.model_extra["token_ids"],
+                      [x.logprob for x in c.logprobs.content]))
+        msgs.append({"role": "assistant", "content": c.message.content})
+        if turn < 2:
+            msgs.append({"role": "tool", "content": f"{label}{turn}"})
+    return {"reward": float(len(label)), "scores": 0.5, "extra_logs": {"turns": 3}}
+'''
+
+BAD_CALLS = '''
+import openai
+
+SEEN = {}
+
+
+async def run_agent(client, prompt, label, **kw):
+    if label != "bad":  # a well-behaved episode running beside the bad one
+        msgs = [{"role": "user", "content": prompt}]
+        for _ in range(2):
+            r = await client.chat.completions.create(model=kw["model"], messages=msgs, max_tokens=2)
+            msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "+"}]
+        return {"reward": 1.0}
+    msgs = [{"role": "user", "content": prompt}]
+    r = await client.chat.completions.create(model=kw["model"], messages=msgs, max_tokens=2)
+    SEEN["session"] = kw["session_id"]
+    tries = {
+        "unknown": lambda: client.with_options(default_headers={"X-Session-Id": "no-such-session"}).chat.completions
+        .create(model=kw["model"], messages=msgs, max_tokens=2),
+        "break": lambda: client.chat.completions.create(
+            model=kw["model"], messages=[{"role": "user", "content": "9+9="}, {"role": "user", "content": "x"}]),
+        "too_long": lambda: client.chat.completions.create(
+            model=kw["model"], messages=msgs + [{"role": "assistant", "content": r.choices[0].message.content},
+                                                {"role": "user", "content": "1+2=" * 200}]),
+        "stream": lambda: client.chat.completions.create(model=kw["model"], messages=msgs, stream=True),
+        "two_ids": lambda: client.chat.completions.create(model=kw["model"], messages=msgs,
+                                                          extra_body={"session_id": "other"}),
+        "empty": lambda: client.chat.completions.create(model=kw["model"], messages=[]),
+    }
+    for name, call in tries.items():
+        try:
+            await call()
+            SEEN[name] = (200, "")
+        except openai.APIStatusError as e:
+            SEEN[name] = (e.status_code, e.message)
+    # the session still works after its refused calls
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "+1"}]
+    await client.chat.completions.create(model=kw["model"], messages=msgs, max_tokens=2)
+    return {"reward": 0.0}
+'''
+
+
+class RecordingEngine(HFEngine):
+    """The HF engine, each generated row recorded: (prompt ids, completion ids) -> their log-probs."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.rows = {}
+
+    def generate(self, prompt_ids, params):
+        out = super().generate(prompt_ids, params)
+        for i, p in enumerate(prompt_ids):
+            m = out.action_mask[i].bool()
+            self.rows[tuple(p), tuple(out.sequences[i, out.prompt_len:][m].tolist())] = out.rollout_logprobs[i][m].tolist()
+        return out
+
+
+@pytest.fixture(scope="module")
+def kit(tiny_kit):
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(tiny_kit)
+    model = AutoModelForCausalLM.from_pretrained(tiny_kit, dtype=torch.float32)
+    model.config.use_cache = True
+    return tok, model
+
+
+def _agent(tmp_path, text, name="agent_file.py", settings=None):
+    path = tmp_path / name
+    path.write_text(text)
+    inst, exe = load_agent(str(path), settings or Settings())
+    return inst, exe, exe.openrlhf_cls.run_agent.__globals__
+
+
+def _ranges(mask):
+    out, start = [], None
+    for j, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = j
+        elif not m and start is not None:
+            out.append((start, j))
+            start = None
+    return out
+
+
+def test_three_turn_episodes_are_stitched_token_exactly(kit, tmp_path):
+    tok, model = kit
+    engine = RecordingEngine(model, tok)
+    inst, exe, g = _agent(tmp_path, THREE_TURNS)
+    prompts, labels = ["3+4=", "12+9="], ["7", "21"]
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    T = 0.7
+    batch = exe(inst, 3, 64, engine, tok).run(ids, prompts, labels, SamplingParams(n=2, max_new_tokens=5,
+                                                                                  temperature=T))
+    P, B = batch.prompt_len, 4
+    assert batch.sequences.size(0) == B and batch.rewards.tolist() == [1.0, 1.0, 2.0, 2.0], batch.rewards
+    assert batch.scores.tolist() == [0.5] * 4
+    calls = g["CALLS"]
+    assert len(calls) == 12 and len({c[0] for c in calls}) == 4, "4 sessions of 3 calls each"
+    by_session = {}
+    for sid, prompt, comp, lps in calls:
+        assert (tuple(prompt), tuple(comp)) in engine.rows, "the client's token ids are not what the engine produced"
+        assert lps == pytest.approx(engine.rows[tuple(prompt), tuple(comp)], abs=1e-6)
+        by_session.setdefault(sid, []).append((prompt, comp))
+    for i in range(B):
+        att = batch.attention_mask[i].bool()
+        seq = batch.sequences[i][att].tolist()
+        n_prompt = int(att[:P].sum())
+        am = batch.action_mask[i].tolist()[:len(seq) - n_prompt]
+        ranges = [(s + n_prompt, e + n_prompt) for s, e in _ranges(am)]
+        assert len(ranges) == 3, (i, am)
+        for (s, e), turn in zip(ranges, range(3)):
+            # the engine saw exactly this prefix and produced exactly these tokens
+            lps = engine.rows.get((tuple(seq[:s]), tuple(seq[s:e])))
+            assert lps is not None, f"row {i} turn {turn}: the stitched prefix + action is no engine call of theirs"
+            got = batch.rollout_logprobs[i, s - n_prompt:e - n_prompt].tolist()
+            assert got == pytest.approx(lps, abs=1e-6)
+            assert 1 <= e - s <= 3 + turn, "max_tokens of the call"
+        # the sample's prompt: its session's first call's prompt (the chat template's rendering)
+        assert tuple(seq[:n_prompt]) in {tuple(v[0][0]) for v in by_session.values()}
+        assert tok.decode(seq[:n_prompt]).startswith("<|system|>add\n<|user|>")
+    # the trainer's log-probs (fp32 forward at the rollout's temperature) on the stitched samples
+    R = batch.action_mask.size(1)
+    with torch.no_grad():
+        lp, _ = action_logprobs(model, batch.sequences, batch.attention_mask, R, temperature=T)
+    m = batch.action_mask.bool()
+    gap = (lp[m] - batch.rollout_logprobs[m]).abs().max().item()
+    assert gap < 1e-4, f"trainer vs recorded log-probs differ by {gap}"
+    assert (batch.rollout_logprobs[~m] == 0).all(), "tool / template tokens carry no log-prob"
+    m = endpoint(tok, Settings())[0].table.metrics
+    assert m.session_requests[-4:] == [3] * 4, m.session_requests
+    assert sorted(m.stitched_lens[-4:]) == sorted(batch.attention_mask.sum(1).tolist()), m.stitched_lens
+
+
+def test_bad_calls_get_4xx_and_do_not_stall_other_sessions(kit, tmp_path):
+    tok, model = kit
+    engine = HFEngine(model, tok)
+    inst, exe, g = _agent(tmp_path, BAD_CALLS, "bad_agent.py")
+    batch = exe(inst, 2, 24, engine, tok).run([tok("3+4=", add_special_tokens=False)["input_ids"]] * 2,
+                                              ["3+4=", "5+5="], ["bad", "good"], SamplingParams(n=1, max_new_tokens=2))
+    seen, sid = g["SEEN"], g["SEEN"]["session"]
+    assert batch.rewards.tolist() == [0.0, 1.0], "both episodes finish, the good one unhindered"
+    assert seen["unknown"][0] == 404 and "no-such-session" in seen["unknown"][1], seen["unknown"]
+    assert seen["break"][0] == 409 and f"session {sid}: prefix break" in seen["break"][1], seen["break"]
+    code, msg = seen["too_long"]
+    limit = 24 + 4  # the episode's budget: its prompt's 4 tokens + the executor's 24
+    assert code == 400 and f"maximum context length is {limit} tokens" in msg and sid in msg, seen["too_long"]
+    assert seen["stream"][0] == 400 and "stream" in seen["stream"][1]
+    assert seen["two_ids"][0] == 400 and "differ" in seen["two_ids"][1]
+    assert seen["empty"][0] == 400 and "messages" in seen["empty"][1]
+    hub, server = endpoint(tok, Settings())
+    url = server.url
+    # the episode is over: its session is finished (410), the stitched sample kept the refused calls out
+    r = httpx.post(f"{url}/v1/chat/completions", headers={"X-Session-Id": sid},
+                   json={"model": "m", "messages": [{"role": "user", "content": "3+4="}]})
+    assert r.status_code == 410 and "finished" in r.json()["error"]["message"], r.text
+    assert len(_ranges(batch.action_mask[0].tolist())) == 2, "two accepted model calls"
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == hub.model_name
+    t = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "3+4="}]}).json()
+    assert t["tokens"] == tok(tok.apply_chat_template([{"role": "user", "content": "3+4="}], tokenize=False,
+                                                       add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    assert t["count"] == len(t["tokens"])
+    assert hub.table.metrics.snapshot()["endpoint/4xx"] >= 7
+
+
+def test_sessions_stay_on_their_engine(kit, tmp_path):
+    """Two engines in one process, each rolling out on its own thread: every call of a session runs on the engine
+    its episode runs on; a session opened without one goes to the least loaded engine and stays there."""
+    tok, model = kit
+    engines = [RecordingEngine(model, tok), RecordingEngine(model, tok)]
+    inst, exe, g = _agent(tmp_path, THREE_TURNS, "two_engines.py")
+    out = {}
+
+    def roll(k):
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in (f"{k}+1=", f"{k}+2=")]
+        out[k] = exe(inst, 3, 64, engines[k], tok).run(ids, ["a", "b"], [str(k), str(k + 1)],
+                                                       SamplingParams(n=1, max_new_tokens=2))
+
+    threads = [threading.Thread(target=roll, args=(k,)) for k in (0, 1)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for k in (0, 1):
+        assert out[k].rewards.tolist() == [1.0, 1.0], k
+    for sid, prompt, comp, _ in g["CALLS"]:
+        where = [k for k in (0, 1) if (tuple(prompt), tuple(comp)) in engines[k].rows]
+        assert len(where) == 1, f"session {sid}'s call ran on engines {where}"
+    per = {}
+    for sid, prompt, comp, _ in g["CALLS"]:
+        per.setdefault(sid, set()).add(next(k for k in (0, 1) if (tuple(prompt), tuple(comp)) in engines[k].rows))
+    assert len(per) == 4 and all(len(v) == 1 for v in per.values()), per
+    hub = Hub(tok, "m", Settings())
+    hub.slots.update({"a": None, "b": None})
+    placed = [hub.open_session().engine for _ in range(3)]
+    assert placed == ["a", "b", "a"], placed
+
+
+def test_next_prompt_rules(kit):
+    """The stitching rules by hand (rlhf/agents/endpoint/sessions.py): exact extension, BPE drift repaired on the
+    text, the stop token a chat template does not render kept, a prefix break refused naming the session."""
+    tok, _ = kit
+    enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    dec = lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
+    s = Session("s-1", "e")
+    first = enc("<|user|>12+9=\n<|assistant|>")
+    assert next_prompt(s, "<|user|>12+9=\n<|assistant|>", first, enc, dec) == (first, False)
+    record(s, first, enc("2") + enc("1"), [-0.5, -0.25], "length")  # "2","1" as two tokens: maybe not encode("21")
+    text = "<|user|>12+9=\n<|assistant|>21\n<|user|>ok\n<|assistant|>"
+    ids, repaired = next_prompt(s, text, enc(text), enc, dec)
+    assert ids[:len(s.ids)] == s.ids and dec(ids) == text
+    assert repaired == (enc(text)[:len(s.ids)] != s.ids)
+    # the model's eos ends its turn; the template renders "\n" instead: the eos is kept, the rest appended
+    s2 = Session("s-2", "e")
+    record(s2, first, enc("7") + [tok.eos_token_id], [-0.1, -0.2], "stop")
+    text2 = "<|user|>12+9=\n<|assistant|>7\n<|tool|>ok\n<|assistant|>"
+    ids2, rep2 = next_prompt(s2, text2, enc(text2), enc, dec)
+    assert rep2 and ids2[:len(s2.ids)] == s2.ids and dec(ids2[len(s2.ids):]) == "\n<|tool|>ok\n<|assistant|>"
+    with pytest.raises(EndpointError, match="session s-2: prefix break at call 2") as e:
+        next_prompt(s2, "<|user|>12+8=\n<|assistant|>7\n", enc("<|user|>12+8=\n<|assistant|>7\n"), enc, dec)
+    assert e.value.status == 409
+    record(s2, ids2, enc("5"), [-0.3], "length")
+    st = stitched(s2)
+    assert st["action_ranges"] == [(len(first), len(first) + 2), (len(ids2), len(ids2) + 1)]
+    assert st["rollout_log_probs"][len(first):len(first) + 2] == [-0.1, -0.2] and st["truncated"]
+    assert sum(1 for x in st["rollout_log_probs"] if x) == 3
