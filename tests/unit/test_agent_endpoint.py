@@ -5,7 +5,6 @@ without stalling the other episodes."""
 import threading
 
 import httpx
-import openai
 import pytest
 import torch
 
@@ -38,7 +37,6 @@ async def run_agent(client, prompt, label, **kw):
 '''
 
 BAD_CALLS = '''
-import openai
 
 SEEN = {}
 
@@ -262,3 +260,27 @@ def test_next_prompt_rules(kit):
     assert st["action_ranges"] == [(len(first), len(first) + 2), (len(ids2), len(ids2) + 1)]
     assert st["rollout_log_probs"][len(first):len(first) + 2] == [-0.1, -0.2] and st["truncated"]
     assert sum(1 for x in st["rollout_log_probs"] if x) == 3
+
+
+@pytest.mark.parametrize("argv,flag", [(["--agent_endpoint_port", "70000"], "agent_endpoint_port"),
+                                       (["--agent_endpoint_port", "-1"], "agent_endpoint_port"),
+                                       (["--agent_endpoint_host", " "], "agent_endpoint_host")])
+def test_endpoint_flags_refused_at_parse(argv, flag):
+    import click
+
+    from rlhf.config.cli import parse
+    from rlhf.errors import ConfigError
+
+    with pytest.raises((click.UsageError, ConfigError), match=f"--{flag}.*e.g. --{flag}"):
+        parse("grpo", ["--n_samples_per_prompt", "2", *argv])
+
+
+def test_run_agent_file_refused_at_load(tmp_path):
+    """A run_agent file that cannot work is refused when it loads (before any process group)."""
+    for text, want in (("def run_agent(client, prompt, label, **kw):\n    return {}\n", "must be `async def"),
+                       ("async def run_agent(client):\n    return {}\n", "cannot take")):
+        path = tmp_path / "agent.py"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=want) as e:
+            load_agent(str(path))
+        assert str(path) in str(e.value)
