@@ -7,6 +7,7 @@ import threading
 import httpx
 import pytest
 import torch
+from helpers.endpoint_agents import THREE_TURNS, Recording, action_spans, check_stitched
 
 from rlhf.agents.endpoint.hub import Hub, Settings
 from rlhf.agents.endpoint.server import endpoint
@@ -17,36 +18,22 @@ from rlhf.engines.rollout import SamplingParams
 from rlhf.models.forward import action_logprobs
 from rlhf.models.load import load_tokenizer
 
-THREE_TURNS = '''
-CALLS = []
-
-
-async def run_agent(client, prompt, label, **kw):
-    """Three model turns, a tool's answer after each of the first two (the label's digits, so rows differ)."""
-    msgs = [{"role": "system", "content": "add"}, {"role": "user", "content": prompt}]
-    for turn in range(3):
-        r = await client.chat.completions.create(model=kw["model"], messages=msgs, logprobs=True,
-                                                 max_tokens=3 + turn)
-        c = r.choices[0]
-        CALLS.append((kw["session_id"], r.model_extra["prompt_token_ids"], c.model_extra["token_ids"],
-                      [x.logprob for x in c.logprobs.content]))
-        msgs.append({"role": "assistant", "content": c.message.content})
-        if turn < 2:
-            msgs.append({"role": "tool", "content": f"{label}{turn}"})
-    return {"reward": float(len(label)), "scores": 0.5, "extra_logs": {"turns": 3}}
-'''
-
 BAD_CALLS = '''
+import openai
 
 SEEN = {}
 
 
 async def run_agent(client, prompt, label, **kw):
-    if label != "bad":  # a well-behaved episode running beside the bad one
-        msgs = [{"role": "user", "content": prompt}]
-        for _ in range(2):
-            r = await client.chat.completions.create(model=kw["model"], messages=msgs, max_tokens=2)
-            msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "+"}]
+    if label != "bad":  # a well-behaved episode running beside the bad one: a chat call, then a completion on ids
+        r = await client.chat.completions.create(model=kw["model"], messages=[{"role": "user", "content": prompt}],
+                                                 max_tokens=2)
+        ids = r.model_extra["prompt_token_ids"] + r.choices[0].model_extra["token_ids"] + [5, 6]
+        c = await client.completions.create(model=kw["model"], prompt=ids, max_tokens=3, logprobs=1)
+        free = await client.with_options(default_headers={"X-Session-Id": ""}).completions.create(
+            model=kw["model"], prompt="1+1=", max_tokens=2)  # no session: served, not recorded
+        SEEN["completion"] = (ids, c.model_extra["prompt_token_ids"], c.choices[0].model_extra["token_ids"],
+                              c.choices[0].logprobs.token_logprobs, free.model_extra["prompt_token_ids"])
         return {"reward": 1.0}
     msgs = [{"role": "user", "content": prompt}]
     r = await client.chat.completions.create(model=kw["model"], messages=msgs, max_tokens=2)
@@ -77,21 +64,6 @@ async def run_agent(client, prompt, label, **kw):
 '''
 
 
-class RecordingEngine(HFEngine):
-    """The HF engine, each generated row recorded: (prompt ids, completion ids) -> their log-probs."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.rows = {}
-
-    def generate(self, prompt_ids, params):
-        out = super().generate(prompt_ids, params)
-        for i, p in enumerate(prompt_ids):
-            m = out.action_mask[i].bool()
-            self.rows[tuple(p), tuple(out.sequences[i, out.prompt_len:][m].tolist())] = out.rollout_logprobs[i][m].tolist()
-        return out
-
-
 @pytest.fixture(scope="module")
 def kit(tiny_kit):
     from transformers import AutoModelForCausalLM
@@ -109,53 +81,24 @@ def _agent(tmp_path, text, name="agent_file.py", settings=None):
     return inst, exe, exe.openrlhf_cls.run_agent.__globals__
 
 
-def _ranges(mask):
-    out, start = [], None
-    for j, m in enumerate(mask + [0]):
-        if m and start is None:
-            start = j
-        elif not m and start is not None:
-            out.append((start, j))
-            start = None
-    return out
-
-
 def test_three_turn_episodes_are_stitched_token_exactly(kit, tmp_path):
     tok, model = kit
-    engine = RecordingEngine(model, tok)
+    engine = Recording(HFEngine(model, tok))
     inst, exe, g = _agent(tmp_path, THREE_TURNS)
     prompts, labels = ["3+4=", "12+9="], ["7", "21"]
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     T = 0.7
     batch = exe(inst, 3, 64, engine, tok).run(ids, prompts, labels, SamplingParams(n=2, max_new_tokens=5,
                                                                                   temperature=T))
-    P, B = batch.prompt_len, 4
-    assert batch.sequences.size(0) == B and batch.rewards.tolist() == [1.0, 1.0, 2.0, 2.0], batch.rewards
+    assert batch.sequences.size(0) == 4 and batch.rewards.tolist() == [1.0, 1.0, 2.0, 2.0], batch.rewards
     assert batch.scores.tolist() == [0.5] * 4
     calls = g["CALLS"]
     assert len(calls) == 12 and len({c[0] for c in calls}) == 4, "4 sessions of 3 calls each"
-    by_session = {}
-    for sid, prompt, comp, lps in calls:
-        assert (tuple(prompt), tuple(comp)) in engine.rows, "the client's token ids are not what the engine produced"
-        assert lps == pytest.approx(engine.rows[tuple(prompt), tuple(comp)], abs=1e-6)
-        by_session.setdefault(sid, []).append((prompt, comp))
-    for i in range(B):
-        att = batch.attention_mask[i].bool()
-        seq = batch.sequences[i][att].tolist()
-        n_prompt = int(att[:P].sum())
-        am = batch.action_mask[i].tolist()[:len(seq) - n_prompt]
-        ranges = [(s + n_prompt, e + n_prompt) for s, e in _ranges(am)]
-        assert len(ranges) == 3, (i, am)
-        for (s, e), turn in zip(ranges, range(3)):
-            # the engine saw exactly this prefix and produced exactly these tokens
-            lps = engine.rows.get((tuple(seq[:s]), tuple(seq[s:e])))
-            assert lps is not None, f"row {i} turn {turn}: the stitched prefix + action is no engine call of theirs"
-            got = batch.rollout_logprobs[i, s - n_prompt:e - n_prompt].tolist()
-            assert got == pytest.approx(lps, abs=1e-6)
-            assert 1 <= e - s <= 3 + turn, "max_tokens of the call"
-        # the sample's prompt: its session's first call's prompt (the chat template's rendering)
-        assert tuple(seq[:n_prompt]) in {tuple(v[0][0]) for v in by_session.values()}
-        assert tok.decode(seq[:n_prompt]).startswith("<|system|>add\n<|user|>")
+    check_stitched(batch, engine.rows, calls)
+    P = batch.prompt_len
+    for i in range(4):  # the sample's prompt: the first call's chat-template rendering
+        first = batch.sequences[i, :P][batch.attention_mask[i, :P].bool()].tolist()
+        assert tok.decode(first).startswith("<|system|>add\n<|user|>"), tok.decode(first)
     # the trainer's log-probs (fp32 forward at the rollout's temperature) on the stitched samples
     R = batch.action_mask.size(1)
     with torch.no_grad():
@@ -191,7 +134,11 @@ def test_bad_calls_get_4xx_and_do_not_stall_other_sessions(kit, tmp_path):
     r = httpx.post(f"{url}/v1/chat/completions", headers={"X-Session-Id": sid},
                    json={"model": "m", "messages": [{"role": "user", "content": "3+4="}]})
     assert r.status_code == 410 and "finished" in r.json()["error"]["message"], r.text
-    assert len(_ranges(batch.action_mask[0].tolist())) == 2, "two accepted model calls"
+    assert len(action_spans(batch.action_mask[0].tolist())) == 2, "two accepted model calls"
+    sent, prompt, comp, lps, free = seen["completion"]  # /v1/completions on token ids extends the session exactly
+    assert prompt == sent and len(lps) == len(comp) >= 1 and free == tok("1+1=", add_special_tokens=False)["input_ids"]
+    row = batch.sequences[1][batch.attention_mask[1].bool()].tolist()
+    assert row == sent + comp and len(action_spans(batch.action_mask[1].tolist())) == 2, "the sessionless call is not in the sample"
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == hub.model_name
     t = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "3+4="}]}).json()
@@ -205,7 +152,7 @@ def test_sessions_stay_on_their_engine(kit, tmp_path):
     """Two engines in one process, each rolling out on its own thread: every call of a session runs on the engine
     its episode runs on; a session opened without one goes to the least loaded engine and stays there."""
     tok, model = kit
-    engines = [RecordingEngine(model, tok), RecordingEngine(model, tok)]
+    engines = [Recording(HFEngine(model, tok)), Recording(HFEngine(model, tok))]
     inst, exe, g = _agent(tmp_path, THREE_TURNS, "two_engines.py")
     out = {}
 

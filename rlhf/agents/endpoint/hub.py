@@ -77,11 +77,13 @@ class Hub:
         return name
 
     def place(self) -> str:
-        """The slot for a new session: the one with the fewest open sessions (ties: the first attached)."""
+        """The slot for a new session or a sessionless call: of the engines whose rollout is running, the one with
+        the fewest open sessions (ties: the first attached)."""
         with self.slot_lock:
-            names = list(self.slots)
+            names = [n for n, b in self.slots.items() if b is None or (b.loop is not None and b.loop.is_running())]
         if not names:
-            raise EndpointError(503, "no engine is attached to this endpoint yet", "engine_idle", "server_error")
+            raise EndpointError(503, "no engine is rolling out now (the endpoint serves while the job's rollout "
+                                     "runs its episodes)", "engine_idle", "server_error")
         load = self.table.per_engine()
         return min(names, key=lambda n: load.get(n, 0))
 
