@@ -188,25 +188,31 @@ def test_next_prompt_rules(kit):
     s = Session("s-1", "e")
     first = enc("<|user|>12+9=\n<|assistant|>")
     assert next_prompt(s, "<|user|>12+9=\n<|assistant|>", first, enc, dec) == (first, False)
-    record(s, first, enc("2") + enc("1"), [-0.5, -0.25], "length")  # "2","1" as two tokens: maybe not encode("21")
+    record(s, first, enc("2") + enc("1"), [-0.5, -0.25], "length", "21")  # two tokens: maybe not encode("21")
     text = "<|user|>12+9=\n<|assistant|>21\n<|user|>ok\n<|assistant|>"
     ids, repaired = next_prompt(s, text, enc(text), enc, dec)
     assert ids[:len(s.ids)] == s.ids and dec(ids) == text
     assert repaired == (enc(text)[:len(s.ids)] != s.ids)
     # the model's eos ends its turn; the template renders "\n" instead: the eos is kept, the rest appended
     s2 = Session("s-2", "e")
-    record(s2, first, enc("7") + [tok.eos_token_id], [-0.1, -0.2], "stop")
+    record(s2, first, enc("7") + [tok.eos_token_id], [-0.1, -0.2], "stop", "7")
     text2 = "<|user|>12+9=\n<|assistant|>7\n<|tool|>ok\n<|assistant|>"
     ids2, rep2 = next_prompt(s2, text2, enc(text2), enc, dec)
     assert rep2 and ids2[:len(s2.ids)] == s2.ids and dec(ids2[len(s2.ids):]) == "\n<|tool|>ok\n<|assistant|>"
     with pytest.raises(EndpointError, match="session s-2: prefix break at call 2") as e:
         next_prompt(s2, "<|user|>12+8=\n<|assistant|>7\n", enc("<|user|>12+8=\n<|assistant|>7\n"), enc, dec)
     assert e.value.status == 409
-    record(s2, ids2, enc("5"), [-0.3], "length")
+    record(s2, ids2, enc("5"), [-0.3], "length", "5")
     st = stitched(s2)
     assert st["action_ranges"] == [(len(first), len(first) + 2), (len(ids2), len(ids2) + 1)]
     assert st["rollout_log_probs"][len(first):len(first) + 2] == [-0.1, -0.2] and st["truncated"]
     assert sum(1 for x in st["rollout_log_probs"] if x) == 3
+    # a special token the model emitted mid-turn: the client's content lacks it, the sample keeps it
+    s3 = Session("s-3", "e")
+    record(s3, first, enc("7") + [tok.pad_token_id] + enc("8"), [-0.1] * 3, "length", "78")
+    text3 = "<|user|>12+9=\n<|assistant|>78\n<|user|>?\n<|assistant|>"
+    ids3, rep3 = next_prompt(s3, text3, enc(text3), enc, dec)
+    assert rep3 and ids3[:len(s3.ids)] == s3.ids and dec(ids3[len(s3.ids):]) == "\n<|user|>?\n<|assistant|>"
 
 
 @pytest.mark.parametrize("argv,flag", [(["--agent_endpoint_port", "70000"], "agent_endpoint_port"),
@@ -231,3 +237,81 @@ def test_run_agent_file_refused_at_load(tmp_path):
         with pytest.raises(ValueError, match=want) as e:
             load_agent(str(path))
         assert str(path) in str(e.value)
+
+
+TOOL_AGENT = '''
+import json
+
+SEEN = {}
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+async def run_agent(client, prompt, label, **kw):
+    msgs = [{"role": "user", "content": prompt}]
+    r = await client.chat.completions.create(model=kw["model"], messages=msgs, tools=TOOLS)
+    m = r.choices[0].message
+    SEEN["first"] = (r.choices[0].finish_reason, m.content, [c.model_dump() for c in m.tool_calls or []])
+    call = m.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    msgs += [m.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}]
+    r = await client.chat.completions.create(model=kw["model"], messages=msgs, tools=TOOLS)
+    SEEN["second"] = r.choices[0].message.content
+    return {"reward": float(r.choices[0].message.content == label)}
+'''
+
+
+class ScriptedEngine:
+    """This project's engine contract, one row per call: call k answers with replies[k] + eos, log-prob -0.25."""
+
+    def __init__(self, tok, replies):
+        self.replies = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in replies]
+        self.prompts, self.pad = [], tok.pad_token_id
+
+    def generate(self, prompt_ids, params):
+        from rlhf.engines.rollout import batch_from_rows
+
+        rows = [self.replies[len(self.prompts) + i] for i in range(len(prompt_ids))]
+        self.prompts += [list(p) for p in prompt_ids]
+        return batch_from_rows(prompt_ids, rows, [[-0.25] * len(r) for r in rows], [False] * len(rows), self.pad)
+
+
+def test_tool_calls_read_and_their_turn_rendered_as_the_model_wrote_it(kit, tmp_path, monkeypatch):
+    """A tool call comes back as OpenAI ``tool_calls``; the harness sends it back as a structured assistant message
+    (which the chat template cannot render as the model wrote it), and the next prompt still extends the session's
+    tokens exactly: the call's id names its turn (rlhf/agents/endpoint/tool_turns.py).  The parser here stands in
+    for rlhf/agents/tool_parsers.py's (its ``extract(text) -> Parsed(content, calls, malformed)`` interface)."""
+    import json
+    import re
+    import types
+
+    from rlhf.agents.endpoint import hub as hub_mod
+
+    class Hermes:  # <tool_call>{"name", "arguments"}</tool_call>, as tool_parsers.HermesParser reads it
+        def extract(self, text):
+            found = re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)
+            calls = [types.SimpleNamespace(name=json.loads(f)["name"], arguments=json.dumps(json.loads(f)["arguments"]))
+                     for f in found]
+            return types.SimpleNamespace(content=text[:text.find("<tool_call>")] or None if found else text,
+                                         calls=calls, malformed=False)
+
+    monkeypatch.setattr(hub_mod, "make_tool_parser", lambda name, tok, tools: Hermes() if name and tools else None)
+    tok, _ = kit
+    call = '<tool_call>{"name": "add",  "arguments": {"b": 4, "a": 3}}</tool_call>'  # the model's own spacing
+    engine = ScriptedEngine(tok, [call, "7"])
+    inst, exe, g = _agent(tmp_path, TOOL_AGENT, "tool_agent.py", Settings(tool_call_parser="hermes"))
+    batch = exe(inst, 2, 200, engine, tok).run([tok("3+4=", add_special_tokens=False)["input_ids"]], ["3+4="],
+                                               ["7"], SamplingParams(n=1, max_new_tokens=64))
+    finish, content, calls = g["SEEN"]["first"]
+    assert finish == "tool_calls" and content is None and len(calls) == 1, g["SEEN"]
+    assert calls[0]["function"]["name"] == "add" and json.loads(calls[0]["function"]["arguments"]) == {"a": 3, "b": 4}
+    assert g["SEEN"]["second"] == "7" and batch.rewards.tolist() == [1.0]
+    # the second prompt: the first prompt + the model's call tokens (eos included) + the tool turn's tokens
+    first, second = engine.prompts
+    assert second[:len(first) + len(engine.replies[0])] == first + engine.replies[0], "prefix not kept"
+    assert tok.decode(second[len(first) + len(engine.replies[0]):]) == "\n<|tool|>7\n<|assistant|>"
+    row = batch.sequences[0][batch.attention_mask[0].bool()].tolist()
+    assert row == second + engine.replies[1]
+    spans = action_spans(batch.action_mask[0].tolist())
+    assert [e - s for s, e in spans] == [len(engine.replies[0]), len(engine.replies[1])], spans

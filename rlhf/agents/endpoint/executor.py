@@ -77,7 +77,7 @@ class EndpointExecutor(AgentExecutorBase):
             raise ValueError("--agent_func_path: image observations are not supported here (text agents only)")
         hub, server = endpoint(hf_tokenizer, self.settings)
         hub.attach(self.slot, llm_engine, asyncio.get_running_loop())
-        s = hub.open_session(self.slot, max_length, sampling_params)
+        s = hub.open_session(self.slot, max_length, sampling_params, tool_call_parser=self.settings.tool_call_parser)
         # max_retries=0: OpenAI's client retries 409 / 5xx, which would replay a refused call into the session
         client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0,
                              default_headers={SESSION_HEADER: s.id})

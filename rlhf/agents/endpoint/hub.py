@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 from rlhf.agents.base import say_once
 from rlhf.agents.endpoint import protocol as wire
 from rlhf.agents.endpoint.sessions import EndpointError, Session, SessionTable, next_prompt, record
+from rlhf.agents.endpoint.tool_turns import make_tool_parser, own_tool_turns, read_calls
 from rlhf.agents.openrlhf_agent import OpenRLHFSamplingParams
 
 
@@ -60,6 +61,7 @@ class Settings:
     port: int = 0
     max_model_len: Optional[int] = None
     score: Optional[Callable] = None
+    tool_call_parser: Optional[str] = None  # --tool_call_parser (rlhf/agents/tool_parsers.py): tool_calls replies
 
 
 class Hub:
@@ -88,10 +90,11 @@ class Hub:
         return min(names, key=lambda n: load.get(n, 0))
 
     def open_session(self, engine: Optional[str] = None, limit: Optional[int] = None, sampling=None,
-                     session_id: Optional[str] = None) -> Session:
+                     session_id: Optional[str] = None, tool_call_parser: Optional[str] = None) -> Session:
         cap = self.settings.max_model_len
         lim = min(x for x in (limit, cap) if x) if (limit or cap) else None
-        return self.table.add(Session(session_id or uuid.uuid4().hex, engine or self.place(), lim, sampling))
+        return self.table.add(Session(session_id or uuid.uuid4().hex, engine or self.place(), lim, sampling,
+                                      tool_call_parser or self.settings.tool_call_parser))
 
     def finish(self, sid: str) -> Optional[Session]:
         return self.table.finish(sid)
@@ -105,24 +108,45 @@ class Hub:
 
     # ---- requests -----------------------------------------------------------------------------------------------
     async def chat(self, body: Dict[str, Any], sid: Optional[str]) -> Dict[str, Any]:
-        msgs = wire.messages_of(body)
-        text = wire.render_chat(self.tokenizer, msgs, body.get("tools"))
-        return await self._call(body, sid, text, self.encode(text), wire.chat_body)
+        msgs, tools = wire.messages_of(body), body.get("tools")
+
+        def render(s: Optional[Session]):
+            text = wire.render_chat(self.tokenizer, own_tool_turns(msgs, s), tools)
+            return text, self.encode(text)
+
+        def respond(model, prompt, ids, lps, text, finish, s: Optional[Session]):
+            name = s.tool_call_parser if s is not None else self.settings.tool_call_parser
+            parser = make_tool_parser(name, self.tokenizer, tools)
+            content, calls, malformed = read_calls(text, parser, sid, len(s.turns) - 1 if s is not None else 0)
+            if malformed:
+                self.table.count(malformed_tool_calls=1)
+            return wire.chat_body(model, prompt, ids, lps, content, calls, finish, self.tokenizer, body, sid)
+
+        return await self._call(body, sid, render, respond)
 
     async def complete(self, body: Dict[str, Any], sid: Optional[str]) -> Dict[str, Any]:
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]  # OpenAI's batch form with one prompt
         if isinstance(p, str) and p:
-            return await self._call(body, sid, p, self.encode(p), wire.completion_body)
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            return await self._call(body, sid, self.decode(p), list(p), wire.completion_body)
-        raise wire.bad("'prompt' must be a non-empty string or a list of token ids (one prompt per call)", "prompt")
+            render = lambda s: (p, self.encode(p))  # noqa: E731
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            render = lambda s: (self.decode(p), list(p))  # noqa: E731
+        else:
+            raise wire.bad("'prompt' must be a non-empty string or a list of token ids (one prompt per call)", "prompt")
 
-    async def _call(self, body, sid, text: str, full: List[int], respond) -> Dict[str, Any]:
+        def respond(model, prompt, ids, lps, text, finish, s):
+            return wire.completion_body(model, prompt, ids, lps, text, finish, self.tokenizer, body, sid)
+
+        return await self._call(body, sid, render, respond)
+
+    async def _call(self, body, sid, render, respond) -> Dict[str, Any]:
+        """One engine call: the session acquired (one call at a time), its prompt rendered and extended from the
+        recorded ids (``next_prompt``), the engine's answer recorded, ``respond`` writing the body."""
         req = wire.requested(body)
         s = self.table.acquire(sid) if sid else None
         try:
+            text, full = render(s)
             if s is not None:
                 prompt, repaired = next_prompt(s, text, full, self.encode, self.decode)
                 if repaired:
@@ -140,10 +164,9 @@ class Hub:
                                     "engine_contract", "server_error")
             finish = out.finish_reason or "stop"
             if s is not None:
-                record(s, prompt, ids, lps, finish)
+                record(s, prompt, ids, lps, finish, out.text or "")
             self.table.count(requests=1)
-            return respond(body.get("model") or self.model_name, prompt, ids, lps, out.text or "", finish,
-                           self.tokenizer, body, sid)
+            return respond(body.get("model") or self.model_name, prompt, ids, lps, out.text or "", finish, s)
         finally:
             if s is not None:
                 self.table.release(s)
@@ -154,7 +177,7 @@ class Hub:
         the caller's or the rollout's, within what the context limit leaves."""
         base = s.sampling if s is not None and s.sampling is not None else self.default
         sp = copy(base)
-        sp.logprobs = 1
+        sp.logprobs, sp.skip_special_tokens = 1, bool(req.get("skip_special_tokens", True))  # vLLM's server default
         for k in ("seed", "stop_token_ids"):
             if k in req:
                 setattr(sp, k, req[k])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from rlhf.agents.endpoint.sessions import EndpointError
 
@@ -95,18 +95,14 @@ def requested(body: Dict[str, Any]) -> Dict[str, Any]:
            or _number(body, "max_tokens", 1, 1 << 31, True),
            "temperature": _number(body, "temperature", 0.0, 100.0), "top_p": _number(body, "top_p", 0.0, 1.0),
            "top_k": _number(body, "top_k", -1, 1 << 31, True), "seed": _number(body, "seed", -(1 << 63), 1 << 63, True)}
+    if isinstance(body.get("skip_special_tokens"), bool):
+        out["skip_special_tokens"] = body["skip_special_tokens"]
     stops = body.get("stop_token_ids")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
             raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
         out["stop_token_ids"] = tuple(stops)
     return {k: v for k, v in out.items() if v is not None}
-
-
-def parse_tool_calls(text: str, request: Dict[str, Any]) -> Tuple[str, Optional[List[Dict[str, Any]]]]:
-    """HOOK for tool calls (rlhf/agents/tool_parsers.py, issue 44 item 2): (content, tool_calls or None) from a
-    completion's text.  Until a parser is wired here the text is returned as the content and no tool call."""
-    return text, None
 
 
 def _logprob_entries(tokenizer, ids: List[int], lps: List[float]) -> List[Dict[str, Any]]:
@@ -123,9 +119,10 @@ def _usage(prompt: List[int], ids: List[int]) -> Dict[str, int]:
     return {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
 
 
-def chat_body(model: str, prompt: List[int], ids: List[int], lps: List[float], text: str, finish: str,
-              tokenizer, body: Dict[str, Any], session: Optional[str]) -> Dict[str, Any]:
-    content, calls = parse_tool_calls(text, body)
+def chat_body(model: str, prompt: List[int], ids: List[int], lps: List[float], content: Optional[str],
+              calls: Optional[list], finish: str, tokenizer, body: Dict[str, Any],
+              session: Optional[str]) -> Dict[str, Any]:
+    """OpenAI's chat.completion; ``calls``: the turn's tool calls (rlhf.agents.endpoint.tool_turns) or None."""
     msg: Dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"], finish = calls, "tool_calls"

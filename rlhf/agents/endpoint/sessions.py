@@ -12,8 +12,10 @@ repairs follow it (both counted as drift repairs):
 
 1. ``encode(text)[:n] == ids``                       -> ``ids + encode(text)[n:]``     (no drift)
 2. ``decode(ids)`` is a prefix of ``text``            -> ``ids + encode(text[len(decode(ids)):])``  (BPE drift)
-3. the last completion ended on its stop token and ``decode(ids[:-1])`` is a prefix of ``text`` (chat templates
-   that do not render the model's eos after an assistant message)  -> ``ids + encode(rest)``, the stop token kept
+3. the session as the client saw it is a prefix of ``text``: the prompt tokens decoded, each completion as the
+   text the client was sent (``Turn.text``: without special tokens such as the eos that ended it, which chat
+   templates do not render after an assistant message, or a special token a model emitted mid-turn)
+   -> ``ids + encode(rest)``, the model's tokens kept
 4. otherwise: a prefix break, ``EndpointError`` 409 naming the session and where the texts part.
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Turn:
     ids: List[int]
     logprobs: List[float]
     finish_reason: str
+    text: str = ""  # the completion's text as the client was sent it
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Session:
     engine: str                       # the engine slot every call of this session runs on
     limit: Optional[int] = None       # prompt + completion tokens of the whole sample (the context limit)
     sampling: Any = None              # the rollout's sampling params (OpenRLHF's / vLLM's fields)
+    tool_call_parser: Optional[str] = None  # its executor's --tool_call_parser
     ids: List[int] = field(default_factory=list)
     prompt_len: Optional[int] = None  # the first call's prompt: the training sample's prompt
     turns: List[Turn] = field(default_factory=list)
@@ -64,6 +68,17 @@ def _common_text(a: str, b: str) -> int:
     return n
 
 
+def client_text(s: Session, decode: Callable[[List[int]], str]) -> str:
+    """The session as its client saw it: the tokens between completions decoded (special tokens kept), each
+    completion as the text it was sent."""
+    parts, at = [], 0
+    for t in s.turns:
+        parts += [decode(s.ids[at:t.start]), t.text]
+        at = t.start + len(t.ids)
+    parts.append(decode(s.ids[at:]))
+    return "".join(parts)
+
+
 def next_prompt(s: Session, text: str, full: List[int], encode: Callable[[str], List[int]],
                 decode: Callable[[List[int]], str]) -> Tuple[List[int], bool]:
     """(prompt ids for the session's next call, whether a drift repair was needed); ``text`` is the call's rendered
@@ -73,13 +88,10 @@ def next_prompt(s: Session, text: str, full: List[int], encode: Callable[[str], 
         return list(full), False
     if full[:n] == s.ids:
         return list(full), False
-    seen = decode(s.ids)
-    if text.startswith(seen):
-        return s.ids + encode(text[len(seen):]), True
-    if s.turns and s.turns[-1].finish_reason == "stop" and s.turns[-1].start + len(s.turns[-1].ids) == n:
-        head = decode(s.ids[:-1])
-        if text.startswith(head):
-            return s.ids + encode(text[len(head):]), True
+    for seen in (decode(s.ids), client_text(s, decode)):
+        if text.startswith(seen):
+            return s.ids + encode(text[len(seen):]), True
+    seen = client_text(s, decode)
     at = _common_text(seen, text)
     raise EndpointError(
         409, f"session {s.id}: prefix break at call {len(s.turns) + 1}: the conversation sent no longer starts with "
@@ -88,11 +100,12 @@ def next_prompt(s: Session, text: str, full: List[int], encode: Callable[[str], 
              f"earlier messages and the model's replies unchanged, or start a new session", "prefix_break")
 
 
-def record(s: Session, prompt: List[int], completion: List[int], logprobs: List[float], finish: str) -> None:
-    """A call's result into its session: ids = prompt + completion."""
+def record(s: Session, prompt: List[int], completion: List[int], logprobs: List[float], finish: str,
+           text: str = "") -> None:
+    """A call's result into its session: ids = prompt + completion; ``text``: what the client was sent."""
     if s.prompt_len is None:
         s.prompt_len = len(prompt)
-    s.turns.append(Turn(len(prompt), list(completion), list(logprobs), finish))
+    s.turns.append(Turn(len(prompt), list(completion), list(logprobs), finish, text))
     s.ids = list(prompt) + list(completion)
 
 
@@ -118,6 +131,7 @@ class EndpointMetrics:
     errors: Dict[int, int] = field(default_factory=dict)
     failed_episodes: int = 0
     ignored_sampling: int = 0
+    malformed_tool_calls: int = 0
 
     def snapshot(self) -> Dict[str, float]:
         mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
@@ -129,7 +143,8 @@ class EndpointMetrics:
                 "endpoint/4xx": sum(v for k, v in self.errors.items() if 400 <= k < 500),
                 "endpoint/5xx": sum(v for k, v in self.errors.items() if k >= 500),
                 "endpoint/failed_episodes": self.failed_episodes,
-                "endpoint/ignored_sampling_overrides": self.ignored_sampling}
+                "endpoint/ignored_sampling_overrides": self.ignored_sampling,
+                "endpoint/malformed_tool_calls": self.malformed_tool_calls}
 
 
 class SessionTable:
