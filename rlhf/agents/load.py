@@ -32,9 +32,9 @@ def load_agent(path: str, endpoint=None):
         check_sync_init(getattr(mod, name, None), name, path)
     exe = getattr(mod, "AgentExecutor", None)
     if exe is None and getattr(mod, "AgentInstance", None) is None and hasattr(mod, "run_agent"):
-        from rlhf.agents.endpoint.executor import run_agent_executor
+        from rlhf.agents.endpoint.executor import run_agent_adapter
 
-        return None, orl.adapter_for(run_agent_executor(mod.run_agent, path, endpoint))
+        return None, run_agent_adapter(mod.run_agent, path, endpoint)
     if orl.is_openrlhf_executor(exe):
         if inspect.isabstract(exe):
             raise ValueError(f"{path}: AgentExecutor must implement async execute(prompt, label, sampling_params, "

@@ -88,8 +88,12 @@ def test_three_turn_episodes_are_stitched_token_exactly(kit, tmp_path):
     prompts, labels = ["3+4=", "12+9="], ["7", "21"]
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     T = 0.7
-    batch = exe(inst, 3, 64, engine, tok).run(ids, prompts, labels, SamplingParams(n=2, max_new_tokens=5,
-                                                                                  temperature=T))
+    ex = exe(inst, 3, 64, engine, tok)
+    ex.take_metrics()  # from here on: this run's
+    batch = ex.run(ids, prompts, labels, SamplingParams(n=2, max_new_tokens=5, temperature=T))
+    m = ex.take_metrics()
+    assert (m["endpoint/requests"], m["endpoint/sessions"], m["endpoint/requests_per_session"]) == (12, 4, 3.0), m
+    assert m["endpoint/stitched_len_max"] == int(batch.attention_mask.sum(1).max()) and m["endpoint/4xx"] == 0, m
     assert batch.sequences.size(0) == 4 and batch.rewards.tolist() == [1.0, 1.0, 2.0, 2.0], batch.rewards
     assert batch.scores.tolist() == [0.5] * 4
     calls = g["CALLS"]
@@ -107,9 +111,6 @@ def test_three_turn_episodes_are_stitched_token_exactly(kit, tmp_path):
     gap = (lp[m] - batch.rollout_logprobs[m]).abs().max().item()
     assert gap < 1e-4, f"trainer vs recorded log-probs differ by {gap}"
     assert (batch.rollout_logprobs[~m] == 0).all(), "tool / template tokens carry no log-prob"
-    m = endpoint(tok, Settings())[0].table.metrics
-    assert m.session_requests[-4:] == [3] * 4, m.session_requests
-    assert sorted(m.stitched_lens[-4:]) == sorted(batch.attention_mask.sum(1).tolist()), m.stitched_lens
 
 
 def test_bad_calls_get_4xx_and_do_not_stall_other_sessions(kit, tmp_path):

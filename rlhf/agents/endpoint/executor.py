@@ -23,7 +23,7 @@ from rlhf.agents.base import AgentContractError, _number, agent_file, episode_fa
 from rlhf.agents.endpoint.hub import LoopBridge, Settings
 from rlhf.agents.endpoint.protocol import SESSION_HEADER
 from rlhf.agents.endpoint.sessions import stitched
-from rlhf.agents.openrlhf_agent import AgentExecutorBase
+from rlhf.agents.openrlhf_agent import AgentExecutorBase, adapter_for
 
 RUN_AGENT = ("run_agent's contract: `async def run_agent(client, prompt, label, **kw)` returning a dict "
              "{'reward': a number, optional 'scores': a number, optional 'extra_logs': dict}; `client` is an "
@@ -121,6 +121,16 @@ def run_agent_executor(fn, path: str, settings: Optional[Settings] = None) -> ty
     check_run_agent(fn, path)
     return type("RunAgentExecutor", (EndpointExecutor,),
                 {"run_agent": staticmethod(fn), "source": path, "settings": settings or Settings()})
+
+
+def run_agent_adapter(fn, path: str, settings: Optional[Settings] = None) -> type:
+    """The executor (this project's contract, ``ExecuteAdapter``) of a run_agent file; its ``take_metrics()`` gives
+    the endpoint's ``endpoint/*`` metrics of the episodes since the last call (requests per session, stitched
+    sample lengths, drift repairs, 4xx, failed episodes)."""
+    from rlhf.agents.endpoint.server import take_metrics
+
+    base = adapter_for(run_agent_executor(fn, path, settings))
+    return type(base.__name__, (base,), {"take_metrics": lambda self: take_metrics()})
 
 
 def takes_images(cls) -> bool:

@@ -148,6 +148,13 @@ def endpoint(tokenizer, settings: Settings, model_name: Optional[str] = None):
         return _RUNNING
 
 
+def take_metrics() -> dict:
+    """This process's endpoint metrics since the last call (``endpoint/*``); {} if no endpoint has started."""
+    with _LOCK:
+        running = _RUNNING
+    return running[0].table.take() if running is not None else {}
+
+
 def shutdown() -> None:
     """Stop this process's endpoint (tests; the job's ends with the process)."""
     global _RUNNING

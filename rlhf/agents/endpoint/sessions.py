@@ -157,14 +157,16 @@ class SessionTable:
         self.lock = threading.Lock()
         self.open: Dict[str, Session] = {}
         self.finished: Dict[str, None] = {}
-        self.metrics = EndpointMetrics()
+        self.metrics = EndpointMetrics()  # since the endpoint started (GET /metrics)
+        self.step = EndpointMetrics()     # since the last ``take`` (the trainer's step metrics)
 
     def add(self, s: Session) -> Session:
         with self.lock:
             if s.id in self.open or s.id in self.finished:
                 raise EndpointError(409, f"session {s.id} exists already", "session_exists")
             self.open[s.id] = s
-            self.metrics.sessions += 1
+            for m in (self.metrics, self.step):
+                m.sessions += 1
         return s
 
     def acquire(self, sid: str) -> Session:
@@ -195,18 +197,25 @@ class SessionTable:
             if len(self.finished) > self.KEEP_FINISHED:
                 self.finished.pop(next(iter(self.finished)))
             if s is not None:
-                self.metrics.session_requests.append(len(s.turns))
-                self.metrics.stitched_lens.append(len(s.ids))
+                for m in (self.metrics, self.step):
+                    m.session_requests.append(len(s.turns))
+                    m.stitched_lens.append(len(s.ids))
             return s
 
     def count(self, **inc) -> None:
         with self.lock:
-            m = self.metrics
-            for k, v in inc.items():
-                if k == "error":
-                    m.errors[v] = m.errors.get(v, 0) + 1
-                else:
-                    setattr(m, k, getattr(m, k) + v)
+            for m in (self.metrics, self.step):
+                for k, v in inc.items():
+                    if k == "error":
+                        m.errors[v] = m.errors.get(v, 0) + 1
+                    else:
+                        setattr(m, k, getattr(m, k) + v)
+
+    def take(self) -> Dict[str, float]:
+        """The metrics since the last call (a rollout step's), then reset."""
+        with self.lock:
+            out, self.step = self.step.snapshot(), EndpointMetrics()
+        return out
 
     def per_engine(self) -> Dict[str, int]:
         with self.lock:
