@@ -26,9 +26,12 @@ SEEN = {}
 
 async def run_agent(client, prompt, label, **kw):
     if label != "bad":  # a well-behaved episode running beside the bad one: a chat call, then a completion on ids
-        r = await client.chat.completions.create(model=kw["model"], messages=[{"role": "user", "content": prompt}],
-                                                 max_tokens=2)
-        ids = r.model_extra["prompt_token_ids"] + r.choices[0].model_extra["token_ids"] + [5, 6]
+        stream = await client.chat.completions.create(model=kw["model"], max_tokens=2, stream=True,
+                                                      messages=[{"role": "user", "content": prompt}])
+        chunks = [c async for c in stream]
+        SEEN["stream"] = ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+                          chunks[-1].choices[0].finish_reason)
+        ids = chunks[0].model_extra["prompt_token_ids"] + chunks[0].choices[0].model_extra["token_ids"] + [5, 6]
         c = await client.completions.create(model=kw["model"], prompt=ids, max_tokens=3, logprobs=1)
         free = await client.with_options(default_headers={"X-Session-Id": ""}).completions.create(
             model=kw["model"], prompt="1+1=", max_tokens=2)  # no session: served, not recorded
@@ -46,7 +49,7 @@ async def run_agent(client, prompt, label, **kw):
         "too_long": lambda: client.chat.completions.create(
             model=kw["model"], messages=msgs + [{"role": "assistant", "content": r.choices[0].message.content},
                                                 {"role": "user", "content": "1+2=" * 200}]),
-        "stream": lambda: client.chat.completions.create(model=kw["model"], messages=msgs, stream=True),
+        "n": lambda: client.chat.completions.create(model=kw["model"], messages=msgs, n=2),
         "two_ids": lambda: client.chat.completions.create(model=kw["model"], messages=msgs,
                                                           extra_body={"session_id": "other"}),
         "empty": lambda: client.chat.completions.create(model=kw["model"], messages=[]),
@@ -126,7 +129,9 @@ def test_bad_calls_get_4xx_and_do_not_stall_other_sessions(kit, tmp_path):
     code, msg = seen["too_long"]
     limit = 24 + 4  # the episode's budget: its prompt's 4 tokens + the executor's 24
     assert code == 400 and f"maximum context length is {limit} tokens" in msg and sid in msg, seen["too_long"]
-    assert seen["stream"][0] == 400 and "stream" in seen["stream"][1]
+    assert seen["n"][0] == 400 and "n must be 1" in seen["n"][1]
+    text, finish = seen["stream"]  # stream=True: one content chunk, then the finish reason
+    assert finish in ("stop", "length") and 1 <= len(tok(text, add_special_tokens=False)["input_ids"]) <= 3, seen
     assert seen["two_ids"][0] == 400 and "differ" in seen["two_ids"][1]
     assert seen["empty"][0] == 400 and "messages" in seen["empty"][1]
     hub, server = endpoint(tok, Settings())

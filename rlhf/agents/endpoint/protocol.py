@@ -84,8 +84,6 @@ def _number(body, name: str, lo: float, hi: float, integer: bool = False):
 
 def requested(body: Dict[str, Any]) -> Dict[str, Any]:
     """The sampling fields the caller set (absent ones left out); refuses what the endpoint does not serve."""
-    if body.get("stream"):
-        raise bad("stream=true is not served by this endpoint; call with stream=False", "stream")
     if body.get("n", 1) != 1:
         raise bad(f"n must be 1 (one completion per call; a session is one conversation), got {body.get('n')!r}", "n")
     if body.get("stop"):
@@ -149,6 +147,29 @@ def completion_body(model: str, prompt: List[int], ids: List[int], lps: List[flo
             "model": model, "session_id": session, "prompt_token_ids": prompt,
             "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs, "token_ids": ids}],
             "usage": _usage(prompt, ids)}
+
+
+def stream_chunks(full: Dict[str, Any], usage: bool) -> List[Dict[str, Any]]:
+    """A finished ``chat.completion`` / ``text_completion`` as the chunks of OpenAI's stream (``stream=True``): the
+    whole text in one chunk (generation is not streamed token by token), then the finish reason (and ``usage``
+    when ``stream_options.include_usage``); the token-id fields ride on the first chunk."""
+    chat = full["object"] == "chat.completion"
+    c = full["choices"][0]
+    head = {k: full[k] for k in ("id", "created", "model", "session_id", "prompt_token_ids")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    if chat:
+        delta = {"role": "assistant", "content": c["message"]["content"]}
+        if c["message"].get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **t} for i, t in enumerate(c["message"]["tool_calls"])]
+        first = {"index": 0, "delta": delta, "logprobs": c["logprobs"], "finish_reason": None, "token_ids": c["token_ids"]}
+        last = {"index": 0, "delta": {}, "finish_reason": c["finish_reason"]}
+    else:
+        first = {"index": 0, "text": c["text"], "logprobs": c["logprobs"], "finish_reason": None, "token_ids": c["token_ids"]}
+        last = {"index": 0, "text": "", "finish_reason": c["finish_reason"]}
+    out = [{**head, "choices": [first]}, {**head, "choices": [last]}]
+    if usage:
+        out.append({**head, "choices": [], "usage": full["usage"]})
+    return out
 
 
 def error_body(e: EndpointError) -> Dict[str, Any]:

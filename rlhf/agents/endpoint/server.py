@@ -2,12 +2,14 @@
 (the engine's first rank; the engines this process drives attach to it).
 
 Routes (OpenAI's and vLLM's server's: vllm/entrypoints/openai/api_server.py): ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``GET /v1/models``, ``POST /tokenize``, ``GET /health``, and ``GET /metrics`` (the
-endpoint's counters as JSON).  A call joins a session by OpenRLHF's ``session_id`` body field or the
-``X-Session-Id`` header; errors are OpenAI's error body with a 4xx / 5xx status (the ``openai`` client raises its
-NotFoundError, ConflictError, BadRequestError ... from them).  OpenRLHF's examples/python/
-agent_func_openai_server_executor.py starts its server the same way (``uvicorn.run`` on a daemon thread)."""
+``POST /v1/completions`` (``stream=True``: server-sent events once the completion is done), ``GET /v1/models``,
+``POST /tokenize``, ``GET /health``, and ``GET /metrics`` (the endpoint's counters as JSON).  A call joins a session
+by OpenRLHF's ``session_id`` body field or the ``X-Session-Id`` header; errors are OpenAI's error body with a 4xx /
+5xx status (the ``openai`` client raises its NotFoundError, ConflictError, BadRequestError ... from them).
+OpenRLHF's examples/python/agent_func_openai_server_executor.py starts its server the same way (``uvicorn.run`` on
+a daemon thread)."""
 
+import json
 import socket
 import sys
 import threading
@@ -22,7 +24,7 @@ from rlhf.agents.endpoint.sessions import EndpointError
 def build_app(hub: Hub):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI(title="rlhf agent endpoint")
 
@@ -79,15 +81,23 @@ def build_app(hub: Hub):
             raise wire.bad("/tokenize takes 'messages' (a chat) or 'prompt' (a string)", "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": hub.settings.max_model_len}
 
+    def answer(full: dict, body: dict):
+        """The body, or with ``stream=True`` OpenAI's server-sent events of it (``wire.stream_chunks``)."""
+        if not body.get("stream"):
+            return full
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        events = [f"data: {json.dumps(c)}\n\n" for c in wire.stream_chunks(full, usage)] + ["data: [DONE]\n\n"]
+        return StreamingResponse(iter(events), media_type="text/event-stream")
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await body_of(request)
-        return await hub.chat(body, wire.session_id(body, request.headers))
+        return answer(await hub.chat(body, wire.session_id(body, request.headers)), body)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await body_of(request)
-        return await hub.complete(body, wire.session_id(body, request.headers))
+        return answer(await hub.complete(body, wire.session_id(body, request.headers)), body)
 
     return app
 
