@@ -265,7 +265,7 @@ async def run_agent(client, prompt, label, **kw):
              {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}]
     r = await client.chat.completions.create(model=kw["model"], messages=msgs, tools=TOOLS)
     SEEN["second"] = r.choices[0].message.content
-    return {"reward": float(r.choices[0].message.content == label)}
+    return {"reward": None}  # the job's reward function scores the episode
 '''
 
 
@@ -307,13 +307,22 @@ def test_tool_calls_read_and_their_turn_rendered_as_the_model_wrote_it(kit, tmp_
     tok, _ = kit
     call = '<tool_call>{"name": "add",  "arguments": {"b": 4, "a": 3}}</tool_call>'  # the model's own spacing
     engine = ScriptedEngine(tok, [call, "7"])
-    inst, exe, g = _agent(tmp_path, TOOL_AGENT, "tool_agent.py", Settings(tool_call_parser="hermes"))
+    asked = []
+
+    def reward_fn(queries, prompts, labels):  # --remote_rm_url's contract: lists in, {"rewards", "scores"} out
+        asked.append((queries, prompts, labels))
+        return {"rewards": [float(queries[0].endswith(labels[0]))], "scores": [0.5]}
+
+    settings = Settings(tool_call_parser="hermes", score=reward_fn)
+    inst, exe, g = _agent(tmp_path, TOOL_AGENT, "tool_agent.py", settings)
     batch = exe(inst, 2, 200, engine, tok).run([tok("3+4=", add_special_tokens=False)["input_ids"]], ["3+4="],
                                                ["7"], SamplingParams(n=1, max_new_tokens=64))
     finish, content, calls = g["SEEN"]["first"]
     assert finish == "tool_calls" and content is None and len(calls) == 1, g["SEEN"]
     assert calls[0]["function"]["name"] == "add" and json.loads(calls[0]["function"]["arguments"]) == {"a": 3, "b": 4}
-    assert g["SEEN"]["second"] == "7" and batch.rewards.tolist() == [1.0]
+    assert g["SEEN"]["second"] == "7" and batch.rewards.tolist() == [1.0] and batch.scores.tolist() == [0.5]
+    (queries, prompts, labels), = asked  # the whole conversation, as OpenRLHF's reward model group is asked
+    assert labels == ["7"] and prompts == ["<|user|>3+4=\n<|assistant|>"] and "<tool_call>" in queries[0], asked
     # the second prompt: the first prompt + the model's call tokens (eos included) + the tool turn's tokens
     first, second = engine.prompts
     assert second[:len(first) + len(engine.replies[0])] == first + engine.replies[0], "prefix not kept"

@@ -26,7 +26,8 @@ from rlhf.agents.endpoint.sessions import stitched
 from rlhf.agents.openrlhf_agent import AgentExecutorBase, adapter_for
 
 RUN_AGENT = ("run_agent's contract: `async def run_agent(client, prompt, label, **kw)` returning a dict "
-             "{'reward': a number, optional 'scores': a number, optional 'extra_logs': dict}; `client` is an "
+             "{'reward': a number (None: --remote_rm_url scores the episode), optional 'scores': a number, optional "
+             "'extra_logs': dict}; `client` is an "
              "openai.AsyncOpenAI bound to this episode's session; kw: model, session_id, max_tokens (per call), "
              "max_length (the episode's token budget)")
 
@@ -84,10 +85,13 @@ class EndpointExecutor(AgentExecutorBase):
         where = f"{self.source}: run_agent"
         reward = score = math.nan
         logs: Dict[str, Any] = {}
+        by_source = False  # reward None: the job's reward function scores the stitched sample
         try:
             res = await type(self).run_agent(client, prompt, label, model=hub.model_name, session_id=s.id,
                                              max_tokens=sampling_params.max_tokens, max_length=max_length)
-            reward, score = _reward(res, where)
+            by_source = isinstance(res, dict) and res.get("reward") is None and self.settings.score is not None
+            if not by_source:
+                reward, score = _reward(res, where)
             logs = res.get("extra_logs") or {}
         except AgentContractError as e:
             episode_failed(e, where)
@@ -100,7 +104,10 @@ class EndpointExecutor(AgentExecutorBase):
         finally:
             hub.finish(s.id)
             await client.close()
-        return self.sample(s, prompt, label, hf_tokenizer, reward, score, logs)
+        out = self.sample(s, prompt, label, hf_tokenizer, reward, score, logs)
+        if by_source and s.turns:
+            out = score_missing({**out, "reward": None}, label, hf_tokenizer, self.settings.score, where)
+        return out
 
     @staticmethod
     def sample(s, prompt, label, tokenizer, reward: float, score: float, logs) -> Dict[str, Any]:
