@@ -55,6 +55,7 @@ _SAID: set = set()
 
 def agent_file(cls) -> str:
     """The file an agent class was defined in (its module is not in sys.modules: read it off a method's code)."""
+    cls = cls.__dict__.get("__wrapped__", cls)  # a class wrapped by rlhf.agents.endpoint.executor: the wrapped one's
     for name in ("step", "reset", "execute", "__init__"):
         code = getattr(getattr(cls, name, None), "__code__", None)
         if code is not None and not code.co_filename.startswith(os.path.dirname(__file__)):

@@ -11,8 +11,11 @@ from rlhf.agents import openrlhf_agent as orl
 from rlhf.agents.base import AgentExecutorBase, AgentInstanceBase
 
 
-def load_agent(path: str):
+def load_agent(path: str, endpoint=None):
     """(AgentInstance class, AgentExecutor class) from a user file, checked before training starts.
+
+    A file that defines ``async def run_agent(client, prompt, label, **kw)`` and no AgentInstance / AgentExecutor
+    trains through this process's OpenAI-compatible endpoint (rlhf.agents.endpoint; ``endpoint``: its Settings).
 
     An OpenRLHF agent file loads unchanged: while it executes, ``openrlhf.utils.agent`` resolves to
     rlhf.agents.openrlhf_agent (import time only; see ``openrlhf_names``).  Its ``AgentExecutor`` -- a subclass of
@@ -28,11 +31,17 @@ def load_agent(path: str):
     for name in ("AgentInstance", "AgentExecutor"):
         check_sync_init(getattr(mod, name, None), name, path)
     exe = getattr(mod, "AgentExecutor", None)
+    if exe is None and getattr(mod, "AgentInstance", None) is None and hasattr(mod, "run_agent"):
+        from rlhf.agents.endpoint.executor import run_agent_adapter
+
+        return None, run_agent_adapter(mod.run_agent, path, endpoint)
     if orl.is_openrlhf_executor(exe):
         if inspect.isabstract(exe):
             raise ValueError(f"{path}: AgentExecutor must implement async execute(prompt, label, sampling_params, "
                              f"max_length, hf_tokenizer, llm_engine, images=None) (OpenRLHF's AgentExecutorBase)")
-        return getattr(mod, "AgentInstance", None), orl.adapter_for(exe)
+        from rlhf.agents.endpoint.executor import thread_safe_executor
+
+        return getattr(mod, "AgentInstance", None), orl.adapter_for(thread_safe_executor(exe, endpoint))
     inst = getattr(mod, "AgentInstance", None)
     if inst is None or not (isinstance(inst, type) and issubclass(inst, AgentInstanceBase)):
         raise ValueError(f"{path} must define class AgentInstance(AgentInstanceBase)")

@@ -31,3 +31,10 @@ class AgentConfig:
     tool_output_max_chars: int = _opt(4000, "characters of a tool's output kept in its tool message (the rest cut)")
     max_episode_tokens: Optional[int] = _opt(None, "response tokens of one episode (model turns + tool messages); "
                                                    "default --generate_max_len x --max_steps")
+
+    # ---- the OpenAI-compatible endpoint (rlhf.agents.endpoint; a --agent_func_path file defining run_agent) -----
+    agent_endpoint_host: str = field(default="127.0.0.1", metadata={
+        "help": "address the in-job OpenAI-compatible endpoint binds on each engine's first rank (/v1/chat/"
+                "completions, /v1/completions, /v1/models, /tokenize, /health); 0.0.0.0 exposes it to the network"})
+    agent_endpoint_port: int = field(default=0, metadata={
+        "help": "port of that endpoint; 0 picks a free port (printed at start); P > 0: engine i binds P + i"})

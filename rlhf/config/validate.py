@@ -95,6 +95,11 @@ def _validate_rl(cfg) -> None:
     o, r, a, d, t, m = cfg.optim, cfg.rollout, cfg.algorithm, cfg.data, cfg.topology, cfg.model
     resolve_is_correction(a)
     validate_algorithm(cfg)
+    port, host = cfg.agent.agent_endpoint_port, cfg.agent.agent_endpoint_host  # the agent endpoint (rlhf.agents.endpoint)
+    _check(0 <= port <= 65535, "agent_endpoint_port", f"--agent_endpoint_port must lie in [0, 65535], got {port}; "
+           f"e.g. --agent_endpoint_port 0 (a free port)")
+    _check(bool(host and host.strip()), "agent_endpoint_host", "--agent_endpoint_host is empty; e.g. "
+           "--agent_endpoint_host 127.0.0.1 (this host only) or 0.0.0.0 (every interface)")
     for flag, val in (("n_samples_per_prompt", r.n_samples_per_prompt),
                       ("micro_rollout_batch_size", r.micro_rollout_batch_size),
                       ("rollout_batch_size", r.rollout_batch_size), ("num_episodes", o.num_episodes),

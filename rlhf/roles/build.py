@@ -66,7 +66,7 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
         if cfg.rollout.agent_func_path:
             from rlhf.agents.load import load_agent
 
-            inst, exe = load_agent(cfg.rollout.agent_func_path)
+            inst, exe = load_agent(cfg.rollout.agent_func_path, endpoint_settings(cfg.agent, cfg.rollout, rollout))
             rollout.agent = exe(inst, cfg.rollout.max_steps, cfg.data.generate_max_len * cfg.rollout.max_steps,
                                 rollout.engine, load_tokenizer(path))
         elif cfg.agent.tools_path:  # tool episodes (rlhf.agents.tool_agent)
@@ -107,6 +107,20 @@ def set_routing(par, actor, ref, rollout) -> None:
         raise RuntimeError(f"--router_replay R3: the rollout engine {type(rollout.engine).__name__} does not return "
                            f"the experts it routed each token to (or the model has no MoE router); use "
                            f"--rollout_engine hf with an MoE model, or --router_replay R2")
+
+
+def endpoint_settings(a, r, rollout: RolloutRole):
+    """The in-job endpoint's Settings on this engine's first rank (rlhf.agents.endpoint): --agent_endpoint_host;
+    --agent_endpoint_port P > 0 binds P + the engine's index (each engine its own port), 0 a free port; the
+    engine's context limit (``RolloutEngine.max_model_len``); --remote_rm_url scores an OpenRLHF executor's
+    result that carries no reward (as OpenRLHF's reward model group does)."""
+    from rlhf.agents.endpoint.hub import Settings
+    from rlhf.rewards.reward_func import make_reward_source
+
+    port = a.agent_endpoint_port + rollout.engine_index if a.agent_endpoint_port else 0
+    return Settings(a.agent_endpoint_host, port, rollout.engine.max_model_len,
+                    make_reward_source(r.remote_rm_url, r.reward_timeout_s, retries=r.remote_rm_retries),
+                    tool_call_parser=a.tool_call_parser)
 
 
 def rl_max_len(d) -> int:

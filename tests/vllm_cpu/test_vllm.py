@@ -223,6 +223,32 @@ def test_lora_merged_into_engine(engine, vllm_kit):
     assert logprob_gap(merged, out, 1.0) < 1e-4
 
 
+def test_agent_endpoint_three_turns_token_exact(engine, vllm_kit, tmp_path):
+    """Issue 44: a run_agent file's 3-turn episodes through the in-job OpenAI endpoint (the real ``openai`` client)
+    on this vLLM engine: the stitched samples are the engine's tokens and log-probs, and the trainer's fp32 forward
+    gives the recorded log-probs to 1e-4 (the engine first synced to a known model: earlier tests moved it)."""
+    from helpers.endpoint_agents import THREE_TURNS, Recording, check_stitched
+
+    from rlhf.agents.load import load_agent
+    from rlhf.distributed.weight_sync import WeightSync
+    from rlhf.models.load import load_tokenizer
+
+    policy = perturbed(vllm_kit, seed=4)
+    WeightSync(None, engine, bucket_mb=0.05).sync_colocated(policy)
+    tok = load_tokenizer(vllm_kit)
+    (tmp_path / "agent.py").write_text(THREE_TURNS)
+    inst, exe = load_agent(str(tmp_path / "agent.py"))
+    rec = Recording(engine)
+    prompts = ["3+4=", "12+9="]
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    batch = exe(inst, 3, 64, rec, tok).run(ids, prompts, ["7", "21"], SamplingParams(n=2, max_new_tokens=5,
+                                                                                    temperature=0.7, seed=1))
+    assert batch.rewards.tolist() == [1.0, 1.0, 2.0, 2.0], batch.rewards
+    check_stitched(batch, rec.rows, exe.openrlhf_cls.run_agent.__globals__["CALLS"])
+    gap = logprob_gap(policy, batch, 0.7)
+    assert gap < 1e-4, f"the trainer's log-probs on the stitched samples differ from vLLM's by {gap}"
+
+
 # ---- several ranks ---------------------------------------------------------------------------------------------
 def _colocated_tp2(rank, world, kit):
     """Both ranks hold one TP=2 engine (external_launcher). Rank 1 passes other prompts: rank 0's are used."""
