@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import sys
 import types
@@ -84,7 +85,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
         if images:
             raise ValueError("--agent_func_path: image observations are not supported here (text agents only)")
-        agent = self.agent_instance_cls()
+        agent = await new_instance(self.agent_instance_cls)
         where = f"{agent_file(self.agent_instance_cls)}: {self.agent_instance_cls.__name__}"
         try:
             observation = check_observation(await agent.reset({"observation": prompt, "label": label}),
@@ -140,6 +141,21 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         return {"prompt": prompt, "label": label, "images": None, "reward": math.nan, "scores": math.nan,
                 "observation_tokens": tokens, "action_ranges": [], "rollout_log_probs": None, "extra_logs": {},
                 "truncated": False}
+
+
+async def new_instance(cls):
+    """``cls()``; an ``async def __init__`` is awaited, as OpenRLHF ran it when its agent files were written with one
+    (examples/python/agent_func_gem_multiturn.py, added at OpenRLHF 0db2677): each AgentInstance was a Ray actor
+    (openrlhf/utils/agent.py there: ``ray.remote(agent_instance_cls)``, then ``.remote()``), and Ray runs an async
+    actor's methods, ``__init__`` included, as coroutines on the actor's event loop (python/ray/_raylet.pyx
+    ``execute_task``: ``if inspect.iscoroutinefunction(function.method): async_function = function``).  OpenRLHF
+    since 6298708 calls ``self.agent_instance_cls()``, which raises "__init__() should return None, not
+    'coroutine'" for that file."""
+    if inspect.iscoroutinefunction(cls.__init__):
+        inst = cls.__new__(cls)
+        await inst.__init__()
+        return inst
+    return cls()
 
 
 MATH_UTILS = "rlhf.compat.openrlhf_math_utils"  # OpenRLHF's openrlhf/utils/math_utils.py, vendored verbatim
