@@ -38,6 +38,8 @@ from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
+
 from rlhf.agents import episode_stats
 from rlhf.agents.base import (
     AgentContractError,
@@ -281,8 +283,11 @@ class ExecuteAdapter(NativeExecutorBase):
         """One ``execute`` as episode ``k``; an exception ends this episode only (said once per kind)."""
         with episode_stats.episode(k) as st:
             try:
-                return await self.executor.execute(prompt=text, label=lab, sampling_params=sp, max_length=budget,
-                                                   hf_tokenizer=self.tokenizer, llm_engine=eng, images=None), st
+                res = await self.executor.execute(prompt=text, label=lab, sampling_params=sp, max_length=budget,
+                                                  hf_tokenizer=self.tokenizer, llm_engine=eng, images=None)
+                st.extra.update(extra_log_values(res, f"{agent_file(self.openrlhf_cls)}: "
+                                                      f"{self.openrlhf_cls.__name__}.execute"))
+                return res, st
             except EngineStepError:  # the engine itself failed: the run ends (fail-fast), not one episode
                 raise
             except Exception as e:  # noqa: BLE001  (the agent file's code: its failure is this episode's)
@@ -293,6 +298,22 @@ class ExecuteAdapter(NativeExecutorBase):
                                                         f"later ones are counted only.")
                 return {"observation_tokens": ids, "action_ranges": [], "rollout_log_probs": None,
                         "reward": math.nan, "scores": math.nan}, st
+
+
+def extra_log_values(res, where: str) -> Dict[str, float]:
+    """An ``execute`` result's ``extra_logs`` as numbers, logged as ``agent/<key>`` (mean over the step's episodes),
+    as OpenRLHF logs every key of a sample's ``extra_logs`` (openrlhf/trainer/ppo_utils/samples_generator.py:
+    a tensor gives ``value.flatten()[0].item()``, then ``info[key] = torch.tensor([value])``, averaged into the
+    step's logs).  A value that is not a number is said once and left out."""
+    logs = res.get("extra_logs") if isinstance(res, dict) else None
+    out: Dict[str, float] = {}
+    for k, v in (logs.items() if isinstance(logs, dict) else ()):
+        try:
+            out[str(k)] = float(v.flatten()[0].item() if isinstance(v, torch.Tensor) else v)
+        except (TypeError, ValueError, IndexError):
+            say_once(f"{where}:extra_logs:{k}", f"[agent] {where} returned extra_logs[{k!r}] = {str(v)[:80]!r}, "
+                                                f"not a number: not logged (OpenRLHF logs numbers only)")
+    return out
 
 
 def adapter_for(executor_cls: type) -> type:

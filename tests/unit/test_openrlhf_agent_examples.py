@@ -147,9 +147,11 @@ def test_openrlhf_agent_func_trains_two_grpo_steps_unchanged(tiny_kit, sft_model
         assert fbs == [WRONG] * (n - 1) + [RIGHT], f"step {step}: feedback {fbs!r} for {n} turns"
         assert float(r["reward"]) in (0.0, 1.0), r["reward"]
 
-    rewards, turns = _check_step_rows(*_train_two_steps(agent, tiny_kit, sft_model, tmp_path, monkeypatch), tok,
-                                      feedback_of)
+    rows, runs = _train_two_steps(agent, tiny_kit, sft_model, tmp_path, monkeypatch)
+    rewards, turns = _check_step_rows(rows, runs, tok, feedback_of)
     print(f"agent_func.py: rewards {rewards}, turns {turns}")
+    # its extra_logs {"dummy_scores": the last step's reward} logged, as OpenRLHF logs a sample's extra_logs
+    assert [r["agent/dummy_scores"] for r in rows] == pytest.approx([sum(x) / len(x) for x in rewards]), rows
     assert len({t for ts in turns for t in ts}) > 1 or len({x for rs in rewards for x in rs}) > 1, \
         "8 episodes of one turn count and one reward: the environment's randomness did not reach the batch"
 
@@ -239,6 +241,8 @@ def test_openrlhf_gem_multiturn_trains_two_steps_unchanged(tiny_kit, sft_model, 
         assert len(fbs) == 1 and re.fullmatch(r"(<\|im_end\|>\n)?<\|im_start\|>user\nAt turn 1, you did not "
                                               r"provide a valid guess\.<\|im_end\|>", fbs[0]), fbs
 
-    rewards, turns = _check_step_rows(*_train_two_steps(agent, tiny_kit, sft_model, tmp_path, monkeypatch), tok,
-                                      feedback_of)
+    rows, runs = _train_two_steps(agent, tiny_kit, sft_model, tmp_path, monkeypatch)
+    rewards, turns = _check_step_rows(rows, runs, tok, feedback_of)
     print(f"agent_func_gem_multiturn.py: rewards {rewards}, turns {turns}")
+    for r in rows:  # its extra_logs: {"dummy_scores": reward, "turn_count": turns}, logged as OpenRLHF logs them
+        assert r["agent/turn_count"] == 1 and r["agent/dummy_scores"] == pytest.approx(-0.1), r
