@@ -28,13 +28,13 @@ def load_agent(path: str, endpoint=None):
     mod = importlib.util.module_from_spec(spec)
     with orl.openrlhf_names():
         spec.loader.exec_module(mod)
-    for name in ("AgentInstance", "AgentExecutor"):
-        check_sync_init(getattr(mod, name, None), name, path)
     exe = getattr(mod, "AgentExecutor", None)
     if exe is None and getattr(mod, "AgentInstance", None) is None and hasattr(mod, "run_agent"):
         from rlhf.agents.endpoint.executor import run_agent_adapter
 
         return None, run_agent_adapter(mod.run_agent, path, endpoint)
+    for name in ("AgentInstance", "AgentExecutor")[orl.is_openrlhf_executor(exe):]:  # OpenRLHF's awaits it
+        check_sync_init(getattr(mod, name, None), name, path)
     if orl.is_openrlhf_executor(exe):
         if inspect.isabstract(exe):
             raise ValueError(f"{path}: AgentExecutor must implement async execute(prompt, label, sampling_params, "
@@ -55,8 +55,9 @@ def load_agent(path: str, endpoint=None):
 
 def check_sync_init(cls, name: str, path: str) -> None:
     """``async def __init__`` cannot work: calling the class returns a coroutine from ``__init__``, which Python
-    refuses with a bare ``TypeError: __init__() should return None, not 'coroutine'`` (OpenRLHF fails there too:
-    openrlhf/utils/agent.py builds ``self.agent_instance_cls()``).  Said at load, with the fix."""
+    refuses with a bare ``TypeError: __init__() should return None, not 'coroutine'``.  Said at load, with the fix.
+    Not asked of an OpenRLHF file's AgentInstance: OpenRLHF ran it as a Ray actor, which awaits such an
+    ``__init__``, and so does the shim's MultiTurnAgentExecutor (``openrlhf_agent.new_instance``)."""
     init = getattr(cls, "__init__", None) if isinstance(cls, type) else None
     if init is not None and inspect.iscoroutinefunction(init):
         raise ValueError(f"{path}: {name}.__init__ is `async def`; Python cannot await a constructor (calling "

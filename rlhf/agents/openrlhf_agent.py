@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import sys
 import types
@@ -36,6 +37,8 @@ from contextlib import contextmanager
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
+
+import torch
 
 from rlhf.agents import episode_stats
 from rlhf.agents.base import (
@@ -84,7 +87,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
         if images:
             raise ValueError("--agent_func_path: image observations are not supported here (text agents only)")
-        agent = self.agent_instance_cls()
+        agent = await new_instance(self.agent_instance_cls)
         where = f"{agent_file(self.agent_instance_cls)}: {self.agent_instance_cls.__name__}"
         try:
             observation = check_observation(await agent.reset({"observation": prompt, "label": label}),
@@ -140,6 +143,21 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         return {"prompt": prompt, "label": label, "images": None, "reward": math.nan, "scores": math.nan,
                 "observation_tokens": tokens, "action_ranges": [], "rollout_log_probs": None, "extra_logs": {},
                 "truncated": False}
+
+
+async def new_instance(cls):
+    """``cls()``; an ``async def __init__`` is awaited, as OpenRLHF ran it when its agent files were written with one
+    (examples/python/agent_func_gem_multiturn.py, added at OpenRLHF 0db2677): each AgentInstance was a Ray actor
+    (openrlhf/utils/agent.py there: ``ray.remote(agent_instance_cls)``, then ``.remote()``), and Ray runs an async
+    actor's methods, ``__init__`` included, as coroutines on the actor's event loop (python/ray/_raylet.pyx
+    ``execute_task``: ``if inspect.iscoroutinefunction(function.method): async_function = function``).  OpenRLHF
+    since 6298708 calls ``self.agent_instance_cls()``, which raises "__init__() should return None, not
+    'coroutine'" for that file."""
+    if inspect.iscoroutinefunction(cls.__init__):
+        inst = cls.__new__(cls)
+        await inst.__init__()
+        return inst
+    return cls()
 
 
 MATH_UTILS = "rlhf.compat.openrlhf_math_utils"  # OpenRLHF's openrlhf/utils/math_utils.py, vendored verbatim
@@ -265,8 +283,11 @@ class ExecuteAdapter(NativeExecutorBase):
         """One ``execute`` as episode ``k``; an exception ends this episode only (said once per kind)."""
         with episode_stats.episode(k) as st:
             try:
-                return await self.executor.execute(prompt=text, label=lab, sampling_params=sp, max_length=budget,
-                                                   hf_tokenizer=self.tokenizer, llm_engine=eng, images=None), st
+                res = await self.executor.execute(prompt=text, label=lab, sampling_params=sp, max_length=budget,
+                                                  hf_tokenizer=self.tokenizer, llm_engine=eng, images=None)
+                st.extra.update(extra_log_values(res, f"{agent_file(self.openrlhf_cls)}: "
+                                                      f"{self.openrlhf_cls.__name__}.execute"))
+                return res, st
             except EngineStepError:  # the engine itself failed: the run ends (fail-fast), not one episode
                 raise
             except Exception as e:  # noqa: BLE001  (the agent file's code: its failure is this episode's)
@@ -277,6 +298,22 @@ class ExecuteAdapter(NativeExecutorBase):
                                                         f"later ones are counted only.")
                 return {"observation_tokens": ids, "action_ranges": [], "rollout_log_probs": None,
                         "reward": math.nan, "scores": math.nan}, st
+
+
+def extra_log_values(res, where: str) -> Dict[str, float]:
+    """An ``execute`` result's ``extra_logs`` as numbers, logged as ``agent/<key>`` (mean over the step's episodes),
+    as OpenRLHF logs every key of a sample's ``extra_logs`` (openrlhf/trainer/ppo_utils/samples_generator.py:
+    a tensor gives ``value.flatten()[0].item()``, then ``info[key] = torch.tensor([value])``, averaged into the
+    step's logs).  A value that is not a number is said once and left out."""
+    logs = res.get("extra_logs") if isinstance(res, dict) else None
+    out: Dict[str, float] = {}
+    for k, v in (logs.items() if isinstance(logs, dict) else ()):
+        try:
+            out[str(k)] = float(v.flatten()[0].item() if isinstance(v, torch.Tensor) else v)
+        except (TypeError, ValueError, IndexError):
+            say_once(f"{where}:extra_logs:{k}", f"[agent] {where} returned extra_logs[{k!r}] = {str(v)[:80]!r}, "
+                                                f"not a number: not logged (OpenRLHF logs numbers only)")
+    return out
 
 
 def adapter_for(executor_cls: type) -> type:
