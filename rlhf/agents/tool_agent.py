@@ -31,9 +31,9 @@ from typing import Dict, List, Optional
 
 import torch
 
+from rlhf.agents import episode_stats
 from rlhf.agents.base import AgentExecutorBase
 from rlhf.agents.openrlhf_agent import AsyncEngine, OpenRLHFSamplingParams
-from rlhf.agents.scheduler import close_scheduler
 from rlhf.agents.tool_parsers import Parsed
 from rlhf.agents.tools import ToolSet, run_call
 from rlhf.engines.rollout import Batch, SamplingParams, batch_from_rows
@@ -145,15 +145,18 @@ class ToolAgentExecutor(AgentExecutorBase):
                                action_masks=[r.mask for r in rows], rewards=rewards, scores=scores)
 
     async def _episodes(self, p_ids: List[List[int]], names, params: SamplingParams) -> List[EpisodeRow]:
+        """Each sample's episode as its own task, inside ``episode_stats.episode(k)``: its requests get the
+        episode's own seed per turn (``seed_for``; one shared seed would make the ``n`` samples of a prompt equal on
+        a seeded engine) and its turns and latency count in the ``agent/*`` metrics (``run_episodes``)."""
         eng = AsyncEngine(self.engine, self.tokenizer, params.max_new_tokens)
         sp = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
                   stop_token_ids=tuple(params.stop_token_ids))
-        try:
-            return list(await asyncio.gather(*[self.episode(ids, eng, sp, params.max_new_tokens, offered)
-                                               for ids, offered in zip(p_ids, names)]))
-        finally:  # this loop's scheduler ends with it; its occupancy is the step's (agent/occupancy_*)
-            sched = close_scheduler(self.engine)
-            self.occupancy += sched.occupancy if sched is not None else []
+
+        async def one(k: int, ids: List[int], offered):
+            with episode_stats.episode(k) as st:
+                return await self.episode(ids, eng, sp, params.max_new_tokens, offered), st
+
+        return await self.run_episodes([one(k, ids, o) for k, (ids, o) in enumerate(zip(p_ids, names))])
 
     def score(self, prompts: List[str], responses: List[List[int]], labels: List):
         """The reward function on prompt + the whole episode (tool messages included); invalid rewards NaN."""
