@@ -19,7 +19,14 @@ The generation goes through OpenRLHF's llm_engine contract (``rlhf.agents.openrl
 generate(prompt_token_ids, sampling_params)`` -> outputs[0].token_ids / .text / .logprobs / .finish_reason), so
 what batches the requests underneath may change without touching this file.  The reward is the run's reward
 function (--remote_rm_url, else the built-in) on the whole episode's text (prompt + model turns + tool messages),
-at the episode's end; the rows carry it like an agent environment's (the trainer's agent mode).
+at the episode's end, plus the episode's tool rewards::
+
+    reward = reward_fn(prompt + episode text) + sum over the episode's tool calls of the call's reward
+
+(a tool returning ``{"content": ..., "reward": r}``, rlhf.agents.tools; veRL's ``BaseTool.execute`` step reward).
+They are summed into the sample's reward (the advantage estimators take one reward per sample), not placed on the
+turn's tokens; ``scores`` (dynamic filtering, accuracy) stay the reward function's.  The rows carry the reward like
+an agent environment's (the trainer's agent mode).
 """
 from __future__ import annotations
 
@@ -62,6 +69,7 @@ class EpisodeRow:
     malformed: int = 0
     over_limit: int = 0
     tool_s: float = 0.0
+    tool_reward: float = 0.0  # the sum of its tool calls' own rewards (rlhf.agents.tools: {"content", "reward"})
 
 
 def tool_turn_text(tokenizer, messages: List[dict]) -> str:
@@ -107,7 +115,8 @@ class ToolStats:
                 / len(rows), "tool/error_rate": rate("error", "unknown", "bad_args"), "tool/timeout_rate":
                 rate("timeout"), "tool/malformed_calls": float(sum(r.malformed for r in rows)),
                 "tool/over_limit_calls": float(sum(r.over_limit for r in rows)),
-                "tool/time_s": sum(r.tool_s for r in rows)}
+                "tool/time_s": sum(r.tool_s for r in rows),
+                "tool/reward_per_episode": sum(r.tool_reward for r in rows) / len(rows)}
 
 
 class ToolAgentExecutor(AgentExecutorBase):
@@ -140,6 +149,7 @@ class ToolAgentExecutor(AgentExecutorBase):
         self.tool_stats.rows += rows
         rewards, scores = self.score([t for t in prompts for _ in range(params.n)], [r.response for r in rows],
                                      [lab for lab in labels for _ in range(params.n)])
+        rewards = [r + row.tool_reward for r, row in zip(rewards, rows)]  # reward = reward function + tool rewards
         return batch_from_rows(p_ids, [r.response for r in rows], [r.logprobs for r in rows],
                                [r.truncated for r in rows], self.tokenizer.pad_token_id,
                                action_masks=[r.mask for r in rows], rewards=rewards, scores=scores)
@@ -218,6 +228,7 @@ class ToolAgentExecutor(AgentExecutorBase):
         row.calls += len(run)
         row.over_limit += len(refused)
         row.statuses += [r.status for r in results]
+        row.tool_reward += sum(r.reward for r in results)
         msgs = [{"role": "tool", "name": c.name, "content": r.content} for c, r in zip(run, results)]
         return msgs + [{"role": "tool", "name": c.name, "content": f"Error: tool call limit reached "
                         f"({lim.max_tool_calls} per episode, --max_tool_calls); {c.name!r} was not run"}

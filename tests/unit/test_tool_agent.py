@@ -473,3 +473,49 @@ def test_tool_episodes_under_async_train(tok, tools_file):
     assert "unknown tool 'add'" in tool_text and m2["tool/error_rate"] > 0, (tool_text, m2)
     assert m1["tool/calls_per_episode"] == 1.0 and m1["agent/turns_mean"] == 2.0, m1
     assert len(set(seeds)) == len(seeds), f"every request of every episode has its own seed: {seeds}"
+
+
+REWARD_TOOLS_PY = textwrap.dedent('''
+    def grade(x: int) -> dict:
+        """A tool with a reward of its own.
+
+        Args:
+            x: a number
+        """
+        return {"content": "graded " + str(x), "reward": x / 4}
+
+    def bad(x: int) -> dict:
+        """A reward that is not a number.
+
+        Args:
+            x: a number
+        """
+        return {"content": "c", "reward": "high"}
+
+    def plain(x: int) -> dict:
+        """A dict with more keys: plain content.
+
+        Args:
+            x: a number
+        """
+        return {"content": "c", "reward": 1, "more": x}
+''')
+
+
+def test_tool_rewards_are_summed_into_the_episode_reward(tok, tmp_path):
+    """A tool returning {"content": c, "reward": r} (veRL's BaseTool.execute step reward): the model sees c, the
+    episode's reward is the reward function's plus its calls' rewards, by hand: episode "two" calls grade(1) in
+    turn 1, grade(2) and plain(0) in turn 2 and answers "done 5": 1 + 1/4 + 2/4 = 1.75 (plain's dict has a third
+    key: it is content, reward 0); "one" calls bad (a reward that is not a number: an error, reward 0) and answers
+    "no": 0; "none" answers "so 5": 1.  Scores stay the reward function's."""
+    f = tmp_path / "reward_tools.py"
+    f.write_text(REWARD_TOOLS_PY)
+    scripts = {"two": [call("grade", x=1), call("grade", x=2) + call("plain", x=0), "done 5"],
+               "one": [call("bad", x=3), "no"], "none": ["so 5"]}
+    b, m, _, _ = run(tok, str(f), scripts, ["two", "one", "none"], max_new=300)
+    assert b.rewards.tolist() == [1.75, 0.0, 1.0], b.rewards
+    assert b.scores.tolist() == [1.0, 0.0, 1.0], b.scores
+    texts = ["".join(tok.decode(t) for k, t in spans(b, i) if k == 0) for i in range(2)]
+    assert "graded 1" in texts[0] and "graded 2" in texts[0] and '"more": 0' in texts[0], texts[0]
+    assert "raised ValueError: its reward must be" in texts[1], texts[1]
+    assert (m["tool/reward_per_episode"], m["tool/error_rate"], m["tool/calls_per_episode"]) == (0.25, 0.25, 4 / 3), m
