@@ -519,3 +519,36 @@ def test_tool_rewards_are_summed_into_the_episode_reward(tok, tmp_path):
     assert "graded 1" in texts[0] and "graded 2" in texts[0] and '"more": 0' in texts[0], texts[0]
     assert "raised ValueError: its reward must be" in texts[1], texts[1]
     assert (m["tool/reward_per_episode"], m["tool/error_rate"], m["tool/calls_per_episode"]) == (0.25, 0.25, 4 / 3), m
+
+
+def test_a_rows_own_schemas_reach_the_parser(tok, tmp_path):
+    """A row's own ``tools`` schemas are passed to the parser of its episodes (vLLM's qwen3_coder types a call's
+    arguments from the schema, vllm/tool_parsers/qwen3coder_tool_parser.py): the file's tool ``echo(a: str)`` says
+    a is text, so the file's parser passes "2"; a row declaring a as integer gets a parser over its schema, which
+    passes 2; the tool reports the type it received.  One parser per distinct schema list."""
+    pytest.importorskip("vllm.tool_parsers", reason="vLLM's parsers are what reads a row's schemas")
+    import copy
+
+    from rlhf.agents.tool_parsers import VLLMParser
+    from rlhf.data.formatting import PromptItem
+
+    f = tmp_path / "echo.py"
+    f.write_text('def echo(a: str) -> str:\n    """Echo the type.\n\n    Args:\n        a: a value\n    """\n'
+                 '    return "got " + type(a).__name__\n')
+    tools = load_tools(str(f))
+    typed = copy.deepcopy(tools.schemas)
+    typed[0]["function"]["parameters"]["properties"]["a"]["type"] = "integer"
+    coder = "<tool_call>\n<function=echo>\n<parameter=a>\n2\n</parameter>\n</function>\n</tool_call>"
+    eng = ScriptedEngine(tok, {"*": [coder, "done"]})
+    eng.max_model_len = None
+    lim = ToolLimits(max_turns=3, max_tool_calls=4, timeout_s=2.0, max_chars=60, max_episode_tokens=2000)
+    ex = ToolAgentExecutor(tools, VLLMParser("qwen3_coder", tok, tools.schemas), lim, eng, tok,
+                           contains_reward("int"), lambda s: VLLMParser("qwen3_coder", tok, s))
+    text = tok.apply_chat_template([{"role": "user", "content": "go"}], tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    items = [PromptItem(text, None, ids, None), PromptItem(text, None, ids, typed),
+             PromptItem(text, None, ids, copy.deepcopy(typed))]
+    b = ex.run_items(items, SamplingParams(max_new_tokens=200, stop_token_ids=(tok.eos_token_id,)))
+    got = ["".join(tok.decode(t) for k, t in spans(b, i) if k == 0) for i in range(3)]
+    assert "got str" in got[0] and "got int" in got[1] and "got int" in got[2], got
+    assert b.rewards.tolist() == [0.0, 1.0, 1.0] and len(ex.parsers) == 1, (b.rewards, ex.parsers)
