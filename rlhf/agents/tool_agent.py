@@ -19,21 +19,29 @@ The generation goes through OpenRLHF's llm_engine contract (``rlhf.agents.openrl
 generate(prompt_token_ids, sampling_params)`` -> outputs[0].token_ids / .text / .logprobs / .finish_reason), so
 what batches the requests underneath may change without touching this file.  The reward is the run's reward
 function (--remote_rm_url, else the built-in) on the whole episode's text (prompt + model turns + tool messages),
-at the episode's end; the rows carry it like an agent environment's (the trainer's agent mode).
+at the episode's end, plus the episode's tool rewards::
+
+    reward = reward_fn(prompt + episode text) + sum over the episode's tool calls of the call's reward
+
+(a tool returning ``{"content": ..., "reward": r}``, rlhf.agents.tools; veRL's ``BaseTool.execute`` step reward).
+They are summed into the sample's reward (the advantage estimators take one reward per sample), not placed on the
+turn's tokens; ``scores`` (dynamic filtering, accuracy) stay the reward function's.  The rows carry the reward like
+an agent environment's (the trainer's agent mode).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
+from rlhf.agents import episode_stats
 from rlhf.agents.base import AgentExecutorBase
 from rlhf.agents.openrlhf_agent import AsyncEngine, OpenRLHFSamplingParams
-from rlhf.agents.scheduler import close_scheduler
 from rlhf.agents.tool_parsers import Parsed
 from rlhf.agents.tools import ToolSet, run_call
 from rlhf.engines.rollout import Batch, SamplingParams, batch_from_rows
@@ -62,6 +70,7 @@ class EpisodeRow:
     malformed: int = 0
     over_limit: int = 0
     tool_s: float = 0.0
+    tool_reward: float = 0.0  # the sum of its tool calls' own rewards (rlhf.agents.tools: {"content", "reward"})
 
 
 def tool_turn_text(tokenizer, messages: List[dict]) -> str:
@@ -107,17 +116,33 @@ class ToolStats:
                 / len(rows), "tool/error_rate": rate("error", "unknown", "bad_args"), "tool/timeout_rate":
                 rate("timeout"), "tool/malformed_calls": float(sum(r.malformed for r in rows)),
                 "tool/over_limit_calls": float(sum(r.over_limit for r in rows)),
-                "tool/time_s": sum(r.tool_s for r in rows)}
+                "tool/time_s": sum(r.tool_s for r in rows),
+                "tool/reward_per_episode": sum(r.tool_reward for r in rows) / len(rows)}
 
 
 class ToolAgentExecutor(AgentExecutorBase):
     """The executor contract (``run(prompt_ids, prompts, labels, params) -> Batch``, rlhf.agents.base) over tool
-    episodes; ``parser``: rlhf.agents.tool_parsers (``extract(text) -> Parsed``); ``reward_fn``: a RewardSource
+    episodes; ``parser``: rlhf.agents.tool_parsers (``extract(text) -> Parsed``) over the --tools_path file's
+    schemas; ``parser_for(schemas)``: a parser over a row's own ``tools`` schemas (vLLM's parsers read them, e.g.
+    qwen3_coder types the arguments from them), one per distinct schema list (None: ``parser`` for every row);
+    ``reward_fn``: a RewardSource
     (``(queries, prompts, labels) -> {rewards, scores, valid, ...}``)."""
 
-    def __init__(self, tools: ToolSet, parser, limits: ToolLimits, engine, tokenizer, reward_fn):
+    def __init__(self, tools: ToolSet, parser, limits: ToolLimits, engine, tokenizer, reward_fn,
+                 parser_for: Optional[Callable[[list], object]] = None):
         super().__init__(None, limits.max_turns, limits.max_episode_tokens, engine, tokenizer)
         self.tools, self.parser, self.limits, self.reward_fn = tools, parser, limits, reward_fn
+        self.parser_for, self.parsers = parser_for, {}
+        self.tool_stats = ToolStats()
+
+    def row_parser(self, schemas: Optional[list]):
+        """The parser of a row offering ``schemas`` (its ``tools`` column; None or the file's: ``parser``)."""
+        if not schemas or self.parser_for is None or schemas == self.tools.schemas:
+            return self.parser
+        key = json.dumps(schemas, sort_keys=True)
+        if key not in self.parsers:
+            self.parsers[key] = self.parser_for(schemas)
+        return self.parsers[key]
         self.tool_stats = ToolStats()
 
     def take_metrics(self) -> Dict[str, float]:
@@ -128,32 +153,39 @@ class ToolAgentExecutor(AgentExecutorBase):
     def run_items(self, items, params: SamplingParams) -> Batch:
         """``run``, each row's episodes limited to the tools its prompt offered (its ``tools`` column, if any)."""
         offered = [None if not p.tools else {t["function"]["name"] for t in p.tools} for p in items]
-        return self.run([p.ids for p in items], [p.prompt for p in items], [p.label for p in items], params, offered)
+        return self.run([p.ids for p in items], [p.prompt for p in items], [p.label for p in items], params, offered,
+                        [self.row_parser(p.tools) for p in items])
 
-    def run(self, prompt_ids, prompts, labels, params: SamplingParams, offered=None) -> Batch:
+    def run(self, prompt_ids, prompts, labels, params: SamplingParams, offered=None, parsers=None) -> Batch:
         """Every sample's episode concurrently (``n`` per prompt, prompt-major), then the reward function on all of
         them outside the event loop (where its deadline and an async reward function work as in a plain call).
-        ``offered``: per prompt, the tool names it may call (None: every tool of --tools_path)."""
+        ``offered``: per prompt, the tool names it may call (None: every tool of --tools_path); ``parsers``: per
+        prompt, the parser of its calls (None: ``parser``)."""
         p_ids = [list(ids) for ids in prompt_ids for _ in range(params.n)]
         names = [o for o in (offered or [None] * len(prompt_ids)) for _ in range(params.n)]
-        rows: List[EpisodeRow] = asyncio.run(self._episodes(p_ids, names, params))
+        readers = [q for q in (parsers or [self.parser] * len(prompt_ids)) for _ in range(params.n)]
+        rows: List[EpisodeRow] = asyncio.run(self._episodes(p_ids, names, params, readers))
         self.tool_stats.rows += rows
         rewards, scores = self.score([t for t in prompts for _ in range(params.n)], [r.response for r in rows],
                                      [lab for lab in labels for _ in range(params.n)])
+        rewards = [r + row.tool_reward for r, row in zip(rewards, rows)]  # reward = reward function + tool rewards
         return batch_from_rows(p_ids, [r.response for r in rows], [r.logprobs for r in rows],
                                [r.truncated for r in rows], self.tokenizer.pad_token_id,
                                action_masks=[r.mask for r in rows], rewards=rewards, scores=scores)
 
-    async def _episodes(self, p_ids: List[List[int]], names, params: SamplingParams) -> List[EpisodeRow]:
+    async def _episodes(self, p_ids: List[List[int]], names, params: SamplingParams, readers) -> List[EpisodeRow]:
+        """Each sample's episode as its own task, inside ``episode_stats.episode(k)``: its requests get the
+        episode's own seed per turn (``seed_for``; one shared seed would make the ``n`` samples of a prompt equal on
+        a seeded engine) and its turns and latency count in the ``agent/*`` metrics (``run_episodes``)."""
         eng = AsyncEngine(self.engine, self.tokenizer, params.max_new_tokens)
         sp = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
                   stop_token_ids=tuple(params.stop_token_ids))
-        try:
-            return list(await asyncio.gather(*[self.episode(ids, eng, sp, params.max_new_tokens, offered)
-                                               for ids, offered in zip(p_ids, names)]))
-        finally:  # this loop's scheduler ends with it; its occupancy is the step's (agent/occupancy_*)
-            sched = close_scheduler(self.engine)
-            self.occupancy += sched.occupancy if sched is not None else []
+
+        async def one(k: int, ids: List[int], offered, parser):
+            with episode_stats.episode(k) as st:
+                return await self.episode(ids, eng, sp, params.max_new_tokens, offered, parser), st
+
+        return await self.run_episodes([one(k, *job) for k, job in enumerate(zip(p_ids, names, readers))])
 
     def score(self, prompts: List[str], responses: List[List[int]], labels: List):
         """The reward function on prompt + the whole episode (tool messages included); invalid rewards NaN."""
@@ -166,8 +198,8 @@ class ToolAgentExecutor(AgentExecutorBase):
                 torch.where(valid, s, torch.full_like(s, math.nan)).tolist())
 
     async def episode(self, prompt: List[int], eng: AsyncEngine, sp: dict, max_new_tokens: int,
-                      offered: Optional[set] = None) -> EpisodeRow:
-        lim, row = self.limits, EpisodeRow()
+                      offered: Optional[set] = None, parser=None) -> EpisodeRow:
+        lim, row, parser = self.limits, EpisodeRow(), parser or self.parser
         stop = set(sp["stop_token_ids"]) or {self.tokenizer.eos_token_id}  # a turn ends at its stop token
         context = self.engine.max_model_len or math.inf
         while True:
@@ -186,7 +218,7 @@ class ToolAgentExecutor(AgentExecutorBase):
                 row.truncated = out.finish_reason == "length"
                 return row
             text = self.tokenizer.decode(action[:-1], skip_special_tokens=False)
-            parsed = self.parser.extract(text)
+            parsed = parser.extract(text)
             if (not parsed.calls and not parsed.malformed) or row.turns >= lim.max_turns:
                 return row
             feedback = self.tokenizer(tool_turn_text(self.tokenizer, await self.run_tools(parsed, row, offered)),
@@ -215,6 +247,7 @@ class ToolAgentExecutor(AgentExecutorBase):
         row.calls += len(run)
         row.over_limit += len(refused)
         row.statuses += [r.status for r in results]
+        row.tool_reward += sum(r.reward for r in results)
         msgs = [{"role": "tool", "name": c.name, "content": r.content} for c, r in zip(run, results)]
         return msgs + [{"role": "tool", "name": c.name, "content": f"Error: tool call limit reached "
                         f"({lim.max_tool_calls} per episode, --max_tool_calls); {c.name!r} was not run"}

@@ -59,8 +59,9 @@ def check_tool_run(a, r, m, d, tokenizer) -> None:
 
 def build_tool_executor(a, r, generate_max_len: int, engine, tokenizer) -> ToolAgentExecutor:
     """The tool executor of an engine's first rank (``a``, ``r``: the agent and rollout flag groups): the tools,
-    vLLM's (or our) parser, the limits, the reward function (--remote_rm_url, else the built-in); the chat template
-    must render role "tool" messages."""
+    vLLM's (or our) parser (over the file's schemas; a row with its own ``tools`` gets one over those), the
+    limits, the reward function (--remote_rm_url, else the built-in); the chat template must render role "tool"
+    messages."""
     from rlhf.rewards.reward_func import builtin_reward_source, make_reward_source
 
     tools = load_tools(a.tools_path)
@@ -69,7 +70,7 @@ def build_tool_executor(a, r, generate_max_len: int, engine, tokenizer) -> ToolA
     reward = make_reward_source(r.remote_rm_url, r.reward_timeout_s, print, r.remote_rm_retries) \
         or builtin_reward_source(print)
     return ToolAgentExecutor(tools, make_parser(a.tool_call_parser, tokenizer, tools.schemas), limits, engine,
-                             tokenizer, reward)
+                             tokenizer, reward, lambda schemas: make_parser(a.tool_call_parser, tokenizer, schemas))
 
 
 def tool_schemas(tools_path):

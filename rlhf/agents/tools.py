@@ -7,6 +7,12 @@ builds them (trl/trainer/grpo_trainer.py); a tool without a description of every
 naming it.  A file may also give ``TOOL_SCHEMAS``, a list of OpenAI schemas, to use instead of the derived ones
 (one per tool, by name).
 
+A tool may also give a reward with its output, as veRL's ``BaseTool.execute`` returns ``(response, step_reward,
+metrics)`` (verl/tools/base_tool.py): it returns ``{"content": ..., "reward": float}`` (exactly those two keys);
+the model sees ``content`` and the call's ``reward`` is kept (``ToolResult.reward``).  The tool executor adds an
+episode's tool rewards to its reward (rlhf.agents.tool_agent).  A reward that is not a finite number makes the
+call an ``error``.
+
 A call (``run_call``) never raises: what the model gets back is always a tool message, and ``status`` says how it
 went (``ok``, ``error``: the tool raised, ``timeout``: cut at --tool_timeout_s, ``unknown``: no such tool,
 ``bad_args``: arguments that are not a JSON object or do not fit the signature).  Sync tools run in a daemon
@@ -19,6 +25,7 @@ import asyncio
 import importlib.util
 import inspect
 import json
+import math
 import os
 import threading
 import time
@@ -42,6 +49,7 @@ class ToolResult:
     content: str  # the tool message's text (capped)
     status: str   # one of STATUSES
     seconds: float
+    reward: float = 0.0  # the tool's own reward for this call ({"content": ..., "reward": r}); 0 without one
 
 
 def _tool_functions(mod) -> List[Callable]:
@@ -103,6 +111,17 @@ def as_text(value) -> str:
         return str(value)
 
 
+def with_reward(value):
+    """(content, reward) of a tool's return value: ``{"content": c, "reward": r}`` gives (c, float(r)) (ValueError
+    when r is not a finite number); anything else is the content, reward 0."""
+    if not (isinstance(value, dict) and set(value) == {"content", "reward"}):
+        return value, 0.0
+    r = value["reward"]
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+        raise ValueError(f"its reward must be a finite number, got {r!r} (return {{'content': ..., 'reward': 1.0}})")
+    return value["content"], float(r)
+
+
 def _in_thread(fn: Callable, kwargs: dict) -> asyncio.Future:
     """``fn(**kwargs)`` in a daemon thread, its result in an asyncio future (a thread that never ends is left)."""
     loop = asyncio.get_running_loop()
@@ -147,8 +166,8 @@ async def run_call(tools: ToolSet, name: str, arguments: str, timeout_s: float, 
     to another is ``unknown``; None: every tool of the file)."""
     t0 = time.perf_counter()
 
-    def done(text: str, status: str) -> ToolResult:
-        return ToolResult(cap(text, max_chars), status, time.perf_counter() - t0)
+    def done(text: str, status: str, reward: float = 0.0) -> ToolResult:
+        return ToolResult(cap(text, max_chars), status, time.perf_counter() - t0, reward)
 
     names = [n for n in tools.functions if offered is None or n in offered]
     fn = tools.functions.get(name) if name in names else None
@@ -159,9 +178,9 @@ async def run_call(tools: ToolSet, name: str, arguments: str, timeout_s: float, 
         return done(f"Error: bad arguments for tool {name!r}: {why}", "bad_args")
     try:
         job = fn(**args) if inspect.iscoroutinefunction(fn) else _in_thread(fn, args)
-        value = await asyncio.wait_for(job, timeout_s)
+        value, reward = with_reward(await asyncio.wait_for(job, timeout_s))
     except asyncio.TimeoutError:
         return done(f"Error: tool {name!r} timed out after {timeout_s:g} s", "timeout")
     except Exception as e:
         return done(f"Error: tool {name!r} raised {type(e).__name__}: {e}", "error")
-    return done(as_text(value), "ok")
+    return done(as_text(value), "ok", reward)

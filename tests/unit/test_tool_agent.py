@@ -400,3 +400,155 @@ def test_one_grpo_step_with_tools(tiny_kit, tmp_path, tools_file, tok):
     assert (rows[1]["tool/calls_per_episode"], rows[1]["tool/turns_per_episode"], rows[1]["tool/error_rate"]) == \
         (1.0, 2.0, 0.0), rows[1]
     assert real.max_model_len == 1024 + 240, "the engine's context holds a prompt and a whole episode"
+
+
+class VersionedEngine(ScriptedEngine):
+    """ScriptedEngine whose log-probs also say which weights produced them: -(position + 1) / 10 - version / 1000."""
+    version = 0
+    max_model_len = None
+
+    def generate(self, prompt_ids, params):
+        b = super().generate(prompt_ids, params)
+        b.rollout_logprobs = b.rollout_logprobs - self.version / 1000 * b.action_mask
+        return b
+
+
+def test_tool_episodes_under_async_train(tok, tools_file):
+    """--tools_path with --async_train (rlhf.rl.async_queue.AsyncRollout over the real RolloutRole.run_agent and
+    the tool executor): 3 prompts in flight for batches of 2 (oversampling), groups kept by dynamic filtering on
+    the episodes' end rewards (range (0.5, 1.5): prompts that call ``add`` and answer 5); each episode runs whole in
+    one produce: every token of it (both model turns, the tool message) carries that produce's weight version and
+    its log-probs that version's weights, across a weight sync; a buffered group keeps its older version; a row's
+    own ``tools`` column reaches the executor; the n samples of a group draw their own seeds."""
+    from types import SimpleNamespace
+
+    from rlhf.data.formatting import PromptItem
+    from rlhf.distributed.mesh import RoleMesh
+    from rlhf.rl.async_queue import AsyncRollout, QueueSettings
+    from rlhf.roles.rollout import RolloutRole
+
+    yes = {0, 1, 2, 4}  # prompt indices whose episodes call add(2, 3) then answer "so 5" (reward 1); others: 0
+    eng = VersionedEngine(tok, {"yes": [call("add", a=2, b=3), "so 5"], "no": ["no idea"]})
+    seeds = []
+    real = eng.generate
+    eng.generate = lambda ids, p: (seeds.append(p.seed), real(ids, p))[1]
+    lim = ToolLimits(max_turns=4, max_tool_calls=8, timeout_s=2.0, max_chars=60, max_episode_tokens=2000)
+    role = RolloutRole("rollout", RoleMesh("rollout", [0], 0, {"tp": 1}))
+    role.engine = eng
+    role.agent = ToolAgentExecutor(load_tools(tools_file), HermesParser(), lim, eng, tok, contains_reward("5"))
+    big = [s for s in load_tools(tools_file).schemas if s["function"]["name"] == "big"]
+    items = []
+    for i in range(12):
+        text = tok.apply_chat_template([{"role": "user", "content": f"do:{'yes' if i in yes else 'no'}"}],
+                                       tokenize=False, add_generation_prompt=True)
+        items.append(PromptItem(text, None, tok(text, add_special_tokens=False)["input_ids"],
+                                big if i == 4 else None))  # prompt 4 offers only ``big``: its add call is unknown
+    s = QueueSettings(k=1, n=2, batch=2, generate_batch=3, chunk=None, max_new_tokens=300, max_staleness=3,
+                      filter_range=(0.5, 1.5), filter_rounds=3)
+    sampler = SimpleNamespace(params=lambda step, salt=0: SamplingParams(
+        n=2, max_new_tokens=300, temperature=1.0, stop_token_ids=(tok.eos_token_id,), seed=7 + step + salt))
+    q = AsyncRollout(s, SimpleNamespace(rollout=role, reward=None), None, 0,
+                     SimpleNamespace(agent_mode=True, reward_source=None), sampler,
+                     lambda step: items[2 * step:2 * step + 2], tok.pad_token_id)
+    q.produce(0, 1)
+    eng.version = 1  # the weight sync between the two batches
+    q.produce(1, 2)
+    (b1, m1), (b2, m2) = q.produced
+    assert b1.group_index.tolist() == [0, 0, 1, 1] and b2.group_index.tolist() == [2, 2, 4, 4], \
+        (b1.group_index, b2.group_index)
+    assert b1.rewards.tolist() == [1.0] * 4 and b2.rewards.tolist() == [1.0] * 4, (b1.rewards, b2.rewards)
+    assert (m1["async/filtered_groups"], m2["async/filtered_groups"], m2["async/drawn_prompts"]) == (0, 2, 3), m2
+    for b, want in ((b1, [0, 0, 0, 0]), (b2, [0, 0, 1, 1])):  # group 2 was buffered at version 0
+        for i, v in enumerate(want):
+            n = int(b.attention_mask[i, b.prompt_len:].sum())
+            mask, vers = b.action_mask[i, :n], b.versions[i, :n]
+            assert vers.tolist() == [v] * n, f"row {i}: an episode's tokens carry one version ({v}), got {vers}"
+            turns = [k for k, _ in spans(b, i)]
+            assert turns == [1, 0, 1], f"row {i}: model turn, tool message (mask 0), model turn; got {turns}"
+            lp = b.rollout_logprobs[i, :n][mask.bool()]
+            x = (lp.double() + v / 1000) * 10  # -(position + 1) exactly when version v's weights made every token
+            assert len(lp) > 4 and torch.allclose(x, x.round(), atol=1e-4), \
+                f"row {i}: every model turn's log-probs come from version {v}'s weights: {lp}"
+    tool_text = tok.decode(b2.sequences[2, b2.prompt_len:][b2.action_mask[2] == 0][:40])
+    assert "unknown tool 'add'" in tool_text and m2["tool/error_rate"] > 0, (tool_text, m2)
+    assert m1["tool/calls_per_episode"] == 1.0 and m1["agent/turns_mean"] == 2.0, m1
+    assert len(set(seeds)) == len(seeds), f"every request of every episode has its own seed: {seeds}"
+
+
+REWARD_TOOLS_PY = textwrap.dedent('''
+    def grade(x: int) -> dict:
+        """A tool with a reward of its own.
+
+        Args:
+            x: a number
+        """
+        return {"content": "graded " + str(x), "reward": x / 4}
+
+    def bad(x: int) -> dict:
+        """A reward that is not a number.
+
+        Args:
+            x: a number
+        """
+        return {"content": "c", "reward": "high"}
+
+    def plain(x: int) -> dict:
+        """A dict with more keys: plain content.
+
+        Args:
+            x: a number
+        """
+        return {"content": "c", "reward": 1, "more": x}
+''')
+
+
+def test_tool_rewards_are_summed_into_the_episode_reward(tok, tmp_path):
+    """A tool returning {"content": c, "reward": r} (veRL's BaseTool.execute step reward): the model sees c, the
+    episode's reward is the reward function's plus its calls' rewards, by hand: episode "two" calls grade(1) in
+    turn 1, grade(2) and plain(0) in turn 2 and answers "done 5": 1 + 1/4 + 2/4 = 1.75 (plain's dict has a third
+    key: it is content, reward 0); "one" calls bad (a reward that is not a number: an error, reward 0) and answers
+    "no": 0; "none" answers "so 5": 1.  Scores stay the reward function's."""
+    f = tmp_path / "reward_tools.py"
+    f.write_text(REWARD_TOOLS_PY)
+    scripts = {"two": [call("grade", x=1), call("grade", x=2) + call("plain", x=0), "done 5"],
+               "one": [call("bad", x=3), "no"], "none": ["so 5"]}
+    b, m, _, _ = run(tok, str(f), scripts, ["two", "one", "none"], max_new=300)
+    assert b.rewards.tolist() == [1.75, 0.0, 1.0], b.rewards
+    assert b.scores.tolist() == [1.0, 0.0, 1.0], b.scores
+    texts = ["".join(tok.decode(t) for k, t in spans(b, i) if k == 0) for i in range(2)]
+    assert "graded 1" in texts[0] and "graded 2" in texts[0] and '"more": 0' in texts[0], texts[0]
+    assert "raised ValueError: its reward must be" in texts[1], texts[1]
+    assert (m["tool/reward_per_episode"], m["tool/error_rate"], m["tool/calls_per_episode"]) == (0.25, 0.25, 4 / 3), m
+
+
+def test_a_rows_own_schemas_reach_the_parser(tok, tmp_path):
+    """A row's own ``tools`` schemas are passed to the parser of its episodes (vLLM's qwen3_coder types a call's
+    arguments from the schema, vllm/tool_parsers/qwen3coder_tool_parser.py): the file's tool ``echo(a: str)`` says
+    a is text, so the file's parser passes "2"; a row declaring a as integer gets a parser over its schema, which
+    passes 2; the tool reports the type it received.  One parser per distinct schema list."""
+    pytest.importorskip("vllm.tool_parsers", reason="vLLM's parsers are what reads a row's schemas")
+    import copy
+
+    from rlhf.agents.tool_parsers import VLLMParser
+    from rlhf.data.formatting import PromptItem
+
+    f = tmp_path / "echo.py"
+    f.write_text('def echo(a: str) -> str:\n    """Echo the type.\n\n    Args:\n        a: a value\n    """\n'
+                 '    return "got " + type(a).__name__\n')
+    tools = load_tools(str(f))
+    typed = copy.deepcopy(tools.schemas)
+    typed[0]["function"]["parameters"]["properties"]["a"]["type"] = "integer"
+    coder = "<tool_call>\n<function=echo>\n<parameter=a>\n2\n</parameter>\n</function>\n</tool_call>"
+    eng = ScriptedEngine(tok, {"*": [coder, "done"]})
+    eng.max_model_len = None
+    lim = ToolLimits(max_turns=3, max_tool_calls=4, timeout_s=2.0, max_chars=60, max_episode_tokens=2000)
+    ex = ToolAgentExecutor(tools, VLLMParser("qwen3_coder", tok, tools.schemas), lim, eng, tok,
+                           contains_reward("int"), lambda s: VLLMParser("qwen3_coder", tok, s))
+    text = tok.apply_chat_template([{"role": "user", "content": "go"}], tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    items = [PromptItem(text, None, ids, None), PromptItem(text, None, ids, typed),
+             PromptItem(text, None, ids, copy.deepcopy(typed))]
+    b = ex.run_items(items, SamplingParams(max_new_tokens=200, stop_token_ids=(tok.eos_token_id,)))
+    got = ["".join(tok.decode(t) for k, t in spans(b, i) if k == 0) for i in range(3)]
+    assert "got str" in got[0] and "got int" in got[1] and "got int" in got[2], got
+    assert b.rewards.tolist() == [0.0, 1.0, 1.0] and len(ex.parsers) == 1, (b.rewards, ex.parsers)
