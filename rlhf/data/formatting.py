@@ -121,12 +121,16 @@ class PromptItem:
     prompt: str
     label: Optional[str]
     ids: List[int]
+    images: Optional[tuple] = None  # (pixel_values, image_grid_thw) of a vision-language prompt (rlhf.data.images)
 
 
-def build_prompts(rows: List[Dict], tokenizer, cfg_data) -> List[PromptItem]:
+def build_prompts(rows: List[Dict], tokenizer, cfg_data, images=None) -> List[PromptItem]:
     """Prompts left-truncated to --prompt_max_len; how many were cut is said once (not silently).  A prompt with
     no tokens at all (an empty --input_key, no chat template) has nothing to condition on and would break the
-    rollout's shapes: such rows are dropped and counted; a file of nothing else is refused here, at load."""
+    rollout's shapes: such rows are dropped and counted; a file of nothing else is refused here, at load.
+    ``images``: a vision-language model's ``rlhf.data.images.ImageInputs`` (its prompts carry their images)."""
+    if images is not None:
+        return images.build_prompts(rows, tokenizer, cfg_data)
     out, cut, empty = [], 0, 0
     for r in rows:
         text = format_prompt(r[cfg_data.input_key], tokenizer, cfg_data.apply_chat_template, cfg_data.input_template)

@@ -12,6 +12,7 @@ from rlhf.engines.rollout import RolloutEngine, SamplingParams, response_mask
 from rlhf.engines.rollout_registry import EngineArgs
 from rlhf.engines.sampling import decode_with_head, logits_head
 from rlhf.models.load import load_causal_lm, load_tokenizer
+from rlhf.models.vision import gather_images, vision_forward_kwargs
 
 
 def stop_ids(requested: Sequence[int], eos_id, generation_config=None) -> tuple:
@@ -45,7 +46,7 @@ class HFEngine(RolloutEngine):
         self._offloaded = False
 
     @torch.no_grad()
-    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Batch:
+    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams, images=None) -> Batch:
         stop = stop_ids(params.stop_token_ids, self.tokenizer.eos_token_id, getattr(self.model, "generation_config", None))
         per = max(1, self.micro_batch_size // max(params.n, 1))
         outs = []
@@ -54,20 +55,24 @@ class HFEngine(RolloutEngine):
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         with logits_head(self.model) as head:  # one head copy for every chunk of this call
             for s in range(0, len(prompt_ids), per):
-                outs.append(self._generate_chunk(prompt_ids[s:s + per], params, stop, gen, head))
+                outs.append(self._generate_chunk(prompt_ids[s:s + per], params, stop, gen, head,
+                                                 images[s:s + per] if images else None))
         return cat(outs, self.tokenizer.pad_token_id)
 
-    def _generate_chunk(self, prompts, params: SamplingParams, stop, gen, head) -> Batch:
+    def _generate_chunk(self, prompts, params: SamplingParams, stop, gen, head, images=None) -> Batch:
         pad = self.tokenizer.pad_token_id
         ids, att = pad_batch(prompts, pad, side="left")
         ids, att = ids.to(self.device), att.to(self.device)
+        prefill = vision_forward_kwargs(self.model, gather_images([i and i[0] for i in images], [i and i[1] for i in
+                                                                   images], slice(None), self.device), ids, att) \
+            if images else None
         steps, room = params.max_new_tokens, None
         if self.max_model_len:  # each row may take what its prompt leaves of max_model_len (at least 1 token)
             room = (self.max_model_len - att.sum(1)).clamp(min=1).repeat_interleave(params.n)
             steps = max(1, min(steps, int(room.max())))
         resp, lp = decode_with_head(self.model, head, ids, att, params.n, steps, stop, pad,
                                     temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                    generator=gen)
+                                    generator=gen, prefill=prefill)
         ids, att = ids.repeat_interleave(params.n, 0), att.repeat_interleave(params.n, 0)
         am = response_mask(resp, stop)
         is_stop = torch.isin(resp, torch.tensor(stop, device=resp.device))

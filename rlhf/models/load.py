@@ -181,9 +181,9 @@ def load_causal_lm(path: str, bf16: bool = False, flash_attn: bool = False, grad
                    lora_rank: int = 0, lora_alpha: int = 16, target_modules: str = "all-linear", on_meta: bool = False,
                    trainable: bool = True):
     """on_meta: see from_pretrained_or_meta; trainable: see weight_dtype."""
-    from transformers import AutoModelForCausalLM
+    from rlhf.models.vision import causal_auto_class  # a vision-language model: AutoModelForImageTextToText
 
-    model = from_pretrained_or_meta(AutoModelForCausalLM, path, on_meta, dtype=weight_dtype(bf16, trainable, lora_rank > 0),
+    model = from_pretrained_or_meta(causal_auto_class(path), path, on_meta, dtype=weight_dtype(bf16, trainable, lora_rank > 0),
                                     attn_implementation=_attn(flash_attn))
     model.config.use_cache = False
     if gradient_checkpointing:

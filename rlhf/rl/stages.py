@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlhf.batch import Batch, cat, row_fields
+from rlhf.data.images import row_images
 from rlhf.console import print0
 from rlhf.distributed.role_table import ROLE_TABLE
 from rlhf.rl.advantage_stage import _gap_metric, advantage_stage, needs_old_logprobs
@@ -81,6 +82,7 @@ class RolloutStage(Stage):
             self.queue.take(batch)
             return
         batch.fill(self.rollouts.generate(roles, batch.prompts, self.sampler.params(batch.step)))
+        batch.pixel_values, batch.image_grid_thw = row_images(batch.prompts, batch.n_samples)  # VLM prompts' images
         self.scheduler.sync_follows("rollout")  # the step's weight sync comes before the next generate: vLLM
         # sleeps level 2
 

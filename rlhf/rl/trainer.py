@@ -26,6 +26,7 @@ from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, mak
 from rlhf.distributed.failfast import guarded
 from rlhf.distributed.sharding import all_gather_objects
 from rlhf.distributed.watchdog import Watchdog, refill_deadlines
+from rlhf.data.images import ImageInputs
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.rewards.reward_func import builtin_reward_source, make_reward_source
 from rlhf.rl.advantage_stage import InvalidRewardGuard, running_reward_norm
@@ -75,8 +76,9 @@ class RLTrainer:
             self.reward_source = builtin_reward_source(print0)
         self.path = resolve_pretrain(cfg.model.pretrain)
         self.tokenizer = load_tokenizer(self.path)
+        self.images = ImageInputs.from_model_dir(self.path, cfg.vision.image_key, cfg.vision.max_images_per_prompt)
         self.prompts, eval_prompts, eval_sources = load_prompt_sets(
-            cfg.data, cfg.optim.seed, self.tokenizer, None if cfg.model.pretrain else self.path)
+            cfg.data, cfg.optim.seed, self.tokenizer, None if cfg.model.pretrain else self.path, self.images)
         rb = r.rollout_batch_size
         self.steps_per_episode, total, notes = plan_steps(len(self.prompts), len(eval_prompts), rb, cfg.data,
                                                           cfg.optim)

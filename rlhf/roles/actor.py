@@ -23,6 +23,7 @@ from rlhf.algorithms.is_filter import is_filter_ratio
 from rlhf.algorithms.masked import masked_mean
 from rlhf.algorithms.registry import POLICY_LOSSES
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
+from rlhf.models.vision import batch_images
 from rlhf.roles.update_batches import (
     AuxLossTap,
     Micro,
@@ -110,7 +111,8 @@ class Actor(UpdatingRole):
     def _forward(self, mb, dev, ent_grad: bool):
         """(log-probs, entropy) of the micro-batch's response tokens, padded or packed (one row, no padding)."""
         s, model = self.settings, self.engine.model
-        kw = dict(with_entropy=True, entropy_grad=ent_grad, keep_bytes=s.lm_head_keep_bytes)
+        kw = dict(with_entropy=True, entropy_grad=ent_grad, keep_bytes=s.lm_head_keep_bytes,
+                  images=batch_images(mb, slice(None), dev))  # a vision-language model's images (None: text-only)
         if s.packing_samples:
             return packed_action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev),
                                           mb.action_mask.to(dev), s.temperature, s.logprob_chunk_size, **kw)

@@ -26,6 +26,7 @@ from rlhf.distributed.sharding import gather_rows, micro_plan, run_micro
 from rlhf.engines.train import EngineSpec, TrainEngine, reads_weights, spec_from_config
 from rlhf.engines.train_registry import make_engine
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
+from rlhf.models.vision import batch_images
 from rlhf.rewards.reward_model import score_sequences
 
 
@@ -154,9 +155,11 @@ class ModelRole(Role):
         def fn(p: slice):
             model, dev = self.engine.model, self.engine.compute_device
             ids, att = batch.sequences[p].to(dev), batch.attention_mask[p].to(dev)
+            im = batch_images(batch, p, dev)  # a vision-language model's images of these rows (None: text-only)
             if packing:
-                return packed_action_logprobs(model, ids, att, batch.action_mask[p].to(dev), temperature, chunk)
-            return action_logprobs(model, ids, att, batch.num_actions, temperature, chunk)[0]
+                return packed_action_logprobs(model, ids, att, batch.action_mask[p].to(dev), temperature, chunk,
+                                              images=im)
+            return action_logprobs(model, ids, att, batch.num_actions, temperature, chunk, images=im)[0]
 
         return self.rows_forward(batch.sequences.size(0), micro, fn, batch.num_actions) * batch.action_mask
 
