@@ -189,3 +189,25 @@ def sample_images(row: dict, images: Optional[ImageInputs]):
     if images is None or not image_refs(row.get(images.image_key)):
         return None
     return images.encode(open_images(row.get(images.image_key), images.max_images))
+
+
+def image_pair(images: ImageInputs, row: dict, response: str, tokenizer, d):
+    """(input_ids, loss_mask, (pixel_values, image_grid_thw)) of a supervised row with images: prompt (its image
+    placeholders included) -> response + eos, loss on the response and eos only (the image tokens, like the rest
+    of the prompt, get no loss: label -100 in HF terms).  The prompt is never cut (``fit_pair`` would cut into an
+    image): a sample over --max_len is a DataError naming the flag."""
+    _, p, px, grid = images.prompt(row, d.input_key, tokenizer, d.apply_chat_template, d.input_template)
+    r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    if len(p) + len(r) > d.max_len:
+        raise ImageDataError(f"a sample with images is {len(p) + len(r)} tokens, over --max_len {d.max_len} (image "
+                             f"prompts are never truncated); raise it to {len(p) + len(r)}")
+    return p + r, [0] * len(p) + [1] * len(r), (px, grid)
+
+
+def collate_images(samples) -> dict:
+    """The images of collated samples ((ids, mask[, (pixel_values, image_grid_thw)]) each), in sample order: {}
+    when none has any."""
+    imgs = [s[2] for s in samples if len(s) > 2 and s[2] is not None and s[2][1].numel()]
+    if not imgs:
+        return {}
+    return {"pixel_values": torch.cat([i[0] for i in imgs]), "image_grid_thw": torch.cat([i[1] for i in imgs])}

@@ -65,6 +65,7 @@ def vllm_fits(model_path: str, cuda: bool) -> Tuple[bool, str]:
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(model_path)
+        hf_config = getattr(hf_config, "text_config", None) or hf_config  # a vision-language model: its LM
         hd = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         if hd not in CPU_HEAD_DIMS:
             return False, f"head_dim {hd} is not one vLLM's CPU attention supports {CPU_HEAD_DIMS}"

@@ -171,3 +171,49 @@ def vision_tower_params(config) -> int:
     H, depth, ratio = int(g("hidden_size", 3584)), int(g("depth", 32)), float(g("mlp_ratio", 4))
     blocks = depth * (4 * D * D + 2 * int(D * ratio) * D)
     return int(g("in_channels", 3)) * t * p * p * D + blocks + (D * m * m) ** 2 + D * m * m * H
+
+
+def sample_has_images(task, row: dict, mode) -> bool:
+    """A supervised row (SFT / DPO) that carries images for the task's vision-language model (``task.images``:
+    rlhf.data.images.ImageInputs, None for a text-only model)."""
+    from rlhf.data.images import image_refs
+
+    if task.images is None or not image_refs(row.get(task.images.image_key)):
+        return False
+    if mode:
+        raise ValueError(f"rows with images (--image_key {task.images.image_key}) train as prompt -> response; "
+                         f"--{mode} is not supported with images: drop it")
+    return True
+
+
+def supervised_vision_kwargs(model, batch: dict) -> dict:
+    """The extra forward inputs of a collated supervised batch with images (rlhf.data.images.collate_images): {}
+    without; else pixel_values, image_grid_thw and mrope position ids, (3, B, T) padded or (4, 1, N) packed (the
+    samples of the packed row told apart by ``segment_ids``)."""
+    if "pixel_values" not in batch:
+        return {}
+    grid = batch["image_grid_thw"]
+    out = {"pixel_values": batch["pixel_values"], "image_grid_thw": grid}
+    if "segment_ids" in batch:
+        ids, seg = batch["input_ids"][0], batch["segment_ids"][0]
+        out["position_ids"] = packed_mrope_positions(model, [ids[seg == i] for i in range(int(seg.max()) + 1)], grid)
+    else:
+        out["position_ids"] = mrope_positions(model, batch["input_ids"], batch["attention_mask"], grid)
+    return out
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def copy_processor_files(model, dst: str) -> None:
+    """An export of a vision-language model keeps its image processor: the processor files of the folder the model
+    was loaded from (``config._name_or_path``) copied into ``dst`` (the tokenizer alone cannot prepare images)."""
+    import shutil
+
+    cfg = getattr(model, "config", None)
+    src = getattr(cfg, "_name_or_path", "") or ""
+    if not (cfg is not None and is_vision_config(cfg) and os.path.isdir(src)):
+        return
+    for f in PROCESSOR_FILES:
+        if os.path.isfile(os.path.join(src, f)) and not os.path.exists(os.path.join(dst, f)):
+            shutil.copyfile(os.path.join(src, f), os.path.join(dst, f))

@@ -24,6 +24,7 @@ from rlhf.distributed.groups import Groups, build_groups, nnodes_from_env
 from rlhf.distributed.placement import supervised_placement
 from rlhf.distributed.watchdog import Watchdog
 from rlhf.engines.train import spec_from_config
+from rlhf.data.images import ImageInputs
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.roles.actor import Actor
 from rlhf.roles.base import Roles, model_role
@@ -38,6 +39,7 @@ class Task:
     required_keys: Dict[str, str] = {}
     device: Optional[torch.device] = None  # the engine's compute device (SupervisedTrainer sets it; see ``batch``)
     ref = None  # the Reference role's engine where ``needs_reference`` (SupervisedTrainer sets it), else None
+    images = None  # a vision-language model's rlhf.data.images.ImageInputs (SupervisedTrainer sets it), else None
 
     def __init__(self, model_config, data, algorithm, tokenizer):
         """``model_config``, ``data``, ``algorithm``: the config's groups a task reads (rlhf.config.schema)."""
@@ -147,6 +149,8 @@ class SupervisedTrainer:
         self.path = resolve_pretrain(cfg.model.pretrain)
         self.tokenizer = load_tokenizer(self.path, padding_side="right")
         self.task = task_cls(cfg.model, d, cfg.algorithm, self.tokenizer)
+        self.task.images = ImageInputs.from_model_dir(self.path, cfg.vision.image_key,
+                                                      cfg.vision.max_images_per_prompt)  # None: text-only model
         keys = {k: getattr(d, k) for k in self.task.required_keys}
         rows, ev = load_train_eval(d, keys, d.dataset, d.dataset_probs,
                                    None if cfg.model.pretrain else default_data(self.path, data_kind),
