@@ -66,10 +66,11 @@ def _collate(packing: bool, tok, samples):
     return {**collate_supervised(samples, tok.pad_token_id), **collate_images(samples)}
 
 
-def build_policy(m, path: str, on_meta: bool = False):
-    """The trainable causal LM of SFT and DPO (LoRA, bf16, flash-attention, checkpointing from the model group)."""
+def build_policy(m, path: str, on_meta: bool = False, freeze_visual: bool = False):
+    """The trainable causal LM of SFT and DPO (LoRA, bf16, flash-attention, checkpointing from the model group;
+    ``freeze_visual``: --freeze_visual_encoder)."""
     return load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
-                          m.target_modules, on_meta=on_meta)
+                          m.target_modules, on_meta=on_meta, freeze_visual=freeze_visual)
 
 
 class SFTTask(Task):
@@ -82,7 +83,7 @@ class SFTTask(Task):
             self.required_keys = {"input_key": None}
 
     def build_model(self, path, on_meta=False):
-        return build_policy(self.model_config, path, on_meta)
+        return build_policy(self.model_config, path, on_meta, self.freeze_visual)
 
     def make_sample(self, row):
         """(input_ids, loss_mask): prompt -> response (loss on the response and eos), or under --multiturn every
@@ -212,7 +213,7 @@ class DPOTask(Task):
     required_keys = {"input_key": None, "chosen_key": None, "rejected_key": None}
 
     def build_model(self, path, on_meta=False):
-        return build_policy(self.model_config, path, on_meta)
+        return build_policy(self.model_config, path, on_meta, self.freeze_visual)
 
     REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 

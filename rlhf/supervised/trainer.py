@@ -40,6 +40,7 @@ class Task:
     device: Optional[torch.device] = None  # the engine's compute device (SupervisedTrainer sets it; see ``batch``)
     ref = None  # the Reference role's engine where ``needs_reference`` (SupervisedTrainer sets it), else None
     images = None  # a vision-language model's rlhf.data.images.ImageInputs (SupervisedTrainer sets it), else None
+    freeze_visual = False  # --freeze_visual_encoder (SupervisedTrainer sets it)
 
     def __init__(self, model_config, data, algorithm, tokenizer):
         """``model_config``, ``data``, ``algorithm``: the config's groups a task reads (rlhf.config.schema)."""
@@ -151,6 +152,7 @@ class SupervisedTrainer:
         self.task = task_cls(cfg.model, d, cfg.algorithm, self.tokenizer)
         self.task.images = ImageInputs.from_model_dir(self.path, cfg.vision.image_key,
                                                       cfg.vision.max_images_per_prompt)  # None: text-only model
+        self.task.freeze_visual = cfg.vision.freeze_visual_encoder
         keys = {k: getattr(d, k) for k in self.task.required_keys}
         rows, ev = load_train_eval(d, keys, d.dataset, d.dataset_probs,
                                    None if cfg.model.pretrain else default_data(self.path, data_kind),
