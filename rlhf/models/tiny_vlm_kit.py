@@ -149,8 +149,10 @@ def make_tiny_vlm(out: str, hidden: int = 64, seed: int = 0, n_train: int = 96, 
 @click.option("--hidden", default=64, show_default=True, help="language model width (128: head_dim 32, vLLM's CPU "
               "attention minimum)")
 @click.option("--seed", default=0, show_default=True)
-def main(out, hidden, seed):
-    make_tiny_vlm(out, hidden, seed)
+@click.option("--n_train", default=96, show_default=True, help="training rows (images) of each data file")
+@click.option("--n_eval", default=24, show_default=True, help="eval rows of each data file")
+def main(out, hidden, seed, n_train, n_eval):
+    make_tiny_vlm(out, hidden, seed, n_train, n_eval)
     click.echo(f"wrote the tiny Qwen2-VL kit to {out}")
 
 

@@ -159,9 +159,11 @@ def freeze_vision_tower(model) -> int:
 
 
 def vision_tower_params(config) -> int:
-    """Parameters of a Qwen2-VL-family vision tower from its ``vision_config`` (dict or object): patch embedding
-    C * t * p^2 * D, per block 4 D^2 (qkv, proj) + 2 D * mlp_ratio * D, and the merger
-    (D m^2)^2 + D m^2 * H (m: spatial merge, H: the language model's width).  0 without one."""
+    """Parameters of a Qwen2-VL vision tower from its ``vision_config`` (dict or object), exactly (transformers
+    modeling_qwen2_vl.py ``Qwen2VisionTransformerPretrainedModel``): patch embedding C * t * p^2 * D (no bias); per
+    block two LayerNorms 4 D, qkv 3 D^2 + 3 D, proj D^2 + D, MLP 2 D I + I + D (I = D * mlp_ratio); the merger
+    LayerNorm 2 D, M^2 + M, M H + H (M = D m^2, m: spatial merge, H: the language model's width).  0 without one.
+    (Qwen2.5-VL's gated MLP and RMSNorm differ by a few percent: an estimate there.)"""
     vc = config.get("vision_config") if isinstance(config, dict) else getattr(config, "vision_config", None)
     if not vc:
         return 0
@@ -169,8 +171,9 @@ def vision_tower_params(config) -> int:
     D, p, t, m = int(g("embed_dim", 1280)), int(g("patch_size", 14)), int(g("temporal_patch_size", 2)), \
         int(g("spatial_merge_size", 2))
     H, depth, ratio = int(g("hidden_size", 3584)), int(g("depth", 32)), float(g("mlp_ratio", 4))
-    blocks = depth * (4 * D * D + 2 * int(D * ratio) * D)
-    return int(g("in_channels", 3)) * t * p * p * D + blocks + (D * m * m) ** 2 + D * m * m * H
+    inner, M = int(D * ratio), D * m * m
+    blocks = depth * (4 * D + 3 * D * D + 3 * D + D * D + D + 2 * D * inner + inner + D)
+    return int(g("in_channels", 3)) * t * p * p * D + blocks + 2 * D + M * M + M + M * H + H
 
 
 def sample_has_images(task, row: dict, mode) -> bool:
