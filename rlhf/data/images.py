@@ -28,6 +28,10 @@ IMAGE_PART = {"type": "image"}
 class ImageDataError(ValueError):
     """A row's images cannot be used (missing file, a remote URL, too many images)."""
 
+# A prompt's images travel as the tuple (pixel_values (patches, C*t*p*p), image_grid_thw (images, 3), files): the
+# first two are what the trainer's forwards and the HF engine take, the local files what vLLM takes (its own
+# processor makes the pixels: vllm/model_executor/models/qwen2_vl.py ``Qwen2VLMultiModalDataParser``).
+
 
 def image_refs(value) -> List[str]:
     """The image references of a row's --image_key value: none, one string, or a list of strings."""
@@ -148,7 +152,8 @@ class ImageInputs:
         return marks + format_prompt(raw, tokenizer, False, input_template)
 
     def prompt(self, row: dict, input_key: str, tokenizer, apply_chat_template: bool, input_template=None):
-        """(text, ids with expanded placeholders, pixel_values, image_grid_thw) of a row's prompt."""
+        """(text, ids with expanded placeholders, pixel_values, image_grid_thw) of a row's prompt (the files the
+        images came from: ``self.files(row)``)."""
         imgs = open_images(row.get(self.image_key), self.max_images)
         text = self.prompt_text(row[input_key], len(imgs), tokenizer, apply_chat_template, input_template)
         pixels, grid = self.encode(imgs)
@@ -169,7 +174,9 @@ class ImageInputs:
                                      f"{cfg_data.prompt_max_len} (image prompts are never truncated); raise it to "
                                      f"{len(ids)}")
             label = r.get(cfg_data.label_key) if cfg_data.label_key else None
-            out.append(PromptItem(text, None if label is None else str(label), ids, (px, grid) if grid.numel() else None))
+            files = tuple(local_path(f) for f in image_refs(r.get(self.image_key)))
+            out.append(PromptItem(text, None if label is None else str(label), ids,
+                                  (px, grid, files) if grid.numel() else None))
         return out
 
 
@@ -211,3 +218,13 @@ def collate_images(samples) -> dict:
     if not imgs:
         return {}
     return {"pixel_values": torch.cat([i[0] for i in imgs]), "image_grid_thw": torch.cat([i[1] for i in imgs])}
+
+
+def multi_modal_data(images: Optional[tuple]) -> dict:
+    """vLLM's input for a prompt's images: ``{"multi_modal_data": {"image": PIL image or list}}`` beside the
+    prompt_token_ids (whose placeholders are already expanded: vLLM finds them and does not insert them again);
+    {} for a prompt without images."""
+    if images is None or not images[2]:
+        return {}
+    pil = open_images(list(images[2]))
+    return {"multi_modal_data": {"image": pil[0] if len(pil) == 1 else pil}}

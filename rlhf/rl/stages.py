@@ -22,8 +22,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rlhf.batch import Batch, cat, row_fields
-from rlhf.data.images import row_images
 from rlhf.console import print0
+from rlhf.data.images import row_images
 from rlhf.distributed.role_table import ROLE_TABLE
 from rlhf.rl.advantage_stage import _gap_metric, advantage_stage, needs_old_logprobs
 from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer, gap_due, measures_gap_only, on_policy_single_update, refills

@@ -22,11 +22,11 @@ from rlhf.batch import Batch
 from rlhf.config.batching_checks import dynamic_budgets
 from rlhf.config.preflight import preflight
 from rlhf.console import print0
+from rlhf.data.images import ImageInputs
 from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, make_placement, nnodes_from_env, role_needs
 from rlhf.distributed.failfast import guarded
 from rlhf.distributed.sharding import all_gather_objects
 from rlhf.distributed.watchdog import Watchdog, refill_deadlines
-from rlhf.data.images import ImageInputs
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.rewards.reward_func import builtin_reward_source, make_reward_source
 from rlhf.rl.advantage_stage import InvalidRewardGuard, running_reward_norm

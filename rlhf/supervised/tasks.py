@@ -13,9 +13,9 @@ from rlhf.data.images import collate_images, image_pair
 from rlhf.data.sft_modes import mode_of, mode_sample
 from rlhf.distributed.sequence_parallel import sp_of
 from rlhf.models.forward import sp_token_logprobs
-from rlhf.models.vision import sample_has_images, supervised_vision_kwargs
 from rlhf.models.lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_params, head_removed
 from rlhf.models.load import RM_NORM_FILE, apply_lora, attn_implementation, from_pretrained_or_meta, load_causal_lm, weight_dtype
+from rlhf.models.vision import sample_has_images, supervised_vision_kwargs
 from rlhf.supervised.trainer import Task
 
 

@@ -16,6 +16,7 @@ from rlhf.algorithms.seqlen_balancing import OVER_BUDGET, Item, plan_step
 from rlhf.config.batching_checks import row_budgets
 from rlhf.config.preflight import preflight
 from rlhf.console import print0
+from rlhf.data.images import ImageInputs
 from rlhf.data.loading import load_train_eval
 from rlhf.data.screen import screen_rows
 from rlhf.distributed import comm, micro_plan, shard_rows
@@ -24,7 +25,6 @@ from rlhf.distributed.groups import Groups, build_groups, nnodes_from_env
 from rlhf.distributed.placement import supervised_placement
 from rlhf.distributed.watchdog import Watchdog
 from rlhf.engines.train import spec_from_config
-from rlhf.data.images import ImageInputs
 from rlhf.models.load import load_tokenizer, resolve_pretrain
 from rlhf.roles.actor import Actor
 from rlhf.roles.base import Roles, model_role

@@ -188,3 +188,30 @@ def test_vision_flags_are_real_flags():
     cfg = parse("ppo", ["--data.image_key", "img", "--actor.freeze_visual_encoder"])
     assert cfg.vision.image_key == "img" and cfg.vision.freeze_visual_encoder
     assert json.loads(json.dumps(cfg.to_dict()))["vision"]["image_key"] == "img"
+
+
+def test_grpo_with_vllm_gets_multi_modal_data(kit, tmp_path, monkeypatch):
+    """GRPO through the vLLM engine (the vLLM fake, tests/helpers/vllm_fake.py: it takes ``multi_modal_data``
+    as vLLM does and refuses placeholders that do not match the images): every generate request carries its
+    prompt's image as a PIL image, and the trainer's log-probs equal the engine's (fp32)."""
+    from helpers.e2e import flags_argv
+    from helpers.vllm_fake import fake_vllm
+    from test_sleep_protocol import _run
+
+    fake_vllm(monkeypatch)
+    seen = []
+    from helpers.vllm_fake import FakeLLM
+
+    real = FakeLLM.generate
+    monkeypatch.setattr(FakeLLM, "generate", lambda self, prompts, sp, use_tqdm=False: (
+        seen.extend(p.get("multi_modal_data") for p in prompts), real(self, prompts, sp, use_tqdm))[1])
+    d = os.path.join(kit, "data")
+    argv = flags_argv({"pretrain": kit, "prompt_data": f"{d}/vlm_prompts_train.jsonl", "input_key": "input",
+                       "label_key": "label", "apply_chat_template": True, "remote_rm_url": f"{d}/reward_colour.py",
+                       "rollout_engine": "vllm", "generate_max_len": 3, "rollout_batch_size": 4,
+                       "n_samples_per_prompt": 2, "train_batch_size": 8, "micro_train_batch_size": 4,
+                       "micro_rollout_batch_size": 8, "max_global_steps": 1, "logprob_gap_interval": 1,
+                       "save_path": tmp_path / "m", "log_dir": tmp_path / "logs", "eval_steps": -1, "save_steps": -1})
+    train, _, _ = _run(argv)
+    assert len(seen) == 4 and all(m is not None and m["image"].size == (48, 32) for m in seen), seen
+    assert train[0]["rollout_logprob_gap"] < 1e-4, train[0]
