@@ -121,7 +121,7 @@ class PromptItem:
     prompt: str
     label: Optional[str]
     ids: List[int]
-    images: Optional[tuple] = None  # (pixel_values, image_grid_thw) of a vision-language prompt (rlhf.data.images)
+    images: Optional[tuple] = None  # a vision-language prompt's (pixel_values, image_grid_thw, files): rlhf.data.images
 
 
 def build_prompts(rows: List[Dict], tokenizer, cfg_data, images=None) -> List[PromptItem]:

@@ -22,7 +22,7 @@ import torch
 from rlhf.algorithms.logprob import entropy_chunked, logprobs_from_logits
 from rlhf.distributed.sequence_parallel import SP, collect, local_hidden, positions_in, sp_of
 from rlhf.models.lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_params, head_removed
-from rlhf.models.vision import packed_mrope_positions, vision_forward_kwargs
+from rlhf.models.vision import check_images, packed_mrope_positions, vision_forward_kwargs
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -93,6 +93,7 @@ def packed_action_logprobs(model, sequences: torch.Tensor, attention_mask: torch
     head = fusable_head(model) if fused else None
     sp = sp_of(model)
     vis = {}
+    check_images(model, ids, images)
     if images:
         if sp is not None:
             raise ValueError("--ring_attn_size > 1 with images: a vision-language model's sequence split is not "

@@ -114,9 +114,23 @@ def packed_mrope_positions(model, rows: Sequence[torch.Tensor], grid: torch.Tens
     return torch.cat(parts, 2)
 
 
+def check_images(model, ids: torch.Tensor, images: Optional[dict]) -> None:
+    """Rows holding image placeholder tokens must come with their images: without them a vision-language model
+    reads the placeholders as text and every log-prob is silently wrong (a path that dropped the Batch's image
+    fields).  A model without a vision config is not checked."""
+    cfg = getattr(model, "config", None)
+    if images or cfg is None or not is_vision_config(cfg) or getattr(cfg, "image_token_id", None) is None:
+        return
+    if bool((ids == int(cfg.image_token_id)).any()):
+        raise RuntimeError("rows with image placeholder tokens reached a vision-language model's forward without "
+                           "their pixel_values / image_grid_thw (the Batch's image fields were not carried on this "
+                           "path; rlhf.data.images.row_images)")
+
+
 def vision_forward_kwargs(model, images: Optional[dict], ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
     """The extra forward inputs of padded rows: {} without images, else pixel_values, image_grid_thw and the (3, B, T)
     mrope ``position_ids`` (replacing the 1-D ones)."""
+    check_images(model, ids, images)
     if not images:
         return {}
     grid = images["image_grid_thw"]

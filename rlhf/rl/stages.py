@@ -80,6 +80,7 @@ class RolloutStage(Stage):
     def run(self, batch: Batch, roles) -> None:
         if self.queue is not None:  # generated ahead (rlhf.rl.async_queue): gathered now
             self.queue.take(batch)
+            batch.pixel_values, batch.image_grid_thw = row_images(batch.prompts, batch.n_samples)
             return
         batch.fill(self.rollouts.generate(roles, batch.prompts, self.sampler.params(batch.step)))
         batch.pixel_values, batch.image_grid_thw = row_images(batch.prompts, batch.n_samples)  # VLM prompts' images
@@ -163,6 +164,7 @@ class RefillRolloutStage(Stage):
         chosen = (kept + spare)[:target]
         st.prompts = [c[0] for c in chosen]
         st.fill(cat([c[1] for c in chosen], self.rollouts.pad_id))
+        st.pixel_values, st.image_grid_thw = row_images(st.prompts, n)  # the chosen prompts' images (VLM)
         st.metrics.update({"dynamic_filter_rounds": float(rounds), "dynamic_filter_pass_rate": passed / seen,
                            "dynamic_filter_generated_prompts": float(seen)})
 

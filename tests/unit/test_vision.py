@@ -138,7 +138,8 @@ def test_trainer_logprobs_equal_the_hf_engines_on_image_prompts(parts):
                "unfused": action_logprobs(m, b.sequences, b.attention_mask, b.num_actions, images=im, fused=False)[0],
                "rows 5..11": action_logprobs(m, b.sequences[5:], b.attention_mask[5:], b.num_actions,
                                              images=batch_images(b, slice(5, None), "cpu"))[0]}
-        blind = action_logprobs(m, b.sequences, b.attention_mask, b.num_actions)[0]
+        blind = action_logprobs(m, b.sequences.masked_fill(b.sequences == parts.images.image_token_id, 0),
+                                b.attention_mask, b.num_actions)[0]  # the placeholders as another token
     for k, lp in got.items():
         ref = b.rollout_logprobs[5:] if k == "rows 5..11" else b.rollout_logprobs
         mask = am[5:] if k == "rows 5..11" else am
@@ -215,3 +216,14 @@ def test_grpo_with_vllm_gets_multi_modal_data(kit, tmp_path, monkeypatch):
     train, _, _ = _run(argv)
     assert len(seen) == 4 and all(m is not None and m["image"].size == (48, 32) for m in seen), seen
     assert train[0]["rollout_logprob_gap"] < 1e-4, train[0]
+
+
+def test_image_rows_without_their_images_are_refused(parts):
+    """A path that drops the Batch's image fields would score placeholders as text, silently: refused."""
+    from rlhf.models.forward import action_logprobs, packed_action_logprobs
+
+    b = engine_batch(parts, n=1)
+    for fn in (lambda: action_logprobs(parts.model, b.sequences, b.attention_mask, b.num_actions),
+               lambda: packed_action_logprobs(parts.model, b.sequences, b.attention_mask, b.action_mask)):
+        with pytest.raises(RuntimeError, match="without their pixel_values / image_grid_thw"):
+            fn()
