@@ -12,7 +12,7 @@ from rlhf.engines.rollout import RolloutEngine, SamplingParams, response_mask
 from rlhf.engines.rollout_registry import EngineArgs
 from rlhf.engines.sampling import decode_with_head, logits_head
 from rlhf.models.load import load_causal_lm, load_tokenizer
-from rlhf.models.vision import gather_images, vision_forward_kwargs
+from rlhf.models.vision import cut_at_tokens, gather_images, vision_forward_kwargs, vision_token_ids
 
 
 def stop_ids(requested: Sequence[int], eos_id, generation_config=None) -> tuple:
@@ -82,8 +82,9 @@ class HFEngine(RolloutEngine):
         truncated = ~is_stop.any(1)
         seqs = torch.cat([ids, resp], 1)
         full_att = torch.cat([att, am], 1)
-        return Batch(sequences=seqs.cpu(), attention_mask=full_att.cpu(), action_mask=am.cpu(),
-                     rollout_logprobs=(lp * am).cpu(), prompt_len=ids.size(1), truncated=truncated.cpu())
+        out = Batch(sequences=seqs.cpu(), attention_mask=full_att.cpu(), action_mask=am.cpu(),
+                    rollout_logprobs=(lp * am).cpu(), prompt_len=ids.size(1), truncated=truncated.cpu())
+        return cut_at_tokens(out, vision_token_ids(getattr(self.model, "config", None)), pad)  # a VLM's placeholders
 
     def load_weights(self, named_tensors) -> None:
         params = dict(self.model.named_parameters())

@@ -42,6 +42,7 @@ from rlhf.engines.vllm_launch import (
 from rlhf.engines.vllm_memory import EngineMemory, empty_device_cache, release_vllm_groups
 from rlhf.engines.vllm_worker import WorkerExtension
 from rlhf.models.load import load_tokenizer
+from rlhf.models.vision import cut_at_tokens, vision_tokens_of
 
 MODES = ("colocated", "separate")
 
@@ -97,6 +98,7 @@ class VLLMEngine(RolloutEngine):
         cuda = on_cuda()
         self.vllm, self.mode, self.tp = vllm, mode, tp_size
         self.pad, self.eos = pad_token_id, eos_token_id
+        self.vision_tokens = vision_tokens_of(model_path)  # a VLM's placeholders: cut from responses
         self.tp_group, self.tp_src = tp_group, tp_src
         self.driver = driver or mode == "colocated"
         self.loader = weight_loader if weight_loader != "auto" else ("direct" if cuda else "reload")
@@ -190,9 +192,10 @@ class VLLMEngine(RolloutEngine):
 
     def _to_batch(self, outs) -> Batch:
         rows = [(list(o.prompt_token_ids), c) for o in outs for c in o.outputs]
-        return batch_from_rows([p for p, _ in rows], [list(c.token_ids) for _, c in rows],
-                               [[d[t].logprob for t, d in zip(c.token_ids, c.logprobs)] for _, c in rows],
-                               [c.finish_reason == "length" for _, c in rows], self.pad)
+        b = batch_from_rows([p for p, _ in rows], [list(c.token_ids) for _, c in rows],
+                            [[d[t].logprob for t, d in zip(c.token_ids, c.logprobs)] for _, c in rows],
+                            [c.finish_reason == "length" for _, c in rows], self.pad)
+        return cut_at_tokens(b, self.vision_tokens, self.pad)  # a VLM's sampled placeholders (rlhf.models.vision)
 
     # ---- weights -----------------------------------------------------------------------------------------------
     @property

@@ -234,3 +234,44 @@ def copy_processor_files(model, dst: str) -> None:
     for f in PROCESSOR_FILES:
         if os.path.isfile(os.path.join(src, f)) and not os.path.exists(os.path.join(dst, f)):
             shutil.copyfile(os.path.join(src, f), os.path.join(dst, f))
+
+
+def vision_token_ids(config) -> tuple:
+    """The placeholder and delimiter tokens of a vision-language model's config (image, video, vision start / end):
+    a response must not hold them (``cut_at_tokens``); () for a text-only model."""
+    if config is None or not is_vision_config(config):
+        return ()
+    get = config.get if isinstance(config, dict) else (lambda k: getattr(config, k, None))
+    return tuple(sorted({int(get(k)) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                 "vision_end_token_id") if get(k) is not None}))
+
+
+def cut_at_tokens(batch, token_ids: Sequence[int], pad_id: int):
+    """A rollout batch with each response cut before its first token of ``token_ids`` (a vision placeholder the
+    policy sampled: fed back, the model would take it for an image slot without an image, and its forward refuses
+    placeholders that do not match the images).  The cut row ends there as a length-cut row does (the HF engine's
+    ``max_model_len`` rule): pad from there, action / attention mask 0, truncated; the kept tokens' log-probs are
+    untouched.  Returns ``batch`` (changed in place)."""
+    if not token_ids or batch is None:
+        return batch
+    P = batch.prompt_len
+    resp = batch.sequences[:, P:]
+    hit = torch.isin(resp, torch.tensor(list(token_ids), device=resp.device))
+    if not bool(hit.any()):
+        return batch
+    keep = hit.long().cumsum(1) == 0
+    batch.sequences = torch.cat([batch.sequences[:, :P], resp.masked_fill(~keep, pad_id)], 1)
+    batch.attention_mask = torch.cat([batch.attention_mask[:, :P], batch.attention_mask[:, P:] * keep], 1)
+    batch.action_mask = batch.action_mask * keep
+    batch.rollout_logprobs = batch.rollout_logprobs * keep
+    batch.truncated = batch.truncated | hit.any(1)
+    return batch
+
+
+def vision_tokens_of(path: str) -> tuple:
+    """``vision_token_ids`` of the model folder ``path`` (its config.json; () without one)."""
+    f = os.path.join(path, "config.json")
+    if not os.path.isfile(f):
+        return ()
+    with open(f) as fh:
+        return vision_token_ids(json.load(fh))

@@ -227,3 +227,25 @@ def test_image_rows_without_their_images_are_refused(parts):
                lambda: packed_action_logprobs(parts.model, b.sequences, b.attention_mask, b.action_mask)):
         with pytest.raises(RuntimeError, match="without their pixel_values / image_grid_thw"):
             fn()
+
+
+def test_a_sampled_placeholder_cuts_the_response_there():
+    """A policy that samples <|image_pad|> (a random tiny model does; at 2 ranks it broke the forward's placeholder
+    count): the row ends before it, as a length cut, kept tokens and log-probs untouched."""
+    from rlhf.models.vision import cut_at_tokens, vision_token_ids
+
+    cfg = {"vision_config": {}, "image_token_id": 9, "video_token_id": 8, "vision_start_token_id": 6,
+           "vision_end_token_id": 7}
+    assert vision_token_ids(cfg) == (6, 7, 8, 9) and vision_token_ids({"hidden_size": 4}) == ()
+    seq = torch.tensor([[0, 5, 9, 3, 4, 9, 2], [5, 5, 9, 3, 9, 4, 0]])  # P = 3: responses [3, 4, 9, 2], [3, 9, 4, 0]
+    att = torch.tensor([[0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0]])
+    am = att[:, 3:].clone()
+    lp = torch.tensor([[-1.0, -2.0, -3.0, -4.0], [-5.0, -6.0, -7.0, 0.0]])
+    b = Batch(sequences=seq, attention_mask=att, action_mask=am, rollout_logprobs=lp, prompt_len=3,
+              truncated=torch.tensor([False, False]))
+    cut_at_tokens(b, vision_token_ids(cfg), pad_id=0)
+    assert b.sequences.tolist() == [[0, 5, 9, 3, 4, 0, 0], [5, 5, 9, 3, 0, 0, 0]], "prompt placeholders stay"
+    assert b.action_mask.tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
+    assert b.attention_mask.tolist() == [[0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0]]
+    assert b.rollout_logprobs.tolist() == [[-1.0, -2.0, 0.0, 0.0], [-5.0, 0.0, 0.0, 0.0]]
+    assert b.truncated.tolist() == [True, True]
