@@ -275,3 +275,18 @@ def vision_tokens_of(path: str) -> tuple:
         return ()
     with open(f) as fh:
         return vision_token_ids(json.load(fh))
+
+
+def refuse_vision_roles(needs: dict) -> None:
+    """A vision-language policy trains with the actor, the reference and reward functions; a critic or a reward
+    model would need a value / score head on a Qwen2-VL backbone fed the images, which transformers 5.19 does not
+    have (no ``Qwen2VLForSequenceClassification``) and this library does not build: refused before any process
+    group.  ``needs``: rlhf.distributed.placement.role_needs."""
+    from rlhf.errors import InputError
+
+    if needs.get("need_critic"):
+        raise InputError("--advantage_estimator gae needs a critic, and a critic of a vision-language model is not "
+                         "supported; use a critic-free estimator, e.g. --advantage_estimator group_norm (GRPO)")
+    if needs.get("need_reward_model"):
+        raise InputError("--reward_pretrain: a reward model for a vision-language policy is not supported; score "
+                         "with a reward function instead, e.g. --remote_rm_url reward_func.py")

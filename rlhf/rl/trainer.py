@@ -28,6 +28,7 @@ from rlhf.distributed.failfast import guarded
 from rlhf.distributed.sharding import all_gather_objects
 from rlhf.distributed.watchdog import Watchdog, refill_deadlines
 from rlhf.models.load import load_tokenizer, resolve_pretrain
+from rlhf.models.vision import refuse_vision_roles
 from rlhf.rewards.reward_func import builtin_reward_source, make_reward_source
 from rlhf.rl.advantage_stage import InvalidRewardGuard, running_reward_norm
 from rlhf.rl.async_queue import AsyncRollout, QueueSettings
@@ -77,6 +78,8 @@ class RLTrainer:
         self.path = resolve_pretrain(cfg.model.pretrain)
         self.tokenizer = load_tokenizer(self.path)
         self.images = ImageInputs.from_model_dir(self.path, cfg.vision.image_key, cfg.vision.max_images_per_prompt)
+        if self.images is not None:  # a vision-language policy: no critic or reward model (rlhf.models.vision)
+            refuse_vision_roles(role_needs(a, cfg.model))
         self.prompts, eval_prompts, eval_sources = load_prompt_sets(
             cfg.data, cfg.optim.seed, self.tokenizer, None if cfg.model.pretrain else self.path, self.images)
         rb = r.rollout_batch_size

@@ -249,3 +249,24 @@ def test_a_sampled_placeholder_cuts_the_response_there():
     assert b.attention_mask.tolist() == [[0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0]]
     assert b.rollout_logprobs.tolist() == [[-1.0, -2.0, 0.0, 0.0], [-5.0, 0.0, 0.0, 0.0]]
     assert b.truncated.tolist() == [True, True]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    ({"advantage_estimator": "gae"}, "a critic of a vision-language model is not supported"),
+    ({"reward_pretrain": "/nonexistent-rm"}, "a reward model for a vision-language policy is not supported")])
+def test_critic_and_reward_model_are_refused_for_a_vlm(kit, tmp_path, flags, needle, monkeypatch):
+    from helpers.e2e import flags_argv
+
+    from rlhf.config import parse
+    from rlhf.errors import InputError
+    from rlhf.rl import trainer as trainer_mod
+    from rlhf.train_grpo import GRPO_DEFAULTS
+
+    monkeypatch.setattr(trainer_mod, "preflight", lambda *a, **k: None)  # the refusal under test, not the RM path
+    d = os.path.join(kit, "data")
+    cfg = parse("grpo", flags_argv({"pretrain": kit, "prompt_data": f"{d}/vlm_prompts_train.jsonl",
+                                    "input_key": "input", "apply_chat_template": True,
+                                    "remote_rm_url": f"{d}/reward_colour.py", "save_path": tmp_path, **flags}),
+                GRPO_DEFAULTS)
+    with pytest.raises(InputError, match=needle):
+        trainer_mod.RLTrainer(cfg, "grpo")
