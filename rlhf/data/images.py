@@ -191,13 +191,6 @@ def row_images(prompts: list, n_samples: int):
         [per[i // n_samples][1] for i in range(len(per) * n_samples)]
 
 
-def sample_images(row: dict, images: Optional[ImageInputs]):
-    """(pixel_values, image_grid_thw) of a supervised row (SFT / DPO), or None without images."""
-    if images is None or not image_refs(row.get(images.image_key)):
-        return None
-    return images.encode(open_images(row.get(images.image_key), images.max_images))
-
-
 def image_pair(images: ImageInputs, row: dict, response: str, tokenizer, d):
     """(input_ids, loss_mask, (pixel_values, image_grid_thw)) of a supervised row with images: prompt (its image
     placeholders included) -> response + eos, loss on the response and eos only (the image tokens, like the rest
