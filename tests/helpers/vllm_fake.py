@@ -229,7 +229,7 @@ class FakeLLM(SleepModeLLM):
     def _images(self, prompt):
         """A prompt's ``multi_modal_data`` as vLLM reads it (vllm/multimodal/parse.py: ``"image"`` one PIL image or a
         list), made into pixels by the model's image processor; vLLM refuses a prompt whose placeholder tokens do not
-        match its images (vllm/multimodal/processing.py ``_validate_mm_placeholders``), and so does this fake."""
+        match its images (vllm/multimodal/processing/processor.py ``_validate_mm_placeholders``), and so does this fake."""
         mm = prompt.get("multi_modal_data")
         if not mm:
             return None
