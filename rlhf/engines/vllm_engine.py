@@ -28,7 +28,7 @@ from rlhf.data.images import multi_modal_data
 from rlhf.distributed.transport import layer_key, pack, split_last_layer
 from rlhf.engines.rollout import Batch, RolloutEngine, SamplingParams, batch_from_rows
 from rlhf.engines.rollout_registry import EngineArgs
-from rlhf.engines.vllm_compat import _cap_len, check_vllm, on_cuda, sleep_available
+from rlhf.engines.vllm_compat import _cap_len, check_vision_deps, check_vllm, on_cuda, sleep_available
 from rlhf.engines.vllm_launch import (
     LAUNCHER_ENV,
     _env,
@@ -99,6 +99,8 @@ class VLLMEngine(RolloutEngine):
         self.vllm, self.mode, self.tp = vllm, mode, tp_size
         self.pad, self.eos = pad_token_id, eos_token_id
         self.vision_tokens = vision_tokens_of(model_path)  # a VLM's placeholders: cut from responses
+        if self.vision_tokens:
+            check_vision_deps()
         self.tp_group, self.tp_src = tp_group, tp_src
         self.driver = driver or mode == "colocated"
         self.loader = weight_loader if weight_loader != "auto" else ("direct" if cuda else "reload")

