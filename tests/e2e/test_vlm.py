@@ -1,16 +1,18 @@
 """A tiny vision-language model (Qwen2-VL from a config, rlhf.models.tiny_vlm_kit) trains SFT, DPO and GRPO
-through the CLIs on CPU with the HF engine, the three in one python process (tests/helpers/run_clis.py)."""
-import json
+through the CLIs on CPU with the HF engine, the three in this process (tests/helpers/run_clis.py: each module run
+as ``python -m module argv`` would; a 1-rank job, as tests/unit/test_sleep_protocol.py runs its trainers)."""
 import os
-import subprocess
-import sys
 
-from helpers.e2e import ROOT, flags_argv
+from helpers import run_clis
+from helpers.e2e import flags_argv
 
 from rlhf.utils.logging import read_metrics
 
 
-def test_vlm_sft_dpo_grpo_through_the_clis(tmp_path):
+def test_vlm_sft_dpo_grpo_through_the_clis(tmp_path, monkeypatch):
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     kit = str(tmp_path / "kit")  # built in the same process as the CLIs (one import of transformers' Qwen2-VL)
     d, sft, logs = os.path.join(kit, "data"), str(tmp_path / "sft"), {k: str(tmp_path / f"{k}_logs") for k in
                                                                       ("sft", "dpo", "grpo")}
@@ -36,13 +38,7 @@ def test_vlm_sft_dpo_grpo_through_the_clis(tmp_path):
                                         "eval_temperature": 0.0, "save_path": str(tmp_path / "grpo"),
                                         "log_dir": logs["grpo"]})),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "helpers", "run_clis.py"), json.dumps(chain)],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, f"the CLI chain failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    print("\n".join(line for line in p.stdout.splitlines() if line.startswith("[run_clis]")))
+    run_clis.main(chain)  # in this process: transformers is imported already (a subprocess re-imports it: ~10 s)
     m = {k: [r for r in read_metrics(os.path.join(v, "metrics.jsonl")) if r["split"] == "train"] for k, v in logs.items()}
     sft_loss = [r["loss"] for r in m["sft"]]
     assert len(sft_loss) == 2 and sft_loss[-1] < sft_loss[0] - 0.3, f"SFT on image rows did not learn: {sft_loss}"
