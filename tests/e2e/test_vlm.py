@@ -39,6 +39,9 @@ def test_vlm_sft_dpo_grpo_through_the_clis(tmp_path, monkeypatch):
                                         "log_dir": logs["grpo"]})),
     ]
     run_clis.main(chain)  # in this process: transformers is imported already (a subprocess re-imports it: ~10 s)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "a CLI left its process group behind (later tests in this process expect none)"
     m = {k: [r for r in read_metrics(os.path.join(v, "metrics.jsonl")) if r["split"] == "train"] for k, v in logs.items()}
     sft_loss = [r["loss"] for r in m["sft"]]
     assert len(sft_loss) == 2 and sft_loss[-1] < sft_loss[0] - 0.3, f"SFT on image rows did not learn: {sft_loss}"
