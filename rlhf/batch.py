@@ -3,7 +3,8 @@
 Every field says (``dataclasses.field(metadata=...)``, read by ``spec``):
 
 - ``kind``: ``ROW`` (B,), ``TOKEN`` (B, R) response tokens, ``SEQ`` (B, P + R) prompt | response, ``NAMED`` a dict
-  of (B,) float tensors by name, or ``META`` (the step's: not per row);
+  of (B,) float tensors by name, ``IMAGES`` a list of B tensors (row i's images' rows: a prompt's image patches,
+  any count; block ``"object"``: gathered as objects, never padded), or ``META`` (the step's: not per row);
 - ``block``: ``"int"`` or ``"float"``, the gather block its columns travel in (``dtype``: what it is stored as);
 - ``pad``: the value a wider batch pads it with (prompts on the left, responses on the right; ``PAD_ID`` is the
   tokenizer's pad id, given to the op);
@@ -23,6 +24,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 ROW, TOKEN, SEQ, NAMED, META = "row", "token", "seq", "named", "meta"
+IMAGES = "images"  # a per-row list of tensors of any length (pixel rows are per image patch, not per token)
 PAD_ID = "pad_id"  # pad value: the tokenizer's pad id, given to the op
 
 
@@ -87,6 +89,11 @@ class Batch:
     n_samples: int = meta_field(1, "loop", "samples per prompt")
     kl_coef: float = meta_field(0.0, "loop", "the KL controller's coefficient this step")
     metrics: Dict[str, float] = meta_field(dict, "every stage", "this step's metrics", per_view=True)
+    pixel_values: List[torch.Tensor] = tensor_field(
+        IMAGES, "object", torch.float32, None, "prompts", "B x (patches, C*t*p*p) the row's prompt's image patches "
+        "(a vision-language model; None: text-only), in placeholder order (rlhf.models.vision)")
+    image_grid_thw: List[torch.Tensor] = tensor_field(
+        IMAGES, "object", torch.long, None, "prompts", "B x (images, 3) the (t, h, w) patch grid of each image")
 
     @property
     def num_actions(self) -> int:
@@ -149,6 +156,9 @@ def _pick(f, v, rows):
         return type(v)() if f.metadata["per_view"] else v
     if v is None:
         return None
+    if kind == IMAGES:
+        idx = torch.arange(len(v))[rows]
+        return v[int(idx)] if idx.dim() == 0 else [v[int(i)] for i in idx]
     return {k: t[rows] for k, t in v.items()} if kind == NAMED else v[rows]
 
 
@@ -174,6 +184,8 @@ def cat(batches: Sequence[Batch], pad_id: int) -> Batch:
         elif f.metadata["kind"] == NAMED:
             keys = sorted(set.intersection(*(set(v) for v in vals)))
             out[f.name] = {k: torch.cat([v[k] for v in vals]) for k in keys}
+        elif f.metadata["kind"] == IMAGES:
+            out[f.name] = [t for v in vals for t in v]
         else:
             out[f.name] = torch.cat(vals)
     out["prompt_len"] = P

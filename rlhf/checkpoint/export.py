@@ -12,6 +12,7 @@ from typing import List, Optional, Tuple
 
 from rlhf.checkpoint.manifest import _walk
 from rlhf.errors import ExportError
+from rlhf.models.vision import copy_processor_files
 
 
 def drop_tied_copies(state: dict, model) -> dict:
@@ -44,6 +45,7 @@ def save_hf(model_state: Optional[dict], model, tokenizer, path: str) -> None:
         base.save_pretrained(tmp, state_dict=drop_tied_copies(model_state, base), safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    copy_processor_files(base, tmp)  # a vision-language model's image processor travels with it
     install_export(tmp, path)
 
 

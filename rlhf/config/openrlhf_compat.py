@@ -96,9 +96,6 @@ COMPAT: Dict[str, Compat] = {
     "attn_implementation": _noop("attention is sdpa, or flash_attention_2 with --flash_attn", str, "flash_attention_2"),
     "best_metric_key": _noop("no best-checkpoint tracking: checkpoints are the newest --max_ckpt_num", str, ""),
     "ema_beta": _noop("no EMA model (--enable_ema is not supported)", float, 0.992),
-    "image_key": _noop("text-only: there is no vision input", str, "images"),
-    "max_images_per_prompt": _noop("text-only: there is no vision input", int, 0),
-    "freeze_visual_encoder": _noop("text-only: there is no vision encoder"),
     "tokenizer_chat_template": _unsupported("the chat template comes from the tokenizer in --pretrain", str),
     # --- accepted at OpenRLHF's default only (a different value would change training: error)
     "ptx_coef": _noop("PPO-ptx needs --pretrain_data, which is not supported", float, 0.05),

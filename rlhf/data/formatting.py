@@ -125,6 +125,7 @@ class PromptItem:
     label: Optional[str]
     ids: List[int]
     tools: Optional[list] = None  # the OpenAI function schemas rendered into the prompt (row_tools)
+    images: Optional[tuple] = None  # a vision-language prompt's (pixel_values, image_grid_thw, files): rlhf.data.images
 
 
 def row_tools(row, default: Optional[list] = None) -> Optional[list]:
@@ -144,11 +145,15 @@ def row_tools(row, default: Optional[list] = None) -> Optional[list]:
     return t if t else default
 
 
-def build_prompts(rows: List[Dict], tokenizer, cfg_data, tools: Optional[list] = None) -> List[PromptItem]:
+def build_prompts(rows: List[Dict], tokenizer, cfg_data, tools: Optional[list] = None, images=None
+                  ) -> List[PromptItem]:
     """Prompts left-truncated to --prompt_max_len; how many were cut is said once (not silently).  A prompt with
     no tokens at all (an empty --input_key, no chat template) has nothing to condition on and would break the
     rollout's shapes: such rows are dropped and counted; a file of nothing else is refused here, at load.
-    ``tools``: the schemas of rows without a ``tools`` column of their own (``row_tools``)."""
+    ``tools``: the schemas of rows without a ``tools`` column of their own (``row_tools``).  ``images``: a
+    vision-language model's ``rlhf.data.images.ImageInputs`` (its prompts carry their images)."""
+    if images is not None:
+        return images.build_prompts(rows, tokenizer, cfg_data)
     out, cut, empty = [], 0, 0
     for r in rows:
         offered = row_tools(r, tools)

@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from rlhf.batch import NAMED, ROW, SEQ, TOKEN, Batch, spec
+from rlhf.batch import IMAGES, NAMED, ROW, SEQ, TOKEN, Batch, spec
 from rlhf.distributed.sharding import all_gather_objects, gather_max, gather_rows
 
 
@@ -57,6 +57,10 @@ def gather_batch(local: Optional[Batch], owned: Optional[slice], n_rows: int, na
                 out[n] = {k: part[:, i].to(m["dtype"]) for i, k in enumerate(keys)}
             else:
                 out[n] = (part[:, 0] if m["kind"] == ROW else part).to(m["dtype"])
+    for n, m in specs:  # per-row lists of any length (images): one object gather, owners' rows in order
+        if m["kind"] == IMAGES:
+            every = all_gather_objects(None if local is None else (owned.start, getattr(local, n)), group)
+            out[n] = [t for _, part in sorted((e for e in every if e is not None), key=lambda e: e[0]) for t in part]
     if "sequences" in out and "attention_mask" in out:  # pad ids wherever the mask is 0
         seq = out["sequences"]
         out["sequences"] = torch.where(out["attention_mask"].bool(), seq, torch.full_like(seq, pad_id))

@@ -15,6 +15,7 @@ from rlhf.engines.rollout_registry import EngineArgs
 from rlhf.engines.sampling import decode_with_head, logits_head
 from rlhf.models import moe
 from rlhf.models.load import load_causal_lm, load_tokenizer
+from rlhf.models.vision import cut_at_tokens, gather_images, vision_forward_kwargs, vision_token_ids
 
 
 def stop_ids(requested: Sequence[int], eos_id, generation_config=None) -> tuple:
@@ -72,7 +73,7 @@ class HFEngine(RolloutEngine):
         return self.decoder.step(admit, abort)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Batch:
+    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams, images=None) -> Batch:
         self._idle("generate")
         stop = self._stop_ids(params)
         per = max(1, self.micro_batch_size // max(params.n, 1))
@@ -82,7 +83,8 @@ class HFEngine(RolloutEngine):
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         with logits_head(self.model) as head:  # one head copy for every chunk of this call
             for s in range(0, len(prompt_ids), per):
-                outs.append(self._generate_chunk(prompt_ids[s:s + per], params, stop, gen, head))
+                outs.append(self._generate_chunk(prompt_ids[s:s + per], params, stop, gen, head,
+                                                 images[s:s + per] if images else None))
         out = cat(outs, self.tokenizer.pad_token_id)
         if self._routes:
             out.routed_experts = self._routing(out)
@@ -103,17 +105,20 @@ class HFEngine(RolloutEngine):
                        use_cache=False, logits_to_keep=1)
         return r.used.view(*ids.shape, -1).masked_fill(~att.bool().unsqueeze(-1), moe.NO_ROUTE).cpu()
 
-    def _generate_chunk(self, prompts, params: SamplingParams, stop, gen, head) -> Batch:
+    def _generate_chunk(self, prompts, params: SamplingParams, stop, gen, head, images=None) -> Batch:
         pad = self.tokenizer.pad_token_id
         ids, att = pad_batch(prompts, pad, side="left")
         ids, att = ids.to(self.device), att.to(self.device)
+        prefill = vision_forward_kwargs(self.model, gather_images([i and i[0] for i in images], [i and i[1] for i in
+                                                                   images], slice(None), self.device), ids, att) \
+            if images else None
         steps, room = params.max_new_tokens, None
         if self.max_model_len:  # each row may take what its prompt leaves of max_model_len (at least 1 token)
             room = (self.max_model_len - att.sum(1)).clamp(min=1).repeat_interleave(params.n)
             steps = max(1, min(steps, int(room.max())))
         resp, lp = decode_with_head(self.model, head, ids, att, params.n, steps, stop, pad,
                                     temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                    generator=gen)
+                                    generator=gen, prefill=prefill)
         ids, att = ids.repeat_interleave(params.n, 0), att.repeat_interleave(params.n, 0)
         am = response_mask(resp, stop)
         is_stop = torch.isin(resp, torch.tensor(stop, device=resp.device))
@@ -123,8 +128,9 @@ class HFEngine(RolloutEngine):
         truncated = ~is_stop.any(1)
         seqs = torch.cat([ids, resp], 1)
         full_att = torch.cat([att, am], 1)
-        return Batch(sequences=seqs.cpu(), attention_mask=full_att.cpu(), action_mask=am.cpu(),
-                     rollout_logprobs=(lp * am).cpu(), prompt_len=ids.size(1), truncated=truncated.cpu())
+        out = Batch(sequences=seqs.cpu(), attention_mask=full_att.cpu(), action_mask=am.cpu(),
+                    rollout_logprobs=(lp * am).cpu(), prompt_len=ids.size(1), truncated=truncated.cpu())
+        return cut_at_tokens(out, vision_token_ids(getattr(self.model, "config", None)), pad)  # a VLM's placeholders
 
     def load_weights(self, named_tensors) -> None:
         self._idle("load_weights")

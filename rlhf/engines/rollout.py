@@ -41,9 +41,12 @@ class RolloutEngine(abc.ABC):
 
     # ---- generation ----------------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Optional[Batch]:
+    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams,
+                 images: Optional[list] = None) -> Optional[Batch]:
         """params.n samples per prompt, rows prompt-major; None on a rank that reports no rows (non-first TP rank
-        of an engine in its own processes)."""
+        of an engine in its own processes).  ``images``: a vision-language model's prompts' (pixel_values,
+        image_grid_thw) (None for a prompt without), passed only when some prompt has images (rlhf.data.images;
+        its placeholder tokens are already expanded in the prompt ids)."""
 
     def step_requests(self, admit, abort=()):
         """Per-request generation (continuous batching; ``rlhf.agents.scheduler`` drives it): admit ``admit``

@@ -165,8 +165,10 @@ def logits_head(model):
 
 
 def decode_with_head(model, head, prompt_ids, prompt_mask, n, max_new_tokens, stop_ids, pad_id, temperature=1.0,
-                     top_k=0, top_p=1.0, generator=None):
-    """decode inside a ``logits_head(model)`` block: ``head`` is what the block yielded."""
+                     top_k=0, top_p=1.0, generator=None, prefill=None):
+    """decode inside a ``logits_head(model)`` block: ``head`` is what the block yielded.  ``prefill``: extra inputs
+    of the prompt forward (a vision-language model's pixel_values, image_grid_thw and (3, B, P) mrope
+    ``position_ids``, rlhf.models.vision); the response's positions continue from the prompt's last one."""
     dev = prompt_ids.device
     kw, cache = _new_cache(model)
     Bp, P = prompt_ids.shape
@@ -174,11 +176,13 @@ def decode_with_head(model, head, prompt_ids, prompt_mask, n, max_new_tokens, st
     padded = not bool(prompt_mask.all())
     mask_buf = torch.ones((Bp, P + max_new_tokens), dtype=prompt_mask.dtype, device=dev)
     mask_buf[:, :P] = prompt_mask
-    pos = (prompt_mask.long().cumsum(1) - 1).clamp_(min=0)
+    extra = dict(prefill or {})
+    pos = extra.pop("position_ids", None)
+    pos = (prompt_mask.long().cumsum(1) - 1).clamp_(min=0) if pos is None else pos
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask if padded else None, position_ids=pos,
-                use_cache=True, logits_to_keep=1, **{kw: cache})
+                use_cache=True, logits_to_keep=1, **extra, **{kw: cache})
     logits = head(out.logits[:, -1])
-    last = pos[:, -1:]
+    last = (pos[0] if pos.dim() == 3 else pos)[:, -1:]  # mrope: the prompt ends in text, its 3 rows agree
     if n > 1:
         cache.batch_repeat_interleave(n)
         logits, last, mask_buf = (t.repeat_interleave(n, 0) for t in (logits, last, mask_buf))

@@ -61,10 +61,15 @@ def vllm_fits(model_path: str, cuda: bool) -> Tuple[bool, str]:
 
     if importlib.util.find_spec("vllm") is None:
         return False, "vLLM is not installed"
+    from rlhf.models.vision import is_vision_model_dir
+
+    if is_vision_model_dir(model_path) and importlib.util.find_spec("torchvision") is None:
+        return False, "vLLM's Qwen2-VL models import torchvision, which is not installed"
     if not cuda:
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(model_path)
+        hf_config = getattr(hf_config, "text_config", None) or hf_config  # a vision-language model: its LM
         hd = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         if hd not in CPU_HEAD_DIMS:
             return False, f"head_dim {hd} is not one vLLM's CPU attention supports {CPU_HEAD_DIMS}"
@@ -77,6 +82,18 @@ def vllm_fits(model_path: str, cuda: bool) -> Tuple[bool, str]:
     except RuntimeError as e:
         return False, str(e).split(":")[0]
     return True, "CUDA" if cuda else "CPU, a model large enough for vLLM to pay off"
+
+
+def check_vision_deps() -> None:
+    """vLLM 0.32's Qwen2-VL family (vllm/model_executor/models/qwen2_vl.py, which qwen2_5_vl.py imports; qwen3_vl.py
+    alike) imports transformers' torchvision image processor: without torchvision the model cannot be inspected and
+    ``LLM()`` fails deep inside.  Said here first, with what to do."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        raise RuntimeError("vLLM's Qwen2-VL / Qwen2.5-VL models import torchvision (through transformers' "
+                           "image_processing_qwen2_vl), which is not installed: install the torchvision that matches "
+                           "your torch, or use --rollout_engine hf")
 
 
 def sleep_available() -> bool:

@@ -24,11 +24,12 @@ from __future__ import annotations
 import os
 from typing import List, Optional, Sequence
 
+from rlhf.data.images import multi_modal_data
 from rlhf.distributed.transport import layer_key, pack, split_last_layer
 from rlhf.engines.requests import StepResult
 from rlhf.engines.rollout import Batch, RolloutEngine, SamplingParams, batch_from_rows
 from rlhf.engines.rollout_registry import EngineArgs
-from rlhf.engines.vllm_compat import _cap_len, check_vllm, on_cuda, sleep_available
+from rlhf.engines.vllm_compat import _cap_len, check_vision_deps, check_vllm, on_cuda, sleep_available
 from rlhf.engines.vllm_launch import (
     LAUNCHER_ENV,
     _env,
@@ -44,6 +45,7 @@ from rlhf.engines.vllm_requests import step_llm
 from rlhf.engines.vllm_worker import WorkerExtension
 from rlhf.models import moe
 from rlhf.models.load import load_tokenizer
+from rlhf.models.vision import cut_at_tokens, vision_tokens_of
 
 MODES = ("colocated", "separate")
 
@@ -99,6 +101,9 @@ class VLLMEngine(RolloutEngine):
         cuda = on_cuda()
         self.vllm, self.mode, self.tp = vllm, mode, tp_size
         self.pad, self.eos = pad_token_id, eos_token_id
+        self.vision_tokens = vision_tokens_of(model_path)  # a VLM's placeholders: cut from responses
+        if self.vision_tokens:
+            check_vision_deps()
         self.tp_group, self.tp_src = tp_group, tp_src
         self.driver = driver or mode == "colocated"
         self.loader = weight_loader if weight_loader != "auto" else ("direct" if cuda else "reload")
@@ -154,21 +159,23 @@ class VLLMEngine(RolloutEngine):
         return not self.memory.weights_valid
 
     # ---- generation --------------------------------------------------------------------------------------------
-    def _same_prompts(self, prompt_ids, params):
+    def _same_prompts(self, prompt_ids, params, images=None):
         """Colocated TP > 1: every TP rank generates for the first TP rank's prompts (vLLM's SPMD contract)."""
         if self.mode != "colocated" or self.tp == 1 or self.tp_group is None:
-            return prompt_ids, params
+            return prompt_ids, params, images
         from rlhf.distributed import comm
 
-        return comm.broadcast_object((list(map(list, prompt_ids)), params), src=self.tp_src, group=self.tp_group)
+        return comm.broadcast_object((list(map(list, prompt_ids)), params, images), src=self.tp_src,
+                                     group=self.tp_group)
 
-    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Optional[Batch]:
-        prompt_ids, params = self._same_prompts(prompt_ids, params)
+    def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams,
+                 images: Optional[list] = None) -> Optional[Batch]:
+        prompt_ids, params, images = self._same_prompts(prompt_ids, params, images)
         if not self.driver:
             return None
-        return self._generate(prompt_ids, params)
+        return self._generate(prompt_ids, params, images)
 
-    def _generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams) -> Batch:
+    def _generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams, images=None) -> Batch:
         """This rank's part of one generate call, with the prompts every TP rank of the engine agreed on."""
         self._flush()
         self.memory.check_generate()
@@ -176,14 +183,15 @@ class VLLMEngine(RolloutEngine):
             self.llm.collective_rpc("rlhf_reseed", args=(int(params.seed),))
         greedy = params.temperature <= 0
         n = params.n
+        images = images or [None] * len(prompt_ids)
         if greedy and n > 1:  # vLLM: "n must be 1 when using greedy sampling"; greedy rows are identical anyway
-            prompt_ids = [p for p in prompt_ids for _ in range(n)]
+            prompt_ids, images = [p for p in prompt_ids for _ in range(n)], [i for i in images for _ in range(n)]
             n = 1
         sp = self.vllm.SamplingParams(n=n, temperature=max(params.temperature, 0.0), top_p=params.top_p,
                                       top_k=params.top_k if params.top_k > 0 else -1,
                                       max_tokens=params.max_new_tokens, logprobs=0,
                                       stop_token_ids=list(params.stop_token_ids) or [self.eos], detokenize=False)
-        prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
+        prompts = [{"prompt_token_ids": list(p), **multi_modal_data(i)} for p, i in zip(prompt_ids, images)]
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
         return self._to_batch(outs)
 
@@ -207,9 +215,10 @@ class VLLMEngine(RolloutEngine):
 
     def _to_batch(self, outs) -> Batch:
         rows = [(list(o.prompt_token_ids), c) for o in outs for c in o.outputs]
-        return batch_from_rows([p for p, _ in rows], [list(c.token_ids) for _, c in rows],
-                               [[d[t].logprob for t, d in zip(c.token_ids, c.logprobs)] for _, c in rows],
-                               [c.finish_reason == "length" for _, c in rows], self.pad)
+        b = batch_from_rows([p for p, _ in rows], [list(c.token_ids) for _, c in rows],
+                            [[d[t].logprob for t, d in zip(c.token_ids, c.logprobs)] for _, c in rows],
+                            [c.finish_reason == "length" for _, c in rows], self.pad)
+        return cut_at_tokens(b, self.vision_tokens, self.pad)  # a VLM's sampled placeholders (rlhf.models.vision)
 
     # ---- weights -----------------------------------------------------------------------------------------------
     @property

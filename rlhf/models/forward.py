@@ -22,6 +22,7 @@ import torch
 from rlhf.algorithms.logprob import entropy_chunked, logprobs_from_logits
 from rlhf.distributed.sequence_parallel import SP, collect, local_hidden, positions_in, sp_of
 from rlhf.models.lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_params, head_removed
+from rlhf.models.vision import check_images, packed_mrope_positions, vision_forward_kwargs
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -31,26 +32,28 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def action_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int,
                     temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-                    entropy_grad: bool = True, fused: bool = True,
-                    keep_bytes: int = KEEP_BYTES) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                    entropy_grad: bool = True, fused: bool = True, keep_bytes: int = KEEP_BYTES,
+                    images: Optional[dict] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """log pi(a_t | s_<t) for the last num_actions tokens: (B, num_actions) float32, and entropy if asked
-    (without a graph when entropy_grad is False: a metric only).  keep_bytes: lm_head.head_logprobs."""
+    (without a graph when entropy_grad is False: a metric only).  keep_bytes: lm_head.head_logprobs.  ``images``:
+    the rows' pixel_values / image_grid_thw (a vision-language model; rlhf.models.vision: mrope positions)."""
     if sp_of(model) is not None:  # a padded batch cannot be split along the sequence (parse time refuses this too)
         raise ValueError("--ring_attn_size > 1 splits packed rows only: add --packing_samples")
     head = fusable_head(model) if fused else None
     labels = sequences[:, -num_actions:]
+    kw = {"position_ids": position_ids_from_mask(attention_mask),
+          **vision_forward_kwargs(model, images, sequences, attention_mask)}
     if head is not None:
         with head_removed(model, head):
-            hs = model(input_ids=sequences, attention_mask=attention_mask,
-                       position_ids=position_ids_from_mask(attention_mask), logits_to_keep=num_actions + 1,
-                       use_cache=False).logits[:, :-1]
+            hs = model(input_ids=sequences, attention_mask=attention_mask, logits_to_keep=num_actions + 1,
+                       use_cache=False, **kw).logits[:, :-1]
         lp, ent = head_logprobs(hs.reshape(-1, hs.size(-1)), *head_params(head), labels.reshape(-1),
                                 _temp(temperature), chunk_size, with_entropy, keep_bytes)
         if ent is not None:
             ent = (ent if entropy_grad else ent.detach()).view(labels.shape)
         return lp.view(labels.shape), ent
-    out = model(input_ids=sequences, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask), logits_to_keep=num_actions + 1, use_cache=False)
+    out = model(input_ids=sequences, attention_mask=attention_mask, logits_to_keep=num_actions + 1, use_cache=False,
+                **kw)
     logits = out.logits[:, :-1]
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
@@ -77,9 +80,11 @@ def pack(sequences: torch.Tensor, attention_mask: torch.Tensor):
 
 def packed_action_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor,
                            temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-                           entropy_grad: bool = True, fused: bool = True, keep_bytes: int = KEEP_BYTES):
+                           entropy_grad: bool = True, fused: bool = True, keep_bytes: int = KEEP_BYTES,
+                           images: Optional[dict] = None):
     """Same contract as action_logprobs, computed on one packed row (no padding FLOPs).
-    Returns log-probs, or (log-probs, entropy) with with_entropy.
+    Returns log-probs, or (log-probs, entropy) with with_entropy.  ``images``: as action_logprobs; the packed row
+    then carries (4, 1, N) position ids (text positions, then each sample's mrope ids: rlhf.models.vision).
 
     Position ids restart at 0 for each sample, which makes transformers build a
     block-diagonal causal mask, so packed and padded log-probs agree.
@@ -87,6 +92,15 @@ def packed_action_logprobs(model, sequences: torch.Tensor, attention_mask: torch
     ids, pos, lengths = pack(sequences, attention_mask)
     head = fusable_head(model) if fused else None
     sp = sp_of(model)
+    vis = {}
+    check_images(model, ids, images)
+    if images:
+        if sp is not None:
+            raise ValueError("--ring_attn_size > 1 with images: a vision-language model's sequence split is not "
+                             "supported; use --ring_attn_size 1")
+        pos = packed_mrope_positions(model, [sequences[i][attention_mask[i].bool()] for i in range(len(lengths))],
+                                     images["image_grid_thw"])
+        vis = {"pixel_values": images["pixel_values"], "image_grid_thw": images["image_grid_thw"]}
     if sp is not None:
         row, col, tgt = _response_targets(ids, lengths, attention_mask, action_mask.size(1))
         lp, ent = sp_rows_logprobs(model, head, ids, pos, tgt, sp, temperature, chunk_size, with_entropy,
@@ -95,8 +109,8 @@ def packed_action_logprobs(model, sequences: torch.Tensor, attention_mask: torch
         return (out, _scatter(ent, row, col, lengths.numel(), action_mask.size(1))) if with_entropy else out
     if head is not None:
         return _packed_fused(model, head, ids, pos, lengths, attention_mask, action_mask.size(1), temperature,
-                             chunk_size, with_entropy, entropy_grad, keep_bytes)
-    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+                             chunk_size, with_entropy, entropy_grad, keep_bytes, vis)
+    logits = model(input_ids=ids, position_ids=pos, use_cache=False, **vis).logits[0]
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
     num_actions = action_mask.size(1)
@@ -119,10 +133,10 @@ def packed_action_logprobs(model, sequences: torch.Tensor, attention_mask: torch
 
 
 def _packed_fused(model, head, ids, pos, lengths, attention_mask, num_actions, temperature, chunk_size, with_entropy,
-                  entropy_grad, keep_bytes):
+                  entropy_grad, keep_bytes, vis=None):
     """packed_action_logprobs over the hidden states: one head_logprobs call over every sample's response rows."""
     with head_removed(model, head):
-        hs = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        hs = model(input_ids=ids, position_ids=pos, use_cache=False, **(vis or {})).logits[0]
     row, col, tgt = _response_targets(ids, lengths, attention_mask, num_actions)
     lp, ent = head_logprobs(hs[tgt - 1], *head_params(head), ids[0, tgt], _temp(temperature), chunk_size,
                             with_entropy, keep_bytes)

@@ -179,13 +179,18 @@ def weight_dtype(bf16: bool, trainable: bool, lora: bool = False) -> torch.dtype
 
 def load_causal_lm(path: str, bf16: bool = False, flash_attn: bool = False, gradient_checkpointing: bool = False,
                    lora_rank: int = 0, lora_alpha: int = 16, target_modules: str = "all-linear", on_meta: bool = False,
-                   trainable: bool = True):
-    """on_meta: see from_pretrained_or_meta; trainable: see weight_dtype."""
-    from transformers import AutoModelForCausalLM
+                   trainable: bool = True, freeze_visual: bool = False):
+    """on_meta: see from_pretrained_or_meta; trainable: see weight_dtype; freeze_visual: --freeze_visual_encoder
+    (rlhf.models.vision.freeze_vision_tower)."""
+    from rlhf.models.vision import causal_auto_class  # a vision-language model: AutoModelForImageTextToText
 
-    model = from_pretrained_or_meta(AutoModelForCausalLM, path, on_meta, dtype=weight_dtype(bf16, trainable, lora_rank > 0),
+    model = from_pretrained_or_meta(causal_auto_class(path), path, on_meta, dtype=weight_dtype(bf16, trainable, lora_rank > 0),
                                     attn_implementation=_attn(flash_attn))
     model.config.use_cache = False
+    if freeze_visual:
+        from rlhf.models.vision import freeze_vision_tower
+
+        freeze_vision_tower(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_rank > 0:

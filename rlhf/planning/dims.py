@@ -57,16 +57,21 @@ class ModelDims:
     vocab: int
     tied: bool
     qkv_bias: bool = False      # Qwen2 has q/k/v biases, Llama none
+    vision: int = 0             # a vision-language model's vision tower (rlhf.models.vision.vision_tower_params)
 
     @classmethod
     def from_config(cls, c) -> ModelDims:
+        from rlhf.models.vision import vision_tower_params
+
+        vision, c = vision_tower_params(c), (getattr(c, "text_config", None) or c)  # a VLM: its language model
         heads = c.num_attention_heads
         hd = getattr(c, "head_dim", None) or c.hidden_size // heads
         return cls(hidden=c.hidden_size, layers=c.num_hidden_layers, heads=heads,
                    kv_heads=getattr(c, "num_key_value_heads", None) or heads, head_dim=hd,
                    intermediate=c.intermediate_size, vocab=c.vocab_size,
                    tied=bool(getattr(c, "tie_word_embeddings", False)),
-                   qkv_bias=getattr(c, "model_type", "") == "qwen2" or bool(getattr(c, "attention_bias", False)))
+                   qkv_bias=getattr(c, "model_type", "") in ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+                   or bool(getattr(c, "attention_bias", False)), vision=vision)
 
     @classmethod
     def from_pretrained(cls, path: str) -> ModelDims:
@@ -113,8 +118,8 @@ class ModelDims:
 
     @property
     def params(self) -> int:
-        """Causal LM: L blocks + embedding + final norm + untied head."""
-        return self.layers * self.layer_params + self.root_params
+        """Causal LM: L blocks + embedding + final norm + untied head (+ a VLM's vision tower)."""
+        return self.layers * self.layer_params + self.root_params + self.vision
 
     @property
     def value_params(self) -> int:

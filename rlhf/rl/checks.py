@@ -15,7 +15,8 @@ from rlhf.errors import InputError
 from rlhf.utils.cadence import planned_steps
 
 
-def load_prompt_sets(d, seed: int, tokenizer, kit_dir: Optional[str], tools: Optional[list] = None):
+def load_prompt_sets(d, seed: int, tokenizer, kit_dir: Optional[str], tools: Optional[list] = None,
+                     images=None):
     """(training prompts, eval prompts, eval prompt -> datasource) from the data flags ``d`` (``DataConfig``), the
     built-in kit's files when ``kit_dir`` is given; ``seed`` (--seed) draws the --eval_holdout rows."""
     kit = None if kit_dir is None else tuple(os.path.join(kit_dir, "data", f"prompts_{s}.jsonl") for s in ("train", "eval"))
@@ -23,7 +24,7 @@ def load_prompt_sets(d, seed: int, tokenizer, kit_dir: Optional[str], tools: Opt
                                d.prompt_data_probs, kit, "--prompt_data is required with --pretrain (the built-in task "
                                "comes with the built-in kit); e.g. --prompt_data prompts.jsonl --input_key input "
                                "--label_key label", seed)
-    return (build_prompts(rows, tokenizer, d, tools), build_prompts(ev, tokenizer, d, tools),
+    return (build_prompts(rows, tokenizer, d, tools, images), build_prompts(ev, tokenizer, d, tools, images),
             datasources(ev, tokenizer, d, tools))
 
 

@@ -23,6 +23,7 @@ import torch
 
 from rlhf.batch import Batch, cat, row_fields
 from rlhf.console import print0
+from rlhf.data.images import row_images
 from rlhf.distributed.role_table import ROLE_TABLE
 from rlhf.rl.advantage_stage import _gap_metric, advantage_stage, needs_old_logprobs
 from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer, gap_due, measures_gap_only, on_policy_single_update, refills
@@ -80,10 +81,12 @@ class RolloutStage(Stage):
     def run(self, batch: Batch, roles) -> None:
         if self.queue is not None:  # generated ahead (rlhf.rl.async_queue): gathered now
             self.queue.take(batch)
+            batch.pixel_values, batch.image_grid_thw = row_images(batch.prompts, batch.n_samples)
             return
         roles.rollout.take_agent_metrics()  # an eval's episodes are not this step's
         batch.fill(self.rollouts.generate(roles, batch.prompts, self.sampler.params(batch.step)))
         batch.metrics.update(roles.rollout.take_agent_metrics())  # turns, latency, occupancy (agent/*), tools (tool/*)
+        batch.pixel_values, batch.image_grid_thw = row_images(batch.prompts, batch.n_samples)  # VLM prompts' images
         self.scheduler.sync_follows("rollout")  # the step's weight sync comes before the next generate: vLLM
         # sleeps level 2
 
@@ -164,6 +167,7 @@ class RefillRolloutStage(Stage):
         chosen = (kept + spare)[:target]
         st.prompts = [c[0] for c in chosen]
         st.fill(cat([c[1] for c in chosen], self.rollouts.pad_id))
+        st.pixel_values, st.image_grid_thw = row_images(st.prompts, n)  # the chosen prompts' images (VLM)
         st.metrics.update({"dynamic_filter_rounds": float(rounds), "dynamic_filter_pass_rate": passed / seen,
                            "dynamic_filter_generated_prompts": float(seen)})
         if roles.rollout.agent is not None:  # every round's episodes

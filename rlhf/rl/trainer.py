@@ -22,11 +22,13 @@ from rlhf.batch import Batch
 from rlhf.config.batching_checks import dynamic_budgets
 from rlhf.config.preflight import preflight
 from rlhf.console import print0
+from rlhf.data.images import ImageInputs
 from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, make_placement, nnodes_from_env, role_needs
 from rlhf.distributed.failfast import guarded
 from rlhf.distributed.sharding import all_gather_objects
 from rlhf.distributed.watchdog import Watchdog, refill_deadlines
 from rlhf.models.load import load_tokenizer, resolve_pretrain
+from rlhf.models.vision import refuse_vision_roles
 from rlhf.rewards.reward_func import builtin_reward_source, make_reward_source
 from rlhf.rl.advantage_stage import InvalidRewardGuard, running_reward_norm
 from rlhf.rl.async_queue import AsyncRollout, QueueSettings
@@ -78,9 +80,12 @@ class RLTrainer:
         from rlhf.agents.tool_setup import check_tool_run, tool_schemas
 
         check_tool_run(cfg.agent, r, cfg.model, cfg.data, self.tokenizer)  # --tools_path: file, flags, parser, template
+        self.images = ImageInputs.from_model_dir(self.path, cfg.vision.image_key, cfg.vision.max_images_per_prompt)
+        if self.images is not None:  # a vision-language policy: no critic or reward model (rlhf.models.vision)
+            refuse_vision_roles(role_needs(a, cfg.model))
         self.prompts, eval_prompts, eval_sources = load_prompt_sets(
             cfg.data, cfg.optim.seed, self.tokenizer, None if cfg.model.pretrain else self.path,
-            tool_schemas(cfg.agent.tools_path))
+            tool_schemas(cfg.agent.tools_path), self.images)
         rb = r.rollout_batch_size
         self.steps_per_episode, total, notes = plan_steps(len(self.prompts), len(eval_prompts), rb, cfg.data,
                                                           cfg.optim)

@@ -24,6 +24,7 @@ from rlhf.algorithms.masked import masked_mean
 from rlhf.algorithms.registry import POLICY_LOSSES
 from rlhf.models import moe
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
+from rlhf.models.vision import batch_images
 from rlhf.roles.routing import route_metrics, routed_forward
 from rlhf.roles.update_batches import (
     AuxLossTap,
@@ -114,7 +115,8 @@ class Actor(UpdatingRole):
     def _forward(self, mb, dev, ent_grad: bool):
         """(log-probs, entropy) of the micro-batch's response tokens, padded or packed (one row, no padding)."""
         s, model = self.settings, self.engine.model
-        kw = dict(with_entropy=True, entropy_grad=ent_grad, keep_bytes=s.lm_head_keep_bytes)
+        kw = dict(with_entropy=True, entropy_grad=ent_grad, keep_bytes=s.lm_head_keep_bytes,
+                  images=batch_images(mb, slice(None), dev))  # a vision-language model's images (None: text-only)
         with routed_forward(self.route, "update", mb, slice(None), mb.attention_mask.to(dev), s.packing_samples,
                             keep=True):  # a gradient-checkpointed recompute replays the same ids
             if s.packing_samples:

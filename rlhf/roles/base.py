@@ -26,6 +26,7 @@ from rlhf.distributed.sharding import gather_rows, micro_plan, run_micro
 from rlhf.engines.train import EngineSpec, TrainEngine, reads_weights, spec_from_config
 from rlhf.engines.train_registry import make_engine
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
+from rlhf.models.vision import batch_images
 from rlhf.rewards.reward_model import score_sequences
 from rlhf.roles.routing import keep_routing, record_width, routed_forward, with_routing
 
@@ -157,11 +158,13 @@ class ModelRole(Role):
         def fn(p: slice):
             model, dev = self.engine.model, self.engine.compute_device
             ids, att = batch.sequences[p].to(dev), batch.attention_mask[p].to(dev)
+            im = batch_images(batch, p, dev)  # a vision-language model's images of these rows (None: text-only)
             with routed_forward(self.route, "ref" if self.name == "ref" else "old", batch, p, att, packing) as r:
                 if packing:
-                    lp = packed_action_logprobs(model, ids, att, batch.action_mask[p].to(dev), temperature, chunk)
+                    lp = packed_action_logprobs(model, ids, att, batch.action_mask[p].to(dev), temperature, chunk,
+                                                images=im)
                 else:
-                    lp = action_logprobs(model, ids, att, batch.num_actions, temperature, chunk)[0]
+                    lp = action_logprobs(model, ids, att, batch.num_actions, temperature, chunk, images=im)[0]
             return with_routing(lp, r, att, packing) if self.records_routing else lp
 
         width = batch.num_actions + record_width(self, batch)  # R2: the routing rides in the same gather

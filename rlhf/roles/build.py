@@ -35,7 +35,8 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
 
     actor = model_role(Actor, "actor", groups, t.backend, device, trainable(o.actor_learning_rate),
                        lambda on_meta: load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank,
-                                                      m.lora_alpha, m.target_modules, on_meta=on_meta),
+                                                      m.lora_alpha, m.target_modules, on_meta=on_meta,
+                                                      freeze_visual=cfg.vision.freeze_visual_encoder),
                        algo=cfg.algorithm, settings=settings)
     ref = build_reference(m, o, t, groups, path, device, total_steps)
     if m.lm_head_fp32:  # the actor's and the reference's log-probs from float32 logits

@@ -49,7 +49,8 @@ class RolloutRole(Role):
         first = self.engine_ranks[e][0] == self.rank
         if self.agent is not None:
             return self.run_agent(mine, params, first)
-        batch = self.engine.generate([p.ids for p in mine], params)
+        imgs = [p.images for p in mine]  # a vision-language prompt's (pixel_values, image_grid_thw), else None
+        batch = self.engine.generate([p.ids for p in mine], params, **({"images": imgs} if any(imgs) else {}))
         return batch if first else None
 
     def run_agent(self, mine, params: SamplingParams, first: bool) -> Optional[Batch]:

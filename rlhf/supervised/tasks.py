@@ -9,11 +9,13 @@ import torch
 from rlhf.algorithms import logprobs_from_logits
 from rlhf.algorithms.preference import REWARD_MODEL_LOSSES, dpo_loss, sft_token_loss
 from rlhf.data.formatting import collate_packed, collate_supervised, format_prompt, format_response, pad_batch, pair_texts, tokenize_pair
+from rlhf.data.images import collate_images, image_pair
 from rlhf.data.sft_modes import mode_of, mode_sample
 from rlhf.distributed.sequence_parallel import sp_of
 from rlhf.models.forward import sp_token_logprobs
 from rlhf.models.lm_head import KEEP_BYTES, fusable_head, head_logprobs, head_params, head_removed
 from rlhf.models.load import RM_NORM_FILE, apply_lora, attn_implementation, from_pretrained_or_meta, load_causal_lm, weight_dtype
+from rlhf.models.vision import sample_has_images, supervised_vision_kwargs
 from rlhf.supervised.trainer import Task
 
 
@@ -40,6 +42,7 @@ def token_logprobs(model, batch, chunk: int, fused: bool = True, keep_bytes: int
         kw["position_ids"] = batch["position_ids"]
     else:
         kw["attention_mask"] = batch["attention_mask"]
+    kw.update(supervised_vision_kwargs(model, batch))  # a vision-language model's images and mrope positions
     head = fusable_head(model) if fused else None
     if head is not None:
         with head_removed(model, head):
@@ -54,19 +57,20 @@ def token_logprobs(model, batch, chunk: int, fused: bool = True, keep_bytes: int
 
 def _collate(packing: bool, tok, samples):
     if packing:
-        b = collate_packed(samples)
+        b = {**collate_packed(samples), **collate_images(samples)}
         # never predict a sample's first token from the previous sample's last one
         lm = b["loss_mask"].clone()
         lm[0, 1:][b["segment_ids"][0, 1:] != b["segment_ids"][0, :-1]] = 0
         b["loss_mask"] = lm
         return b
-    return collate_supervised(samples, tok.pad_token_id)
+    return {**collate_supervised(samples, tok.pad_token_id), **collate_images(samples)}
 
 
-def build_policy(m, path: str, on_meta: bool = False):
-    """The trainable causal LM of SFT and DPO (LoRA, bf16, flash-attention, checkpointing from the model group)."""
+def build_policy(m, path: str, on_meta: bool = False, freeze_visual: bool = False):
+    """The trainable causal LM of SFT and DPO (LoRA, bf16, flash-attention, checkpointing from the model group;
+    ``freeze_visual``: --freeze_visual_encoder)."""
     return load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
-                          m.target_modules, on_meta=on_meta)
+                          m.target_modules, on_meta=on_meta, freeze_visual=freeze_visual)
 
 
 class SFTTask(Task):
@@ -79,12 +83,15 @@ class SFTTask(Task):
             self.required_keys = {"input_key": None}
 
     def build_model(self, path, on_meta=False):
-        return build_policy(self.model_config, path, on_meta)
+        return build_policy(self.model_config, path, on_meta, self.freeze_visual)
 
     def make_sample(self, row):
         """(input_ids, loss_mask): prompt -> response (loss on the response and eos), or under --multiturn every
         assistant turn, under --pretrain_mode every token (rlhf.data.sft_modes)."""
         mode = mode_of(self.data, self.model_config.pretrain_mode)
+        if sample_has_images(self, row, mode):
+            return image_pair(self.images, row, _response(self.data, self.tokenizer, row, "output_key"), self.tokenizer,
+                              self.data)
         if mode:
             return mode_sample(row, self.tokenizer, self.data, mode)[:2]
         return tokenize_pair(self.tokenizer, _prompt(self.data, self.tokenizer, row),
@@ -206,7 +213,7 @@ class DPOTask(Task):
     required_keys = {"input_key": None, "chosen_key": None, "rejected_key": None}
 
     def build_model(self, path, on_meta=False):
-        return build_policy(self.model_config, path, on_meta)
+        return build_policy(self.model_config, path, on_meta, self.freeze_visual)
 
     REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -220,6 +227,8 @@ class DPOTask(Task):
         p, chosen, rejected = pair_texts(row, tok, d, is_dpo=True)  # rows without a prompt column: OpenRLHF's
         ref = tuple(float(row[k]) for k in self.REF_KEYS) if all(row.get(k) is not None for k in self.REF_KEYS) \
             else None
+        if sample_has_images(self, row, None):
+            return image_pair(self.images, row, chosen, tok, d), image_pair(self.images, row, rejected, tok, d), ref
         return tokenize_pair(tok, p, chosen, d.max_len), tokenize_pair(tok, p, rejected, d.max_len), ref
 
     def collate(self, samples):

@@ -16,6 +16,7 @@ from rlhf.algorithms.seqlen_balancing import OVER_BUDGET, Item, plan_step
 from rlhf.config.batching_checks import row_budgets
 from rlhf.config.preflight import preflight
 from rlhf.console import print0
+from rlhf.data.images import ImageInputs
 from rlhf.data.loading import load_train_eval
 from rlhf.data.screen import screen_rows
 from rlhf.distributed import comm, micro_plan, shard_rows
@@ -39,6 +40,8 @@ class Task:
     required_keys: Dict[str, str] = {}
     device: Optional[torch.device] = None  # the engine's compute device (SupervisedTrainer sets it; see ``batch``)
     ref = None  # the Reference role's engine where ``needs_reference`` (SupervisedTrainer sets it), else None
+    images = None  # a vision-language model's rlhf.data.images.ImageInputs (SupervisedTrainer sets it), else None
+    freeze_visual = False  # --freeze_visual_encoder (SupervisedTrainer sets it)
 
     def __init__(self, model_config, data, algorithm, tokenizer):
         """``model_config``, ``data``, ``algorithm``: the config's groups a task reads (rlhf.config.schema)."""
@@ -148,6 +151,9 @@ class SupervisedTrainer:
         self.path = resolve_pretrain(cfg.model.pretrain)
         self.tokenizer = load_tokenizer(self.path, padding_side="right")
         self.task = task_cls(cfg.model, d, cfg.algorithm, self.tokenizer)
+        self.task.images = ImageInputs.from_model_dir(self.path, cfg.vision.image_key,
+                                                      cfg.vision.max_images_per_prompt)  # None: text-only model
+        self.task.freeze_visual = cfg.vision.freeze_visual_encoder
         keys = {k: getattr(d, k) for k in self.task.required_keys}
         rows, ev = load_train_eval(d, keys, d.dataset, d.dataset_probs,
                                    None if cfg.model.pretrain else default_data(self.path, data_kind),

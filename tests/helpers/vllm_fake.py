@@ -150,15 +150,16 @@ class FakeLLM(SleepModeLLM):
     instances: List[FakeLLM] = []
 
     def __init__(self, model: str, seed: int = 0, enable_sleep_mode: bool = False, **kw):
-        from transformers import AutoModelForCausalLM
-
+        from rlhf.data.images import ImageInputs
         from rlhf.engines.hf_engine import HFEngine
         from rlhf.models.load import load_tokenizer
+        from rlhf.models.vision import causal_auto_class
 
         super().__init__(FakeLLM.device, enable_sleep_mode)
+        self.images = ImageInputs.from_model_dir(model)  # vLLM runs the model's own processor on PIL images
         self.llm_engine = types.SimpleNamespace(engine_core=FakeEngineCoreClient())  # vllm.LLM.llm_engine (an LLMEngine)
         self.kw = dict(kw, model=model, seed=seed, enable_sleep_mode=enable_sleep_mode)
-        hf = AutoModelForCausalLM.from_pretrained(model)
+        hf = causal_auto_class(model).from_pretrained(model)  # a vision-language model: ImageTextToText
         hf.config.use_cache = True
         self.hf = HFEngine(hf, load_tokenizer(model))
         self.names = {n for n, _ in hf.named_parameters()}
@@ -206,9 +207,11 @@ class FakeLLM(SleepModeLLM):
             raise FakeCudaError("generate after sleep(level=2) and before every weight was loaded: garbage weights")
         self.request_seeds += [sp.seed] * len(prompts)
         ids = [p["prompt_token_ids"] for p in prompts]
+        mm = [self._images(p) for p in prompts]
         b = self.hf.generate(ids, Ours(n=sp.n, temperature=sp.temperature, top_p=sp.top_p,
                                        top_k=sp.top_k if sp.top_k > 0 else 0, max_new_tokens=sp.max_tokens,
-                                       stop_token_ids=tuple(sp.stop_token_ids), seed=sp.seed))
+                                       stop_token_ids=tuple(sp.stop_token_ids), seed=sp.seed),
+                             **({"images": mm} if any(i is not None for i in mm) else {}))
         outs = []
         for i, p in enumerate(ids):
             comps = []
@@ -222,6 +225,24 @@ class FakeLLM(SleepModeLLM):
                                                    finish_reason="length" if bool(b.truncated[r]) else "stop"))
             outs.append(types.SimpleNamespace(prompt_token_ids=list(p), outputs=comps))
         return outs
+
+    def _images(self, prompt):
+        """A prompt's ``multi_modal_data`` as vLLM reads it (vllm/multimodal/parse.py: ``"image"`` one PIL image or a
+        list), made into pixels by the model's image processor; vLLM refuses a prompt whose placeholder tokens do not
+        match its images (vllm/multimodal/processing/processor.py ``_validate_mm_placeholders``), and so does this fake."""
+        mm = prompt.get("multi_modal_data")
+        if not mm:
+            return None
+        if self.images is None:
+            raise ValueError("multi_modal_data given to a text-only model")
+        im = mm["image"] if isinstance(mm["image"], list) else [mm["image"]]
+        px, grid = self.images.encode(im)
+        want = int((grid.prod(-1) // self.images.merge ** 2).sum())
+        got = sum(1 for t in prompt["prompt_token_ids"] if t == self.images.image_token_id)
+        if got != want:
+            raise ValueError(f"Expected there to be {want} prompt updates corresponding to {len(im)} image items, but "
+                             f"instead found {got} placeholder tokens")
+        return px, grid
 
 
 def fake_vllm(monkeypatch, device: Optional[FakeDevice] = None) -> FakeDevice:

@@ -9,7 +9,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from rlhf.batch import META, NAMED, ROW, SEQ, TOKEN, Batch, cat, row_fields, spec
+from rlhf.batch import IMAGES, META, NAMED, ROW, SEQ, TOKEN, Batch, cat, row_fields, spec
 from rlhf.distributed.batch_gather import gather_batch
 
 PAD = 7
@@ -55,14 +55,14 @@ def unpadded(b: Batch, i: int, name: str):
     return v[i].item()
 
 
-PER_ROW = [f.name for f in fields(Batch) if f.metadata["kind"] != META]
+PER_ROW = [f.name for f in fields(Batch) if f.metadata["kind"] not in (META, IMAGES)]  # IMAGES: test_batch_images.py
 
 
 def test_every_field_declares_its_metadata():
     for f in fields(Batch):
         m = f.metadata
-        assert m["kind"] in (ROW, TOKEN, SEQ, NAMED, META) and m["writer"] and m["doc"], f.name
-        if m["kind"] != META:
+        assert m["kind"] in (ROW, TOKEN, SEQ, NAMED, IMAGES, META) and m["writer"] and m["doc"], f.name
+        if m["kind"] not in (META, IMAGES):
             assert m["block"] in ("int", "float") and "pad" in m and m["dtype"] is not None, f.name
     assert row_fields("rollout") == ["sequences", "attention_mask", "action_mask", "rollout_logprobs", "truncated"]
     assert row_fields("rollout", "async") == row_fields("rollout")[:4] + ["versions", "truncated", "group_index"]
