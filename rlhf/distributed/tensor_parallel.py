@@ -161,7 +161,7 @@ def check_heads(heads: int, kv_heads: int, tp: int, sp: int = 1) -> None:
                          f"and key/value heads ({kv_heads}); use --tp_size {ok}")
 
 
-def apply_tp(model: torch.nn.Module, tp_mesh, layers) -> List[str]:
+def apply_tp(model: torch.nn.Module, tp_mesh, layers, sp: int = 1) -> List[str]:
     """Parallelize ``model`` in place over the 1-D ``tp_mesh`` (``parallelize_module``): each decoder layer of
     ``layers`` by ``layer_plan``, the input embedding row-wise, the LM head (if any) column-wise with gathered
     logits; a tied head is tied again to the sharded embedding.  Returns the names of the parameters whose
@@ -171,7 +171,7 @@ def apply_tp(model: torch.nn.Module, tp_mesh, layers) -> List[str]:
 
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     check_heads(int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or
-                                                  cfg.num_attention_heads), tp_mesh.size())
+                                                  cfg.num_attention_heads), tp_mesh.size(), sp)
     plan = layer_plan(model)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     names = {id(m): n for n, m in model.named_modules()}

@@ -177,7 +177,8 @@ class FSDP2Engine(TrainEngine):
             device_mesh = DeviceMesh.from_group(self.group, self.device.type)
             if self.device_mesh is not None:  # TP before FSDP (torchtitan's parallelize order), FSDP over dp only
                 if self.tp_group is not None:
-                    self.tp_partial = apply_tp(model, self.device_mesh["tp"], decoder_layers(model))
+                    self.tp_partial = apply_tp(model, self.device_mesh["tp"], decoder_layers(model),
+                                               self.mesh.size_of("sp"))
                 device_mesh = fsdp_submesh(self.device_mesh)
             mp = mixed_precision(spec.bf16)
             reshard = spec.zero_stage >= 3

@@ -12,12 +12,12 @@ TOL = 1e-5
 VOCAB = 61  # odd: the vocabulary shards are uneven (31 + 30 rows)
 
 
-def tiny(arch: str, tie: bool = False):
+def tiny(arch: str, tie: bool = False, kv_heads: int = 2):
     """A tiny model of ``arch`` from a config (awkward sizes: hidden 40, intermediate 36, head_dim 10)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kw = dict(vocab_size=VOCAB, hidden_size=40, intermediate_size=36, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=10, max_position_embeddings=64, tie_word_embeddings=tie,
+              num_key_value_heads=kv_heads, head_dim=10, max_position_embeddings=64, tie_word_embeddings=tie,
               attn_implementation="sdpa")
     if arch == "qwen3":
         kw["layer_types"] = ["full_attention"] * 2
@@ -59,23 +59,24 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def run_case(rank, what: str, arch: str, tp: int, sp: int, shard: int, tie: bool = False, load_on_first=True):
+def run_case(rank, what: str, arch: str, tp: int, sp: int, shard: int, tie: bool = False, load_on_first=True,
+             kv_heads: int = 2):
     """One layout on the 4 ranks against one process; raises AssertionError naming the case and the tensor."""
     from rlhf.distributed import comm
     from rlhf.distributed.groups import build_groups
     from rlhf.distributed.placement import supervised_placement
     from rlhf.distributed.sequence_parallel import attach
     from rlhf.distributed.tensor_parallel import with_tp
-    from rlhf.engines.fsdp2 import FSDP2Engine
+    from rlhf.engines.fsdp2 import FSDP2Engine, to_meta
     from rlhf.engines.train import EngineSpec
 
     world = comm.world_size()
     plan = with_tp(supervised_placement(world, world, sp), tp, shard)
     mesh = build_groups(plan, rank).mesh("actor")
-    ref = tiny(arch, tie)
+    ref = tiny(arch, tie, kv_heads)
     model = copy.deepcopy(ref)
-    if load_on_first and rank != 0:
-        model = model.to("meta")
+    if load_on_first and rank != 0:  # as a model built on the meta device: tied weights stay one tensor
+        to_meta(model)
     spec = EngineSpec(lr=1e-3, train_batch_size=world // tp, micro_batch_size=1, total_steps=10, max_norm=0.5,
                       warmup_ratio=0.0, scheduler="constant", weight_decay=0.01)
     eng = FSDP2Engine(model, spec, mesh=mesh, load_on_first=load_on_first)
