@@ -80,6 +80,7 @@ def run_case(rank, what: str, arch: str, tp: int, sp: int, shard: int, tie: bool
     spec = EngineSpec(lr=1e-3, train_batch_size=world // tp, micro_batch_size=1, total_steps=10, max_norm=0.5,
                       warmup_ratio=0.0, scheduler="constant", weight_decay=0.01)
     eng = FSDP2Engine(model, spec, mesh=mesh, load_on_first=load_on_first)
+    check_layout(what, eng, tp, shard)
     attach(eng.model, mesh.sp)
     seq, att, act = batch()
     rows = mesh.dp_rows(seq.size(0))
@@ -106,3 +107,18 @@ def run_case(rank, what: str, arch: str, tp: int, sp: int, shard: int, tie: bool
         err = float((_full(p.detach()) - want[n].detach()).abs().max())
         assert err < TOL, f"{what}: weight {n} after one AdamW step differs from one process by {err}"
     return eng
+
+
+def check_layout(what: str, eng, tp: int, shard: int) -> None:
+    """The engine built the layout the case names: k_proj and the LM head's weight sharded on their rows over TP,
+    FSDP's mesh with a replicate dimension under --fsdp_shard_size."""
+    k = eng.model.model.layers[0].self_attn.k_proj.weight
+    names = k.device_mesh.mesh_dim_names
+    assert ("tp" in names) == (tp > 1), f"{what}: k_proj mesh {names}, --tp_size {tp}"
+    assert ("dp_replicate" in names) == bool(shard), f"{what}: mesh {names}, --fsdp_shard_size {shard}"
+    if tp > 1:
+        from torch.distributed.tensor import Shard
+
+        assert k.placements[-1] == Shard(0), f"{what}: k_proj on tp is {k.placements[-1]}, want Shard(0)"
+        head = eng.model.lm_head.weight
+        assert head.placements[-1] == Shard(0), f"{what}: LM head on tp is {head.placements[-1]}, want Shard(0)"
