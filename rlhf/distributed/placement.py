@@ -96,6 +96,9 @@ class Placement:
             for name, groups in self.sp_groups.items():
                 rows.append(f"{'sp ' + name:>8}: {len(groups)} x {self.sp_size} ranks (--ring_attn_size; data-parallel "
                             f"ranks {len(groups)}): " + "; ".join(_ranges(g) for g in groups))
+        if self.tp_size > 1 or self.fsdp_shard_size:
+            rows.append(f"   model: tp {self.tp_size} (--tp_size), FSDP shard group {self.fsdp_shard_size or 'all'} "
+                        f"(--fsdp_shard_size) in each model role")
         return "\n".join(rows)
 
 

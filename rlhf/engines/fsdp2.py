@@ -164,6 +164,9 @@ class FSDP2Engine(TrainEngine):
         self.accum_steps = spec.train_batch_size // per_step
         src = comm.global_rank(self.group, 0)
         first = comm.rank() == src
+        if self.device_mesh is not None and first:
+            print(f"[fsdp2] {self.mesh.name}: DeviceMesh {dict(zip(self.device_mesh.mesh_dim_names, self.device_mesh.shape))}"
+                  f" (--tp_size, --fsdp_shard_size)", flush=True)
         full = None
         if load_on_first and first:  # the source keeps host copies and shards on meta like every member
             full = host_copies(model)
