@@ -77,7 +77,7 @@ def main(argv=None):
     def run(cfg):
         from rlhf.planning import job_from_flags
 
-        job = job_from_flags(kind, cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim)
+        job = job_from_flags(kind, cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim, cfg.parallel)
         gb = cfg.topology.gpu_memory_gb
         if kind not in ("ppo", "grpo"):
             click.echo(memory_report(job, cfg.model, gb, None, extra["world_size"] or 1))

@@ -80,7 +80,7 @@ def memory_notices(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
                                        parallel=cfg.parallel, **role_needs(cfg.algorithm, cfg.model))
         except TopologyError:
             return []
-    job = job_from_flags(kind, cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim)
+    job = job_from_flags(kind, cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim, cfg.parallel)
     return startup_check(job, cfg.model, cfg.topology, world, placement, on_cuda, device_bytes)
 
 
