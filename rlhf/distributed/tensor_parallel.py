@@ -126,6 +126,12 @@ def fsdp_submesh(dm):
 
 
 # ---- the plan ------------------------------------------------------------------------------------------------
+def with_config(model):
+    """The transformers model that carries the config: ``model``, or a critic's ``backbone``
+    (rlhf.models.critic.CriticModel: backbone + value head)."""
+    return model if hasattr(model, "config") else model.backbone
+
+
 def model_type(model) -> str:
     cfg = getattr(model, "config", None)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -136,6 +142,7 @@ def layer_plan(model) -> Dict[str, str]:
     """The decoder layer's submodule -> style ("colwise", "rowwise", PARTIAL) from the config's
     ``base_model_tp_plan`` ("layers.*.self_attn.q_proj": "colwise"); expert entries are left out (experts stay
     whole).  Raises ValueError naming the architecture where it has no plan here."""
+    model = with_config(model)
     kind = model_type(model)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     plan = dict(getattr(cfg, "base_model_tp_plan", None) or {})
@@ -169,12 +176,13 @@ def apply_tp(model: torch.nn.Module, tp_mesh, layers, sp: int = 1) -> List[str]:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    names = {id(m): n for n, m in model.named_modules()}  # the engine's names (a critic's: "backbone. ...")
+    model = with_config(model)  # a critic: its backbone (the value head stays replicated: replicated hidden states)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     check_heads(int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or
                                                   cfg.num_attention_heads), tp_mesh.size(), sp)
     plan = layer_plan(model)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    names = {id(m): n for n, m in model.named_modules()}
     partial = []
     for layer in layers:
         for rel, style in plan.items():
