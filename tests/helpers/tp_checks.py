@@ -12,7 +12,7 @@ TOL = 1e-5
 VOCAB = 61  # odd: the vocabulary shards are uneven (31 + 30 rows)
 
 
-def tiny(arch: str, tie: bool = False, kv_heads: int = 2):
+def tiny(arch: str, tie: bool = False, kv_heads: int = 2, critic: bool = False):
     """A tiny model of ``arch`` from a config (awkward sizes: hidden 40, intermediate 36, head_dim 10)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -23,7 +23,14 @@ def tiny(arch: str, tie: bool = False, kv_heads: int = 2):
         kw["layer_types"] = ["full_attention"] * 2
     cfg = AutoConfig.for_model(arch, **kw)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).float()
+    if critic:  # rlhf.models.critic: a backbone without LM head and a replicated value head
+        from transformers import AutoModel
+
+        from rlhf.models.critic import CriticModel
+
+        model = CriticModel(AutoModel.from_config(cfg).float(), cfg.hidden_size)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg).float()
     with torch.no_grad():  # biases (Qwen2's q/k/v) and norms away from their init: every term is tested
         for n, p in model.named_parameters():
             if n.endswith("bias") or "norm" in n:
@@ -45,9 +52,12 @@ def batch(seed: int = 0):
 
 
 def logprob_loss(model, seq, att, act, packed: bool):
-    """-sum(logp) - 0.1 sum(entropy) over response tokens, / 40 (both through the fused LM head)."""
+    """-sum(logp) - 0.1 sum(entropy) over response tokens, / 40 (both through the fused LM head); a critic:
+    sum((V - 0.3)^2) over response tokens, / 40."""
     from rlhf.models.forward import action_logprobs, packed_action_logprobs
 
+    if not hasattr(model, "config"):
+        return (((model(seq, att, act.size(1)) - 0.3) ** 2) * act).sum() / 40.0
     if packed:
         lp, ent = packed_action_logprobs(model, seq, att, act, 1.3, 7, with_entropy=True)
     else:
@@ -60,7 +70,7 @@ def _full(t):
 
 
 def run_case(rank, what: str, arch: str, tp: int, sp: int, shard: int, tie: bool = False, load_on_first=True,
-             kv_heads: int = 2):
+             kv_heads: int = 2, critic: bool = False):
     """One layout on the 4 ranks against one process; raises AssertionError naming the case and the tensor."""
     from rlhf.distributed import comm
     from rlhf.distributed.groups import build_groups
@@ -73,7 +83,7 @@ def run_case(rank, what: str, arch: str, tp: int, sp: int, shard: int, tie: bool
     world = comm.world_size()
     plan = with_tp(supervised_placement(world, world, sp), tp, shard)
     mesh = build_groups(plan, rank).mesh("actor")
-    ref = tiny(arch, tie, kv_heads)
+    ref = tiny(arch, tie, kv_heads, critic)
     model = copy.deepcopy(ref)
     if load_on_first and rank != 0:  # as a model built on the meta device: tied weights stay one tensor
         to_meta(model)
@@ -112,7 +122,8 @@ def run_case(rank, what: str, arch: str, tp: int, sp: int, shard: int, tie: bool
 def check_layout(what: str, eng, tp: int, shard: int) -> None:
     """The engine built the layout the case names: k_proj and the LM head's weight sharded on their rows over TP,
     FSDP's mesh with a replicate dimension under --fsdp_shard_size."""
-    k = eng.model.model.layers[0].self_attn.k_proj.weight
+    inner = eng.model.backbone if hasattr(eng.model, "backbone") else eng.model.model
+    k = inner.layers[0].self_attn.k_proj.weight
     names = k.device_mesh.mesh_dim_names
     assert ("tp" in names) == (tp > 1), f"{what}: k_proj mesh {names}, --tp_size {tp}"
     assert ("dp_replicate" in names) == bool(shard), f"{what}: mesh {names}, --fsdp_shard_size {shard}"
@@ -120,5 +131,7 @@ def check_layout(what: str, eng, tp: int, shard: int) -> None:
         from torch.distributed.tensor import Shard
 
         assert k.placements[-1] == Shard(0), f"{what}: k_proj on tp is {k.placements[-1]}, want Shard(0)"
+        if hasattr(eng.model, "backbone"):
+            return
         head = eng.model.lm_head.weight
         assert head.placements[-1] == Shard(0), f"{what}: LM head on tp is {head.placements[-1]}, want Shard(0)"

@@ -1,7 +1,8 @@
 """Tensor parallelism (--tp_size) and hybrid sharding (--fsdp_shard_size) on 4 gloo ranks, one launch: each layout's
 loss, gradients, clipped gradient norm and AdamW-updated weights equal one process's (tests/helpers/tp_checks.py):
 TP 2 x FSDP 2 for tiny Llama (GQA), Qwen2 (q/k/v biases, tied embeddings) and Qwen3 (per-head q/k norms, whose
-gradients are all-reduced over TP); TP 2 x SP 2 (Ulysses over the local heads); HSDP 2 x 2; TP 2 with HSDP."""
+gradients are all-reduced over TP); TP 2 x SP 2 (Ulysses over the local heads); HSDP 2 x 2; TP 2 with HSDP; a
+Qwen2 critic (backbone split over TP, value head replicated)."""
 from helpers.mp import spawn
 
 CASES = [
@@ -11,6 +12,7 @@ CASES = [
     ("llama tp2 x sp2", "llama", 2, 2, 0, False, True, 4),
     ("qwen2 hsdp (replicate 2 x shard 2)", "qwen2", 1, 1, 2),
     ("llama tp2 x hsdp (replicate 2 x shard 1)", "llama", 2, 1, 1),
+    ("qwen2 critic tp2 x fsdp2", "qwen2", 2, 1, 0, False, True, 2, True),
 ]
 
 
