@@ -2,7 +2,7 @@
 loss, gradients, clipped gradient norm and AdamW-updated weights equal one process's (tests/helpers/tp_checks.py):
 TP 2 x FSDP 2 for tiny Llama (GQA), Qwen2 (q/k/v biases, tied embeddings) and Qwen3 (per-head q/k norms, whose
 gradients are all-reduced over TP); TP 2 x SP 2 (Ulysses over the local heads); HSDP 2 x 2; TP 2 with HSDP; a
-Qwen2 critic (backbone split over TP, value head replicated)."""
+Qwen2 critic (backbone split over TP, value head replicated); the Qwen3 engine's checkpoint round trip."""
 from helpers.mp import spawn
 
 CASES = [
@@ -16,12 +16,14 @@ CASES = [
 ]
 
 
-def _cases(rank, world):
-    from helpers.tp_checks import run_case
+def _cases(rank, world, path):
+    from helpers.tp_checks import checkpoint_roundtrip, run_case
 
     for case in CASES:
-        run_case(rank, *case)
+        eng = run_case(rank, *case)
+        if case[0].startswith("qwen3"):
+            checkpoint_roundtrip(rank, eng, path)
 
 
-def test_tp_sp_hsdp_equal_one_process():
-    spawn(_cases, 4)
+def test_tp_sp_hsdp_equal_one_process(tmp_path):
+    spawn(_cases, 4, str(tmp_path / "ckpt"))
