@@ -122,10 +122,14 @@ def run_case(rank, what: str, arch: str, tp: int, sp: int, shard: int, tie: bool
 def check_layout(what: str, eng, tp: int, shard: int) -> None:
     """The engine built the layout the case names: k_proj and the LM head's weight sharded on their rows over TP,
     FSDP's mesh with a replicate dimension under --fsdp_shard_size."""
+    # the GPU contract: the mesh is on the engine's compute device, not the parameters' (ranks 1-3 built the
+    # model on the meta device, load_on_first; a mesh read from the parameters would be "meta" there)
+    assert eng.device_mesh.device_type == eng.device.type, f"{what}: mesh on {eng.device_mesh.device_type}"
     inner = eng.model.backbone if hasattr(eng.model, "backbone") else eng.model.model
     k = inner.layers[0].self_attn.k_proj.weight
     names = k.device_mesh.mesh_dim_names
     assert ("tp" in names) == (tp > 1), f"{what}: k_proj mesh {names}, --tp_size {tp}"
+    assert k.device_mesh.device_type == eng.device.type and k.to_local().device == eng.device, f"{what}: k_proj device"
     assert ("dp_replicate" in names) == bool(shard), f"{what}: mesh {names}, --fsdp_shard_size {shard}"
     if tp > 1:
         from torch.distributed.tensor import Shard
