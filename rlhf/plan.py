@@ -35,7 +35,7 @@ def plan_for(cfg, world_size: Optional[int], nnodes: Optional[int]):
         nnodes = t.actor_num_nodes if t.colocate_all_models else max(1, t.nnodes_hint or 1)
         if world_size % nnodes:
             nnodes = 1
-    return make_placement(t, world_size, nnodes, **role_needs(cfg.algorithm, cfg.model))
+    return make_placement(t, world_size, nnodes, parallel=cfg.parallel, **role_needs(cfg.algorithm, cfg.model))
 
 
 KINDS = ("ppo", "grpo", "sft", "rm", "dpo")
@@ -77,7 +77,7 @@ def main(argv=None):
     def run(cfg):
         from rlhf.planning import job_from_flags
 
-        job = job_from_flags(kind, cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim)
+        job = job_from_flags(kind, cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim, cfg.parallel)
         gb = cfg.topology.gpu_memory_gb
         if kind not in ("ppo", "grpo"):
             click.echo(memory_report(job, cfg.model, gb, None, extra["world_size"] or 1))

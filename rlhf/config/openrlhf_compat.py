@@ -105,7 +105,7 @@ COMPAT: Dict[str, Compat] = {
     "aux_loss_coef": _unsupported("the MoE load-balancing loss is not implemented in this build", float, 0.0),
     "ring_head_stride": _noop("--ring_attn_size runs Ulysses (heads split over the group by all-to-all), which has no "
                               "head stride", int, 1),
-    "ds_tensor_parallel_size": _unsupported("training tensor parallelism is not implemented (FSDP2 / ZeRO only)", int, 1),
+    "ds_tensor_parallel_size": _alias(lambda v: {"tp_size": v}, int, 1, "--tp_size (FSDP2 tensor parallelism)"),
     "load_in_4bit": _unsupported("4-bit (QLoRA) loading is not implemented"),
     "lora_dropout": _unsupported("LoRA dropout is fixed at 0 here", float, 0.0),
     "enable_ema": _unsupported("no EMA model is kept"),

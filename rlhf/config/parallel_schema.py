@@ -15,6 +15,15 @@ def _opt(default, help: str, choices=None):
 @dataclass
 class ParallelConfig:
     """The ``parallel`` flag group (fields are added by the feature that reads them; see docs/FLAGS.md)."""
+    # --- tensor parallelism and hybrid sharding (issue 45 items 1-2; rlhf.distributed.tensor_parallel) ---
+    tp_size: int = _opt(1, "tensor parallelism of the trained and frozen models (actor, ref, critic, reward; FSDP2 "
+                          "backend): ranks that split each layer's projections, embedding and LM head "
+                          "(rlhf.distributed.tensor_parallel; OpenRLHF's --ds.tensor_parallel_size); FSDP2 shards "
+                          "over the remaining ranks.  Must divide each role's ranks / --ring_attn_size, the ranks "
+                          "per node, and the attention and key/value heads")
+    fsdp_shard_size: int = _opt(0, "hybrid sharding (HSDP, veRL's fsdp_size): FSDP2 shards each model over groups "
+                                  "of this many data-parallel ranks (a node) and replicates across the groups "
+                                  "(gradients all-reduced between them); 0: shard over every data-parallel rank")
     # --- MoE (issue 45 items 3-4; rlhf.models.moe) ---
     experts_implementation: str = _opt(
         "auto", "MoE expert kernels (OpenRLHF --ds.experts_implementation; transformers' experts_implementation): "

@@ -11,6 +11,7 @@ import os
 import tempfile
 from typing import List, Optional
 
+from rlhf.config.parallel_checks import check_tensor_parallel
 from rlhf.config.validate import ConfigError
 from rlhf.console import print0
 
@@ -28,6 +29,7 @@ def preflight(cfg, kind: str, world_size: Optional[int] = None) -> List[str]:
     notices += check_lock(cfg)
     check_batch_world(cfg, kind, world)
     check_sequence_parallel(cfg, kind, world)
+    check_tensor_parallel(cfg, kind, world)  # --tp_size, --fsdp_shard_size (rlhf.config.parallel_checks)
     notices += check_memory(cfg, kind, world)  # last: the layout it plans has passed the other checks
     for n in notices:
         print0(n)
@@ -75,10 +77,10 @@ def memory_notices(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
 
         try:
             placement = make_placement(cfg.topology, world, cfg.topology.nnodes_hint or nnodes_from_env(),
-                                       **role_needs(cfg.algorithm, cfg.model))
+                                       parallel=cfg.parallel, **role_needs(cfg.algorithm, cfg.model))
         except TopologyError:
             return []
-    job = job_from_flags(kind, cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim)
+    job = job_from_flags(kind, cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim, cfg.parallel)
     return startup_check(job, cfg.model, cfg.topology, world, placement, on_cuda, device_bytes)
 
 

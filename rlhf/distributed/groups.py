@@ -10,6 +10,7 @@ from rlhf.distributed.mesh import RoleMesh
 from rlhf.distributed.placement import Placement
 from rlhf.distributed.role_table import role_names
 from rlhf.distributed.sequence_parallel import SP
+from rlhf.distributed.tensor_parallel import build_dim_groups
 
 
 def nnodes_from_env() -> int:
@@ -81,7 +82,9 @@ def build_groups(plan: Placement, rank: int) -> Groups:
         ranks = plan.ranks.get(role) or []
         if ranks:
             grp = make(ranks)
-            g.meshes[role] = RoleMesh(role, ranks, rank, plan.dims(role), group=grp if rank in ranks else None)
+            g.meshes[role] = RoleMesh(role, ranks, rank, plan.dims(role), group=grp if rank in ranks else None,
+                                      shard_size=plan.fsdp_shard_size)
+            build_dim_groups(g.meshes[role], make)  # --tp_size / --fsdp_shard_size: the DeviceMesh's groups
     rollout = g.meshes.get("rollout")
     for e in (rollout.ranks_along("tp") if rollout is not None else []):  # each engine's TP ranks
         grp = make(e)

@@ -41,6 +41,7 @@ class RoleMesh:
     group: Any = None
     dim_groups: Dict[str, Any] = field(default_factory=dict)
     sp: SP = field(default_factory=SP)
+    shard_size: int = 0  # --fsdp_shard_size: HSDP shard group inside the FSDP ranks (0: all; tensor_parallel)
 
     def __post_init__(self):
         size = 1
@@ -114,6 +115,11 @@ class RoleMesh:
     def dp_rows(self, n_rows: int) -> Optional[slice]:
         """The rows of an ``n_rows`` batch this member computes (its data-parallel shard; None: not a member)."""
         return shard_rows(n_rows, self.dp_rank, self.dp_size) if self.is_member else None
+
+    @property
+    def replicas(self) -> int:
+        """Members that compute the same rows (one data-parallel rank's SP x TP group): each counted once."""
+        return self.size // self.dp_size
 
     def owns_rows(self) -> bool:
         """Whether this member reports its data-parallel shard: its coordinates other than ``dp`` are all 0."""

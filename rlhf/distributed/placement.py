@@ -29,6 +29,8 @@ class Placement:
     sync_ranks: List[int] = field(default_factory=list)  # actor rank 0 + rollout ranks (broadcast weight sync)
     sp_size: int = 1                       # --ring_attn_size: ranks that split one sequence (Ulysses)
     sp_groups: Dict[str, List[List[int]]] = field(default_factory=dict)  # role -> its SP groups (consecutive ranks)
+    tp_size: int = 1                       # --tp_size: a model role's tensor-parallel ranks (rlhf.distributed.tensor_parallel)
+    fsdp_shard_size: int = 0               # --fsdp_shard_size: HSDP shard group (0: shard over every FSDP rank)
 
     def dims(self, role: str) -> Dict[str, int]:
         """``role``'s named mesh dimensions, outer to inner (their product is its rank count; rlhf.distributed.mesh).
@@ -41,6 +43,9 @@ class Placement:
             tp = len(self.engine_ranks[0]) if self.engine_ranks else 1
             return {"dp": n // tp, "tp": tp}
         sp = self.sp_size if role in self.sp_groups else 1
+        tp = self.tp_size if role in sp_role_names() else 1
+        if tp > 1:  # --tp_size: between dp and sp (an SP group stays consecutive ranks; rlhf.distributed.tensor_parallel)
+            return {"dp": n // (sp * tp), "tp": tp, "sp": sp}
         return {"dp": n // sp, "sp": sp}
 
     def named_ranks(self) -> Dict[str, List[int]]:
@@ -91,6 +96,9 @@ class Placement:
             for name, groups in self.sp_groups.items():
                 rows.append(f"{'sp ' + name:>8}: {len(groups)} x {self.sp_size} ranks (--ring_attn_size; data-parallel "
                             f"ranks {len(groups)}): " + "; ".join(_ranges(g) for g in groups))
+        if self.tp_size > 1 or self.fsdp_shard_size:
+            rows.append(f"   model: tp {self.tp_size} (--tp_size), FSDP shard group {self.fsdp_shard_size or 'all'} "
+                        f"(--fsdp_shard_size) in each model role")
         return "\n".join(rows)
 
 
@@ -151,11 +159,17 @@ def supervised_placement(world_size: int, gpus_per_node: int, sp: int, with_ref:
     return plan
 
 
-def make_placement(topo, world_size: int, nnodes: int = 1, **need) -> Placement:
+def make_placement(topo, world_size: int, nnodes: int = 1, parallel=None, **need) -> Placement:
     """Compute and validate the placement; ``need``: ``role_needs``' keywords (``need_ref`` defaults to True, the
-    others to False).  Raises TopologyError naming the numbers that disagree."""
+    others to False); ``parallel``: the ``parallel`` flag group (--tp_size, --fsdp_shard_size; None: neither).
+    Raises TopologyError naming the numbers that disagree."""
     plan = _make_placement(topo, world_size, nnodes, needs_from_kwargs(need))
-    return with_sp_groups(plan, int(getattr(topo, "ring_attn_size", 1) or 1))
+    plan = with_sp_groups(plan, int(getattr(topo, "ring_attn_size", 1) or 1))
+    if parallel is not None:
+        from rlhf.distributed.tensor_parallel import with_tp
+
+        with_tp(plan, parallel.tp_size, parallel.fsdp_shard_size)
+    return plan
 
 
 def sp_groups_for(ranks: List[int], sp: int, gpus_per_node: int, role: str = "actor") -> List[List[int]]:

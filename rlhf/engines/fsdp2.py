@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlhf.distributed import comm
 from rlhf.distributed.mesh import RoleMesh, world_mesh
+from rlhf.distributed.tensor_parallel import apply_tp, clip_grad_norm, fsdp_submesh, role_device_mesh, tp_partial_grads
 from rlhf.engines.train import EngineSpec, TrainEngine, is_last, make_optimizer
 
 
@@ -150,7 +151,12 @@ class FSDP2Engine(TrainEngine):
         self.mesh = mesh if mesh is not None else world_mesh()
         self.group = self.mesh.group if self.mesh.group is not None else comm.world_group()
         self.device = device or torch.device("cpu")
-        self.dp = comm.world_size(self.group)
+        # --tp_size / --fsdp_shard_size: the role's (dp_replicate?, dp_shard, tp?) DeviceMesh (None: neither); the
+        # TP ranks of a data-parallel rank compute the same rows, so the data-parallel ranks are the FSDP ones
+        self.device_mesh = role_device_mesh(self.mesh, self.device.type)
+        self.tp_group = self.mesh.dim_groups.get("tp") if self.device_mesh is not None else None
+        self.tp_partial: List[str] = []
+        self.dp = comm.world_size(self.group) // self.mesh.size_of("tp")
         per_step = spec.micro_batch_size * self.dp
         if spec.train_batch_size % per_step:
             raise ValueError(f"--train_batch_size {spec.train_batch_size} must be a multiple of --micro_train_batch_size "
@@ -158,6 +164,9 @@ class FSDP2Engine(TrainEngine):
         self.accum_steps = spec.train_batch_size // per_step
         src = comm.global_rank(self.group, 0)
         first = comm.rank() == src
+        if self.device_mesh is not None and first:
+            print(f"[fsdp2] {self.mesh.name}: DeviceMesh {dict(zip(self.device_mesh.mesh_dim_names, self.device_mesh.shape))}"
+                  f" (--tp_size, --fsdp_shard_size)", flush=True)
         full = None
         if load_on_first and first:  # the source keeps host copies and shards on meta like every member
             full = host_copies(model)
@@ -166,9 +175,14 @@ class FSDP2Engine(TrainEngine):
         # slower forward on the tiny model), so the module stays plain; same optimizer, schedule and checkpoints.
         # --adam_offload: sharded too (at one rank a single shard), since only FSDP's units offload
         self.adam_offload = bool(spec.adam_offload and spec.trainable)
-        self.sharded = self.dp > 1 or spec.bf16 or self.adam_offload
+        self.sharded = self.dp > 1 or spec.bf16 or self.adam_offload or self.device_mesh is not None
         if self.sharded:  # shard first (on the host or the meta device), then move shards
             device_mesh = DeviceMesh.from_group(self.group, self.device.type)
+            if self.device_mesh is not None:  # TP before FSDP (torchtitan's parallelize order), FSDP over dp only
+                if self.tp_group is not None:
+                    self.tp_partial = apply_tp(model, self.device_mesh["tp"], decoder_layers(model),
+                                               self.mesh.size_of("sp"))
+                device_mesh = fsdp_submesh(self.device_mesh)
             mp = mixed_precision(spec.bf16)
             reshard = spec.zero_stage >= 3
             off = offload_policy(self.adam_offload, self.device)
@@ -215,10 +229,12 @@ class FSDP2Engine(TrainEngine):
     def step(self) -> Dict[str, float]:
         self._onload_optimizer()  # after a sleep the optimizer state comes back here, for the update only
         params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.spec.max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        norm = float(norm)
+        if self.device_mesh is not None:  # gradients on TP's and FSDP's meshes (rlhf.distributed.tensor_parallel)
+            tp_partial_grads(self.model, self.tp_partial, self.tp_group)
+            norm = clip_grad_norm(params, self.spec.max_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.spec.max_norm)
+            norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if torch.isfinite(torch.tensor(norm)):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -24,6 +24,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from rlhf.models.vocab_parallel import is_vocab_sharded, vocab_parallel_logprobs
+
 Tensor = torch.Tensor
 
 
@@ -186,6 +188,8 @@ def head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels
     the forward may keep for backward (when a gradient is needed) so that backward skips recomputing the logits
     of those chunks; 0 = recompute every chunk.
     """
+    if is_vocab_sharded(weight):  # --tp_size: a vocabulary shard per TP rank (rlhf.models.vocab_parallel)
+        return vocab_parallel_logprobs(hidden, weight, bias, labels, temperature, chunk_size, with_entropy)
     keep = max(0, int(keep_bytes)) if torch.is_grad_enabled() else 0  # no graph (no_grad): nothing to keep for
     lp, ent = _HeadLogprobs.apply(hidden, weight, bias, labels, float(temperature), max(1, int(chunk_size)),
                                   bool(with_entropy), keep)          # backward (needs_input_grad says True there)
@@ -237,6 +241,8 @@ def head_params(head: torch.nn.Linear) -> Tuple[Tensor, Optional[Tensor]]:
     """(weight, bias) of a fusable head, read after the model's forward (FSDP2: the unsharded tensors); float32
     copies for a head marked by ``use_fp32_head`` (--lm_head_fp32), so its logits are computed in fp32."""
     w, b = head.weight, head.bias
+    if is_vocab_sharded(w):  # --tp_size: FSDP2 gathered the data-parallel shards; TP's vocabulary shard stays
+        return (w.float(), None if b is None else b.float()) if is_fp32_head(head) else (w, b)
     if type(w.data) is not torch.Tensor:
         raise RuntimeError("the LM head's weight is still sharded after the forward (an FSDP unit of its own?); "
                            "fusable_head should have returned None for this model")

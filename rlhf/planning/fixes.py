@@ -74,6 +74,14 @@ def _candidates(job: Job, colocated: bool, max_sp: int, dims: Optional[ModelDims
         if dims is not None and (dims.heads % sp or dims.kv_heads % sp):
             break
         out.append({"ring_attn_size": sp} if job.packing_samples else {"ring_attn_size": sp, "packing_samples": True})
+    if job.fsdp_shard_size:  # HSDP shards over fewer ranks: sharding over all of them holds less per rank
+        out.append({"fsdp_shard_size": 0})
+    tp = job.tp_size  # --tp_size (rlhf/distributed/tensor_parallel.py): FSDP2, RL trainers, no LoRA, heads divisible
+    while tp * 2 * job.ring_attn_size <= max_sp and job.kind == "rl" and job.backend == "fsdp2" and not job.lora_rank:
+        tp *= 2
+        if dims is not None and (dims.heads % (tp * job.ring_attn_size) or dims.kv_heads % (tp * job.ring_attn_size)):
+            break
+        out.append({"tp_size": tp})
     if not job.adam_offload:
         out.append({"adam_offload": True})
     return out

@@ -41,6 +41,8 @@ class Job:
     adam_offload: bool = False
     lora_rank: int = 0
     target_modules: str = "all-linear"
+    tp_size: int = 1                      # --tp_size: model roles' tensor parallelism (rlhf.distributed.tensor_parallel)
+    fsdp_shard_size: int = 0              # --fsdp_shard_size: HSDP shard group (0: the role's FSDP ranks)
 
     @property
     def c(self) -> int:
@@ -74,14 +76,14 @@ class Job:
         return replace(self, rollout_engine="vllm" if on_cuda and vllm_installed else "hf")
 
 
-def job_from_flags(kind: str, model, data, topology, rollout, optim) -> Job:
+def job_from_flags(kind: str, model, data, topology, rollout, optim, parallel=None) -> Job:
     """The planner's input from the five flag groups that hold its flags (rlhf.config.schema's ``ModelConfig``,
     ``DataConfig``, ``TopologyConfig``, ``RolloutConfig``, ``OptimConfig``): each ``Job`` field takes the flag of
     its name, a field no group has keeps its default.  ``kind``: ppo / grpo (both "rl"), sft, rm, dpo.
     --rollout_engine auto stays auto here; ``Job.on`` decides it where the device is known.  The one builder of
     the planner's input, called at the top (rlhf/config/preflight.py, ``python -m rlhf.plan``), as torchtitan
     builds a component from its own config there (torchtitan/config/configurable.py ``Config.build``)."""
-    groups = (model, data, topology, rollout, optim)
+    groups = (model, data, topology, rollout, optim) + ((parallel,) if parallel is not None else ())
     j = Job()
     for f in fields(Job):
         for grp in groups:

@@ -41,9 +41,18 @@ def role_states(job: Job, rm: RoleModel) -> States:
     if job.backend == "deepspeed":
         return terms.deepspeed_states(rm.n, rm.ranks, job.bf16, job.zero_stage, rm.trainable, d.layer_params,
                                       job.adam_offload and rm.trainable, rm.adapters)
-    return terms.fsdp2_states(rm.n, rm.ranks, job.c, job.zero_stage, rm.trainable, d.layer_params,
-                              d.root_params if rm.lm else d.embed_params + 2 * d.hidden,
+    tp, shard = fsdp_layout(job, rm.ranks)  # --tp_size splits every layer, FSDP2 shards the rest over the shard group
+    return terms.fsdp2_states(rm.n // tp, shard, job.c, job.zero_stage, rm.trainable, d.layer_params // tp,
+                              (d.root_params if rm.lm else d.embed_params + 2 * d.hidden) // tp,
                               job.adam_offload and rm.trainable, job.grad_accum_no_sync and rm.trainable, rm.adapters)
+
+
+def fsdp_layout(job: Job, ranks: int) -> Tuple[int, int]:
+    """(tp, ranks a model's FSDP2 shards span) of a model role on ``ranks``: TP over --tp_size, FSDP2 over the
+    other ranks / tp, or only over --fsdp_shard_size of them (HSDP: replicated across the shard groups)."""
+    tp = max(1, job.tp_size) if job.backend == "fsdp2" else 1
+    fsdp = max(1, ranks // tp)
+    return tp, (job.fsdp_shard_size if 0 < job.fsdp_shard_size < fsdp else fsdp)
 
 
 def _tokens(job: Job, micro: int, max_tokens: Optional[int]) -> Tuple[int, int]:
@@ -62,19 +71,19 @@ def head_fused(job: Job) -> bool:
 
 
 def _forward(job: Job, d: ModelDims, b: int, s: int, grad: bool, lm: bool, dp: int = 1) -> Dict[str, float]:
-    sp = max(1, job.ring_attn_size)
+    sp, tp = max(1, job.ring_attn_size), fsdp_layout(job, 1)[0]
     c = job.c
     if grad:
-        act = terms.activation_bytes(d, b, s, c, job.attn, job.gradient_checkpointing, sp)
+        act = terms.activation_bytes(d, b, s, c, job.attn, job.gradient_checkpointing, sp, tp)
     else:
-        act = terms.inference_activation_bytes(d, b, s, c, job.attn, sp)
+        act = terms.inference_activation_bytes(d, b, s, c, job.attn, sp, tp)
     out = {"activations": act}
     head = 0.0
     if lm:
         fused = head_fused(job)
         tokens = -(-b * s // sp)
         rows = tokens * job.response_len // max(1, job.seq) if fused else tokens  # unfused: every token's logits
-        head = terms.lm_head_bytes(rows, d.vocab, c, job.logprob_chunk_size, max(0, job.lm_head_keep_mb) << 20, grad,
+        head = terms.lm_head_bytes(rows, -(-d.vocab // tp), c, job.logprob_chunk_size, max(0, job.lm_head_keep_mb) << 20, grad,
                                    fused)
         if grad:  # the head runs while the activations are kept for backward
             out["logits"] = head

@@ -127,7 +127,7 @@ def deepspeed_states(n: int, dp: int, bf16: bool, zero_stage: int, trainable: bo
 
 
 def layer_activation_bytes(d: ModelDims, tokens: int, c: int, attn: str = "sdpa", seq: int = 0,
-                           repeat_kv: bool = True) -> float:
+                           repeat_kv: bool = True, tp: int = 1) -> float:
     """Bytes autograd saves in one Llama/Qwen2 decoder block for ``tokens`` tokens (b x s), no checkpointing.
 
     Per token (transformers' LlamaDecoderLayer / Qwen2DecoderLayer; every tensor counted once):
@@ -141,14 +141,15 @@ def layer_activation_bytes(d: ModelDims, tokens: int, c: int, attn: str = "sdpa"
         SwiGLU MLP     4 c i             gate, up, silu(gate), silu(gate) * up
 
     For a GPT block at 16 bits Korthikanti et al. count 34 h + 5 a s (eq. 1); this block's SwiGLU (i ~ 2.7-3.5 h)
-    and fp32 norms make it 22 h + 4 kv + 8 i at bf16 with flash attention."""
+    and fp32 norms make it 22 h + 4 kv + 8 i at bf16 with flash attention.  --tp_size ``tp``: every term but
+    the norms' (replicated hidden states) is a rank's heads / intermediate columns, / tp."""
     h, q, a, i = d.hidden, d.q_dim, d.heads, d.intermediate
     kv = q if (repeat_kv and attn == "sdpa" and d.kv_heads < d.heads) else d.kv_dim
-    per = 2 * (4 + 2 * c) * h + c * (q + 2 * kv) + c * i * 4
+    per = c * (q + 2 * kv) + c * i * 4
     per += (c * q + 4 * a) if attn == "flash" else (2 * c * q + 4 * a)
     if attn == "eager":
         per += a * seq * (4 + c)
-    return float(per) * tokens
+    return (per / max(1, tp) + 2 * (4 + 2 * c) * h) * tokens
 
 
 def mask_bytes(b: int, s: int, attn: str, c: int, layers_saved: int = 1) -> float:
@@ -167,7 +168,7 @@ def mask_bytes(b: int, s: int, attn: str, c: int, layers_saved: int = 1) -> floa
 
 
 def activation_bytes(d: ModelDims, b: int, s: int, c: int, attn: str = "sdpa", checkpointing: bool = False,
-                     sp: int = 1) -> float:
+                     sp: int = 1, tp: int = 1) -> float:
     """Activations a training forward keeps for backward, one micro-batch of b sequences x s tokens, with
     sequence parallelism over ``sp`` ranks (--ring_attn_size: each rank holds s / sp tokens of every layer):
 
@@ -175,7 +176,7 @@ def activation_bytes(d: ModelDims, b: int, s: int, c: int, attn: str = "sdpa", c
         checkpointing      L x c h b s / sp (each block's input)  + one block recomputed in backward
                            layer(b s / sp) + final norm + mask (one layer's copy)"""
     t = -(-b * s // sp)
-    layer = layer_activation_bytes(d, t, c, attn, s)
+    layer = layer_activation_bytes(d, t, c, attn, s, tp=tp)
     final = (4 + 2 * c) * d.hidden * t
     m = mask_bytes(b, s, attn, c, 1 if checkpointing else d.layers) / sp
     if checkpointing:
@@ -183,14 +184,16 @@ def activation_bytes(d: ModelDims, b: int, s: int, c: int, attn: str = "sdpa", c
     return d.layers * layer + final + m
 
 
-def inference_activation_bytes(d: ModelDims, b: int, s: int, c: int, attn: str = "sdpa", sp: int = 1) -> float:
+def inference_activation_bytes(d: ModelDims, b: int, s: int, c: int, attn: str = "sdpa", sp: int = 1,
+                               tp: int = 1) -> float:
     """Peak of a no-grad forward (ref, old log-probs, values, reward): nothing is kept across layers, so the
     peak is one block's working set, taken at the MLP: the residual stream, the normed input (c h each),
     the fp32 norm copy (4 h), gate, up and silu(gate) (3 c i), plus the mask (one layer's converted copy):
 
-        b s / sp x (2 c h + 4 h + 3 c i) + mask"""
+        b s / sp x (2 c h + 4 h + 3 c i / tp) + mask      (--tp_size: a rank's intermediate columns)"""
     t = -(-b * s // sp)
-    return float(t * (2 * c * d.hidden + 4 * d.hidden + 3 * c * d.intermediate)) + mask_bytes(b, s, attn, c) / sp
+    return float(t * (2 * c * d.hidden + 4 * d.hidden + 3 * c * d.intermediate / max(1, tp))) + \
+        mask_bytes(b, s, attn, c) / sp
 
 
 def lm_head_bytes(rows: int, vocab: int, c: int, chunk_rows: int, keep_bytes: int, grad: bool,

@@ -63,7 +63,7 @@ class RLTrainer:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         preflight(cfg, "ppo", world)  # model kinds, writable paths, resume
         self.plan_nodes = t.nnodes_hint or nnodes_from_env()
-        self.plan = make_placement(t, world, self.plan_nodes, **role_needs(a, cfg.model))
+        self.plan = make_placement(t, world, self.plan_nodes, parallel=cfg.parallel, **role_needs(a, cfg.model))
         check_async_placement(r.async_train, self.plan)
         check_batch_sizes(cfg.optim, r.rollout_batch_size * r.n_samples_per_prompt, self.plan)
         check_backend_placement(t.backend, self.plan)

@@ -75,7 +75,7 @@ class Actor(UpdatingRole):
         """The micro-batches of one optimizer step, then the engine's step; appends this step's metrics."""
         engine, world, s = self.engine, self.dp_size, self.settings
         real = [mr for mr in micro_rows if mr.real]
-        tot = step_totals([batch.action_mask[mr.rows] for mr in real], self.group, self.sp.size)
+        tot = step_totals([batch.action_mask[mr.rows] for mr in real], self.group, self.mesh.replicas)
         n_step = max(sum(mr.rows.numel() for mr in real), 1)
         step = defaultdict(float)
         logs["micro_batches"].append(float(len(micro_rows)))

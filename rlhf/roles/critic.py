@@ -33,7 +33,7 @@ class Critic(UpdatingRole):
             dyn = dyn._replace(packed=False)
         for micro_rows in step_batches(self.settings, batch.sequences.size(0), self.dp_index, world,
                                        step * 1000 + 7, dyn):
-            tot = step_totals([batch.action_mask[mr.rows] for mr in micro_rows if mr.real], self.group, self.sp.size)
+            tot = step_totals([batch.action_mask[mr.rows] for mr in micro_rows if mr.real], self.group, self.mesh.replicas)
             total = 0.0
             for i, mr in enumerate(micro_rows):
                 mb = micro_batch(batch, mr, dyn)

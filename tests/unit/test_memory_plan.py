@@ -134,7 +134,7 @@ def test_job_from_flags_reads_every_planner_flag_from_its_group():
 
     cfg = _cfg(micro_train_batch_size=2, generate_max_len=77, zero_stage=2, vllm_gpu_memory_utilization=0.3,
                lora_rank=4, max_len=999)
-    groups = (cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim)
+    groups = (cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim, cfg.parallel)  # + --tp_size, --fsdp_shard_size
     job = job_from_flags("grpo", *groups)
     for f in fields(Job):
         if f.name in ("kind", "rl_max_len"):
