@@ -109,7 +109,6 @@ COMPAT: Dict[str, Compat] = {
     "ring_head_stride": _noop("--ring_attn_size runs Ulysses (heads split over the group by all-to-all), which has no "
                               "head stride", int, 1),
     "ds_tensor_parallel_size": _unsupported("training tensor parallelism is not implemented (FSDP2 / ZeRO only)", int, 1),
-    "load_in_4bit": _unsupported("4-bit (QLoRA) loading is not implemented"),
     "lora_dropout": _unsupported("LoRA dropout is fixed at 0 here", float, 0.0),
     "enable_ema": _unsupported("no EMA model is kept"),
     "max_tokens_per_gpu": _alias(lambda v: {"train_max_tokens_per_gpu": v}, int, 16192,

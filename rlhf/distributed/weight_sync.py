@@ -12,53 +12,18 @@ once.  Every wait has a timeout (``--dist_timeout_s``).
 """
 from __future__ import annotations
 
+import time
 from typing import Iterator, List, Optional, Tuple
 
 import torch
 
 from rlhf.distributed import comm
 from rlhf.distributed import transport as transfer  # the weight-transfer group and its wire format
+from rlhf.distributed.gather import full_shape, full_tensor, zero3_param  # noqa: F401 (their home before)
+from rlhf.distributed.lora_sync import adapter_config, adapter_meta, export_adapter, is_lora_model, sync_metrics
 from rlhf.errors import WeightSyncTimeout
 
 Meta = Tuple[str, Tuple[int, ...], torch.dtype]
-
-
-def zero3_param(p: torch.Tensor) -> bool:
-    """A DeepSpeed ZeRO-3 parameter: its ``shape`` is the local partition's (``[0]`` outside a gather), ``ds_shape``
-    the full one (deepspeed/runtime/zero/partition_parameters.py sets ``ds_id``/``ds_shape`` on conversion)."""
-    return hasattr(p, "ds_id")
-
-
-def full_shape(p: torch.Tensor) -> Tuple[int, ...]:
-    """The full (unsharded) shape, without any collective: ZeRO-3 ``ds_shape``, a DTensor's global shape, or the
-    plain tensor's."""
-    return tuple(p.ds_shape) if zero3_param(p) else tuple(p.shape)
-
-
-def full_tensor(p: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """The full tensor of a parameter; a collective for sharded ones, so every rank of the shard group calls it for
-    the same parameters in the same order.  ``dtype``: the tensor comes back in it, and a sharded one is gathered
-    in it (each rank casts its shard first): a bf16 engine's sync all-gathers half the bytes of the fp32 masters
-    and holds a bf16 buffer, not an fp32 one (veRL gathers the FSDP actor's weights for vLLM in the rollout's
-    dtype, verl/workers/sharding_manager/fsdp_vllm.py: ``param.to(device, non_blocking=True).full_tensor()`` of
-    the bf16 state dict; OpenRLHF gathers ZeRO-3's bf16 module parameters).
-
-    * FSDP2 DTensor: ``full_tensor()`` (all-gather over its mesh).
-    * DeepSpeed ZeRO-3: gathered one parameter at a time inside ``deepspeed.zero.GatheredParameters([p])``
-      (all-gather over ``p.ds_process_group``), as OpenRLHF's ``_broadcast_to_vllm`` does
-      (openrlhf/trainer/ray/ppo_actor.py: ``GatheredParameters([param], enabled=zero_stage == 3)``); the gathered
-      data is copied out before the context re-partitions the parameter on exit.
-    * anything else passes through (no copy).
-    """
-    if zero3_param(p):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([p]):
-            return p.data.detach().to(dtype or p.dtype, copy=True)
-    t = p.data if isinstance(p, torch.nn.Parameter) else p
-    if dtype is not None and t.dtype != dtype:
-        t = t.to(dtype)  # a DTensor casts its local shard: no communication
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 PEFT_PREFIX = "base_model.model."
@@ -90,7 +55,8 @@ def tied_aliases(model) -> dict:
     return out
 
 
-def _export(model, materialize: bool, aliases: bool = False, dtype: Optional[torch.dtype] = None):
+def _export(model, materialize: bool, aliases: bool = False, dtype: Optional[torch.dtype] = None,
+            lora: str = "merge"):
     """(engine name, full shape, dtype, tensor or None) for every weight the engine receives, in one fixed order
     (``named_parameters``, the same on every rank).  ``dtype``: the tensors are gathered in it (``full_tensor``);
     the metadata keeps the parameters' own dtypes.
@@ -117,6 +83,9 @@ def _export(model, materialize: bool, aliases: bool = False, dtype: Optional[tor
     form, Llama's / Qwen2's fused ``qkv_proj`` and ``gate_up_proj`` (``stacked_params_mapping`` in their
     ``load_weights``), are rebuilt from q/k/v and gate/up only when a reload gets all of a layer's tensors at
     once: the loaders hold a decoder layer back until it is complete (``transport.split_last_layer``).
+
+    ``lora="base"`` (adapter sync, ``rlhf.distributed.lora_sync``): a LoRA layer's frozen base goes under the
+    engine's name, its A and B not at all (they travel as the adapter).
     """
     scal = _lora_scalings(model)
     tied = tied_aliases(model) if aliases else {}
@@ -126,6 +95,10 @@ def _export(model, materialize: bool, aliases: bool = False, dtype: Optional[tor
         for key in (".base_layer.weight", ".lora_A.default.weight", ".lora_B.default.weight"):
             if name.endswith(key) and name[: -len(key)] in scal:
                 mod, part = name[: -len(key)], key
+        if mod is not None and lora == "base":
+            if part == ".base_layer.weight":
+                yield _engine_name(name), full_shape(p), p.dtype, full_tensor(p, dtype) if materialize else None
+            continue
         t = full_tensor(p, dtype if mod is None else None) if materialize else None
         if mod is None:
             for n in [name] + tied.get(name, []):
@@ -143,10 +116,10 @@ def _export(model, materialize: bool, aliases: bool = False, dtype: Optional[tor
             del pending[mod]
 
 
-def param_meta(model: torch.nn.Module, aliases: bool = False) -> List[Meta]:
+def param_meta(model: torch.nn.Module, aliases: bool = False, lora: str = "merge") -> List[Meta]:
     """(engine name, full shape, dtype) of every weight the engine receives; local, no collective.  ``aliases``:
-    tied weights under every name (see ``_export``)."""
-    return [(n, shape, dt) for n, shape, dt, _ in _export(model, materialize=False, aliases=aliases)]
+    tied weights under every name, ``lora``: merged or base only (see ``_export``)."""
+    return [(n, shape, dt) for n, shape, dt, _ in _export(model, materialize=False, aliases=aliases, lora=lora)]
 
 
 def wants_tied_aliases(engine) -> bool:
@@ -181,26 +154,56 @@ def _wait(work, timeout_s: float, what: str):
 
 class WeightSync:
     def __init__(self, groups, engine=None, bucket_mb: float = 256, dtype: Optional[torch.dtype] = None,
-                 timeout_s: float = 600, device: Optional[torch.device] = None):
+                 timeout_s: float = 600, device: Optional[torch.device] = None, lora_sync: str = "merged",
+                 keep_versions: int = 1):
+        """``lora_sync``: ``adapter`` sends a LoRA actor's base weights once and its adapter at every sync
+        (``rlhf.distributed.lora_sync``), ``merged`` W + s B A every time; ``keep_versions``: adapter versions an
+        engine keeps (--async_queue_size + 1 under --async_train)."""
         self.groups = groups
         self.engine = engine
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.dtype = dtype
         self.timeout_s = timeout_s
         self.device = device or torch.device("cpu")
-        self._meta: Optional[List[Meta]] = None
+        self._meta: Optional[tuple] = None  # (base/merged weights' meta, adapter meta or None, adapter config)
+        self.lora_sync, self.keep_versions = lora_sync, keep_versions
+        self.base_sent = False  # adapter sync: the engines hold the base weights (sent once)
+        self.version = 0        # adapter sync: the last adapter version sent (vLLM's lora_int_id, >= 1)
+        self.last: dict = {}    # the last sync's metrics on this rank: sync_bytes, sync_s, sync_GBps
+
+    def adapter_mode(self, model) -> bool:
+        """Adapter sync on this actor rank: --lora_sync adapter, a LoRA model, and an engine that takes adapters
+        (none here: the rollout ranks' engines, all of which do)."""
+        return self.lora_sync == "adapter" and is_lora_model(model) and \
+            (self.engine is None or self.engine.lora_adapters)
 
     # ---- colocated -------------------------------------------------------------------------------------------
-    def _named_full(self, model, aliases: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
-        """Full (unsharded, LoRA-merged) weights under the engine's names; collective over the actor group."""
-        for name, _, _, t in _export(model, materialize=True, aliases=aliases, dtype=self.dtype):
+    def _named_full(self, model, aliases: bool = False, lora: str = "merge") -> Iterator[Tuple[str, torch.Tensor]]:
+        """Full (unsharded; LoRA merged, or base only) weights under the engine's names; collective over the
+        actor group."""
+        for name, _, _, t in _export(model, materialize=True, aliases=aliases, dtype=self.dtype, lora=lora):
             yield name, (t.to(self.dtype) if self.dtype is not None else t)
 
     def sync_colocated(self, model) -> int:
-        """Gather and load bucket by bucket; returns bytes loaded."""
+        """Gather and load bucket by bucket; returns bytes loaded.  Adapter sync: the base at the first sync,
+        then the adapter as a new version (``engine.load_adapter``)."""
+        adapter = self.adapter_mode(model)
+        total = 0
+        if not (adapter and self.base_sent):
+            total += self._load_colocated(model, "base" if adapter else "merge")
+            self.base_sent = adapter
+        if adapter:
+            named = [(n, t) for n, _, _, t in export_adapter(model)]
+            self.version += 1
+            if self.engine is not None:
+                self.engine.load_adapter(self.version, named, adapter_config(model), self.keep_versions)
+            total += sum(t.numel() * t.element_size() for _, t in named)
+        return total
+
+    def _load_colocated(self, model, lora: str) -> int:
         aliases = wants_tied_aliases(self.engine)
-        meta = param_meta(model, aliases)
-        it = self._named_full(model, aliases)
+        meta = param_meta(model, aliases, lora)
+        it = self._named_full(model, aliases, lora)
         total = 0
         for bucket in bucket_plan(meta, self.bucket_bytes, self.dtype):
             batch = [next(it) for _ in bucket]
@@ -223,35 +226,62 @@ class WeightSync:
         receive nothing.  Engines in the trainer's process (HF): buckets are broadcast over the sync group.
         Non-zero actor ranks only help unshard (the gather of each parameter is collective over the actor)."""
         plan, rank = self.groups.plan, self.groups.rank
+        adapter = self.adapter_mode(model)  # actor ranks; rollout ranks learn it from the metadata
         if rank not in plan.sync_ranks:
-            for _ in self._named_full(model):
+            if not (adapter and self.base_sent):
+                for _ in self._named_full(model, lora="base" if adapter else "merge"):
+                    pass
+            for _ in export_adapter(model) if adapter else ():
                 pass
+            self.base_sent = adapter
             return 0
         src = plan.sync_ranks[0]
         if self._link is None:
             self._link = self._connect(src)
         aliases = self._link["aliases"]
         if self._meta is None:
-            self._meta = comm.broadcast_object(param_meta(model, aliases) if rank == src else None, src,
-                                               self.groups.group("sync"))
-        wire = self._wire()
+            mine = None
+            if rank == src:
+                mine = (param_meta(model, aliases, "base" if adapter else "merge"),
+                        adapter_meta(model) if adapter else None, adapter_config(model) if adapter else None)
+            self._meta = comm.broadcast_object(mine, src, self.groups.group("sync"))
+        base_meta, ameta, config = self._meta
+        adapter, total = ameta is not None, 0
+        if not (adapter and self.base_sent):
+            stream = self._named_full(model, aliases, "base" if adapter else "merge") if rank == src else None
+            total += self._send(stream, self._wire(base_meta, self.dtype), src, aliases)
+            self.base_sent = adapter
+        if adapter:
+            self.version += 1
+            stream = ((n, t) for n, _, _, t in export_adapter(model)) if rank == src else None
+            total += self._send(stream, self._wire(ameta, None), src, False, (self.version, config))
+        return total
+
+    def _send(self, stream, wire, src: int, aliases: bool, adapter=None) -> int:
+        """One stream of weights (the base / merged weights, or an adapter version ``adapter`` = (version,
+        config)) from actor rank ``src`` to the engines; ``stream`` only on ``src``."""
         if not self._link["direct"]:
-            return self._sync_in_process(model, wire, src, aliases)
-        if rank == src:
-            return self._send_direct(model, wire, aliases)
+            return self._sync_in_process(stream, wire, src, aliases, adapter)
+        if self.groups.rank == src:
+            return self._send_direct(stream, wire)
         if self._link["joined"]:
-            self.engine.receive_weights([p for bucket in wire for p in bucket])
-            self.engine.reset_prefix_cache()
+            pieces = [p for bucket in wire for p in bucket]
+            if adapter is None:
+                self.engine.receive_weights(pieces)
+                self.engine.reset_prefix_cache()
+            else:
+                self.engine.receive_adapter(adapter[0], pieces, adapter[1], self.keep_versions)
         return sum(transfer.piece_bytes(p) for bucket in wire for p in bucket)
 
-    def _wire(self) -> List[List[transfer.Piece]]:
+    def _wire(self, meta: List[Meta], dtype: Optional[torch.dtype]) -> List[List[transfer.Piece]]:
         """The bucket plan as the wire carries it: per bucket, one piece per dtype ``(dtype name, [(engine name,
-        shape), ...])``, each sent as one flat tensor.  Derived from the metadata on every rank alike."""
-        meta, out = self._meta, []
-        for bucket in bucket_plan(meta, self.bucket_bytes, self.dtype):
+        shape), ...])``, each sent as one flat tensor (in ``dtype``, else each tensor's own).  Derived from the
+        metadata on every rank alike."""
+        out = []
+        for bucket in bucket_plan(meta, self.bucket_bytes, dtype):
             by_dtype: dict = {}
             for i in bucket:
-                dt = str(self.dtype or meta[i][2]).removeprefix("torch.")
+                dt = str(dtype or meta[i][2]).removeprefix("torch.")
                 by_dtype.setdefault(dt, []).append((meta[i][0], list(meta[i][1])))
             out.append(list(by_dtype.items()))
         return out
@@ -293,12 +323,11 @@ class WeightSync:
         dt = getattr(torch, piece[0])
         return torch.cat([tensors[n].reshape(-1).to(dt) for n, _ in piece[1]]).to(self.device)
 
-    def _send_direct(self, model, wire: List[List[transfer.Piece]], aliases: bool) -> int:
+    def _send_direct(self, stream, wire: List[List[transfer.Piece]]) -> int:
         """Actor rank 0: gather, pack and broadcast each piece to every vLLM worker.  Double-buffered: the next
         piece is gathered and packed while the previous one is on the wire (peak: two packed pieces and one
         bucket of gathered tensors)."""
-        group = self._link["group"]
-        it = self._named_full(model, aliases)
+        group, it = self._link["group"], stream
         inflight, total = None, 0
         for bucket in wire:
             tensors = dict(next(it) for _ in range(sum(len(entries) for _, entries in bucket)))
@@ -312,15 +341,15 @@ class WeightSync:
             _wait(inflight[0], self.timeout_s, inflight[2])
         return total
 
-    def _sync_in_process(self, model, wire: List[List[transfer.Piece]], src: int, aliases: bool) -> int:
+    def _sync_in_process(self, it, wire: List[List[transfer.Piece]], src: int, aliases: bool, adapter=None) -> int:
         """Engines in the trainer's process: each piece is broadcast over the sync group, every rollout rank
-        loads it (tied aliases only where its engine wants them, ``wants_tied_aliases``)."""
-        rank, is_actor = self.groups.rank, model is not None
-        it = self._named_full(model, aliases) if is_actor else None
+        loads it (tied aliases only where its engine wants them, ``wants_tied_aliases``); an adapter version
+        (``adapter`` = (version, config)) is loaded whole once received."""
+        rank, is_actor = self.groups.rank, it is not None
         # another engine wants tied weights under every name; this one loads the first name only
         skip = set() if self.engine is None or not aliases or wants_tied_aliases(self.engine) \
             else self.engine.shared_weight_names()
-        total = 0
+        total, received = 0, []
         for bucket in wire:
             tensors = dict(next(it) for _ in range(sum(len(entries) for _, entries in bucket))) if is_actor else {}
             loaded = []
@@ -338,13 +367,21 @@ class WeightSync:
                 total += flat.numel() * flat.element_size()
                 if not is_actor:
                     loaded += [(n, t) for n, t in transfer.split_flat(flat, piece) if n not in skip]
-            if loaded and self.engine is not None:
+            if adapter is not None:
+                received += loaded
+            elif loaded and self.engine is not None:
                 self.engine.load_weights(loaded)
         if not is_actor and self.engine is not None:
-            self.engine.reset_prefix_cache()
+            if adapter is None:
+                self.engine.reset_prefix_cache()
+            else:
+                self.engine.load_adapter(adapter[0], received, adapter[1], self.keep_versions)
         return total
 
     def sync(self, model=None) -> int:
-        if self.groups.plan.separate_rollout:
-            return self.sync_broadcast(model)
-        return self.sync_colocated(model)
+        """One sync; ``last`` holds its bytes (on this rank: sent on the sending rank, received or loaded on an
+        engine's), seconds and GB/s."""
+        t0 = time.perf_counter()
+        n = self.sync_broadcast(model) if self.groups.plan.separate_rollout else self.sync_colocated(model)
+        self.last = sync_metrics(n, time.perf_counter() - t0)
+        return n
