@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from typing import List, Optional, Sequence
 
+from rlhf.distributed.lora_sync import vllm_max_lora_rank
 from rlhf.distributed.transport import layer_key, pack, split_last_layer
 from rlhf.engines.rollout import Batch, RolloutEngine, SamplingParams, batch_from_rows
 from rlhf.engines.rollout_registry import EngineArgs
@@ -69,7 +70,8 @@ class VLLMEngine(RolloutEngine):
                  gpu_memory_utilization: float = 0.5, kv_cache_memory_bytes: Optional[int] = None,
                  enable_sleep: bool = False, sleep_level: int = 2, enforce_eager: bool = False,
                  weight_loader: Optional[str] = None, tp_group=None, tp_src: int = 0, driver: bool = True,
-                 device_ids: Optional[Sequence[int]] = None, dummy_weights: bool = False, log=print):
+                 device_ids: Optional[Sequence[int]] = None, dummy_weights: bool = False, lora_rank: int = 0,
+                 lora_versions: int = 1, log=print):
         """``tp_group`` / ``tp_src``: the engine's TP ranks and their first global rank (colocated, TP > 1: the
         prompts are broadcast from it so every TP rank passes identical prompts).  ``driver``: separate mode,
         False on an engine's non-first ranks (they build nothing).  ``device_ids``: separate mode on CUDA,
@@ -85,7 +87,9 @@ class VLLMEngine(RolloutEngine):
         DummyModelLoader, vllm/model_executor/model_loader/dummy_loader.py: random values, no file read); take the
         trainer's weights at the first sync, as veRL's colocated rollout does (``load_format: dummy``): no rank
         reads the checkpoint a second time (a 70B model: 140 GB per rank).  Until that sync ``needs_weights`` is True and a
-        generate is refused (``EngineMemory.check_generate``)."""
+        generate is refused (``EngineMemory.check_generate``).  ``lora_rank`` > 0 (--lora_sync adapter): vLLM runs
+        with LoRA (``enable_lora``, ``max_lora_rank`` the smallest it accepts >= the rank, one adapter per batch,
+        ``lora_versions`` kept in host memory); each ``load_adapter`` is a new version the next generates use."""
         weight_loader = weight_loader or os.environ.get("RLHF_VLLM_WEIGHT_LOADER", "auto")
         if mode not in MODES:
             raise ValueError(f"VLLMEngine mode must be one of {MODES}, got {mode!r}")
@@ -108,6 +112,7 @@ class VLLMEngine(RolloutEngine):
         self.memory = EngineMemory(None, sleep_level, enable_sleep, empty_cache=empty_device_cache)
         self._pending: List[tuple] = []
         self.llm = None
+        self.lora_rank, self.lora_versions, self._lora = lora_rank, max(1, lora_versions), None
         # the longest sequence (prompt + response) vLLM takes: a partial rollout's continuation prompt must stay below
         # it (vLLM refuses a prompt of max_model_len tokens, vllm/v1/engine/input_processor.py _validate_prompt_len,
         # and caps a generation there, vllm/v1/core/sched/utils.py check_stop: finish_reason "length")
@@ -118,6 +123,9 @@ class VLLMEngine(RolloutEngine):
                            dtype=dtype or default_dtype(cuda, False), enforce_eager=enforce_eager,
                            enable_sleep=enable_sleep, gpu_memory_utilization=gpu_memory_utilization,
                            kv_cache_memory_bytes=kv_cache_memory_bytes, cuda=cuda)
+        if lora_rank > 0:
+            kw.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1,
+                      max_cpu_loras=self.lora_versions)
         self.dummy = bool(dummy_weights)
         if self.dummy:
             kw["load_format"] = "dummy"
@@ -181,7 +189,7 @@ class VLLMEngine(RolloutEngine):
                                       max_tokens=params.max_new_tokens, logprobs=0,
                                       stop_token_ids=list(params.stop_token_ids) or [self.eos], detokenize=False)
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
-        outs = self.llm.generate(prompts, sp, use_tqdm=False)
+        outs = self.llm.generate(prompts, sp, use_tqdm=False, lora_request=self._lora)
         return self._to_batch(outs)
 
     def _to_batch(self, outs) -> Batch:
@@ -223,6 +231,32 @@ class VLLMEngine(RolloutEngine):
             self.llm.collective_rpc("rlhf_load_weights", args=([list(t) for t in items], self.loader))
         else:  # own processes on the actor's ranks (fed by the colocated gather): host bytes (vllm_worker.pack)
             self.llm.collective_rpc("rlhf_load_weights", args=(pack(items), self.loader))
+
+    @property
+    def lora_adapters(self) -> bool:
+        return self.lora_rank > 0
+
+    def load_adapter(self, version: int, named_tensors, config: dict, keep: int = 1) -> None:
+        """Every worker registers the version from memory (``vllm_worker.add_adapter``): in this process the tensors
+        as they are, in vLLM's own processes ``pack``'s host bytes (an adapter is small)."""
+        if not self.driver:
+            return
+        rows = [list(t) for t in named_tensors] if self.mode == "colocated" else pack(named_tensors)
+        self.llm.collective_rpc("rlhf_add_adapter", args=(version, rows, config, min(keep, self.lora_versions)))
+        self._use_adapter(version)
+
+    def receive_adapter(self, version: int, pieces, config: dict, keep: int = 1) -> None:
+        """The workers receive the version over the weight-transfer group and register it."""
+        self.llm.collective_rpc("rlhf_receive_adapter", args=(version, pieces, config,
+                                                              min(keep, self.lora_versions)))
+        self._use_adapter(version)
+
+    def _use_adapter(self, version: int) -> None:
+        """Generate with ``version`` from now on: a ``LoRARequest`` whose id is registered already, so its path
+        (required non-empty by vllm/lora/request.py) is never read."""
+        from vllm.lora.request import LoRARequest
+
+        self._lora = LoRARequest(f"rlhf-v{version}", version, f"rlhf://in-memory/v{version}")
 
     @property
     def direct_weights(self) -> bool:
@@ -268,8 +302,10 @@ class VLLMEngine(RolloutEngine):
             self.memory.wake(tags)
 
     def sync_follows(self) -> None:
-        """A weight sync comes before this engine's next generate: its next sleep may discard the weights."""
-        self.memory.sync_follows()
+        """A weight sync comes before this engine's next generate: its next sleep may discard the weights.  Not
+        with LoRA adapters: the base was sent once and the next syncs carry the adapter only."""
+        if not self.lora_adapters:
+            self.memory.sync_follows()
 
     def memory_state(self) -> str:
         """``full`` | ``weights`` | ``asleep`` (``EngineMemory.state``; without sleep mode nothing is released, the
@@ -331,4 +367,5 @@ def build_vllm_engine(args: EngineArgs) -> VLLMEngine:
                       sleep_level=args.sleep_level, enforce_eager=args.enforce_eager or cpu,
                       tp_group=p.tp_group, tp_src=p.ranks[0], driver=p.first,
                       device_ids=[k % p.gpus_per_node for k in p.ranks], dummy_weights=not p.separate,
+                      lora_rank=args.lora_rank, lora_versions=args.lora_versions,
                       log=print if p.first else (lambda *_: None))
