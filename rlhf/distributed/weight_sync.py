@@ -21,6 +21,8 @@ from rlhf.distributed import comm
 from rlhf.distributed import transport as transfer  # the weight-transfer group and its wire format
 from rlhf.distributed.gather import full_shape, full_tensor, zero3_param  # noqa: F401 (their home before)
 from rlhf.distributed.lora_sync import adapter_config, adapter_meta, export_adapter, is_lora_model, sync_metrics
+from rlhf.distributed.shard_sync import ShardSync, shard_params, shard_route
+from rlhf.distributed.sync_link import connect, wants_tied_aliases
 from rlhf.errors import WeightSyncTimeout
 
 Meta = Tuple[str, Tuple[int, ...], torch.dtype]
@@ -122,12 +124,6 @@ def param_meta(model: torch.nn.Module, aliases: bool = False, lora: str = "merge
     return [(n, shape, dt) for n, shape, dt, _ in _export(model, materialize=False, aliases=aliases, lora=lora)]
 
 
-def wants_tied_aliases(engine) -> bool:
-    """Does this rank's engine (None: none here) need a tied weight under each of its names?  An engine says so
-    with ``tied_weights_apart`` (vLLM: see ``_export``); the HF engine shares the tensor and takes one name."""
-    return engine is not None and engine.tied_weights_apart
-
-
 def bucket_plan(meta: List[Meta], bucket_bytes: int, dtype: Optional[torch.dtype] = None) -> List[List[int]]:
     """Group parameter indices into buckets of at most bucket_bytes (a larger tensor gets its own bucket)."""
     buckets, cur, size = [], [], 0
@@ -227,34 +223,60 @@ class WeightSync:
         Non-zero actor ranks only help unshard (the gather of each parameter is collective over the actor)."""
         plan, rank = self.groups.plan, self.groups.rank
         adapter = self.adapter_mode(model)  # actor ranks; rollout ranks learn it from the metadata
+        lora, src = "base" if adapter else "merge", plan.sync_ranks[0]
+        if self._link is None and rank in plan.sync_ranks:
+            self._link = self._connect(src)
+        if self._route is None and model is not None:  # actor rank 0 decides for the actor ranks
+            mine = shard_route(model, lora, self._link["direct"] or self._link["aliases"]) if rank == src else None
+            self._route = comm.broadcast_object(mine, src, self.groups.group("actor"))
         if rank not in plan.sync_ranks:
             if not (adapter and self.base_sent):
-                for _ in self._named_full(model, lora="base" if adapter else "merge"):
+                if self._route == "shards":
+                    self._shard_sync(param_meta(model, False, lora)).send(shard_params(model, lora))
+                for _ in self._named_full(model, lora=lora) if self._route != "shards" else ():
                     pass
             for _ in export_adapter(model) if adapter else ():
                 pass
             self.base_sent = adapter
             return 0
-        src = plan.sync_ranks[0]
-        if self._link is None:
-            self._link = self._connect(src)
         aliases = self._link["aliases"]
         if self._meta is None:
             mine = None
             if rank == src:
-                mine = (param_meta(model, aliases, "base" if adapter else "merge"),
-                        adapter_meta(model) if adapter else None, adapter_config(model) if adapter else None)
+                mine = (param_meta(model, aliases, lora), adapter_meta(model) if adapter else None,
+                        adapter_config(model) if adapter else None, self._route)
             self._meta = comm.broadcast_object(mine, src, self.groups.group("sync"))
-        base_meta, ameta, config = self._meta
+        base_meta, ameta, config, self._route = self._meta
         adapter, total = ameta is not None, 0
-        if not (adapter and self.base_sent):
+        if not (adapter and self.base_sent) and self._route == "shards":
+            total += self._from_shards(model, base_meta, lora)
+        elif not (adapter and self.base_sent):
             stream = self._named_full(model, aliases, "base" if adapter else "merge") if rank == src else None
             total += self._send(stream, self._wire(base_meta, self.dtype), src, aliases)
-            self.base_sent = adapter
+        self.base_sent = adapter
         if adapter:
             self.version += 1
             stream = ((n, t) for n, _, _, t in export_adapter(model)) if rank == src else None
             total += self._send(stream, self._wire(ameta, None), src, False, (self.version, config))
+        return total
+
+    _route: Optional[str] = None    # "shards" (every actor rank sends its blocks) | "gather" (actor rank 0 sends)
+    _shards: Optional[ShardSync] = None
+
+    def _shard_sync(self, meta) -> ShardSync:
+        if self._shards is None:
+            receivers = [r for r in self.groups.plan.sync_ranks[1:]]
+            self._shards = ShardSync(meta, self.groups.ranks("actor"), receivers, self.groups.rank,
+                                     self.bucket_bytes, self.dtype, self.device, self.timeout_s)
+        return self._shards
+
+    def _from_shards(self, model, meta, lora: str) -> int:
+        """Shard route on a sync rank: actor rank 0 sends its blocks, an engine's rank assembles and loads."""
+        if model is not None:
+            return self._shard_sync(meta).send(shard_params(model, lora))
+        total = self._shard_sync(meta).receive(self.engine.load_weights if self.engine is not None else list)
+        if self.engine is not None:
+            self.engine.reset_prefix_cache()
         return total
 
     def _send(self, stream, wire, src: int, aliases: bool, adapter=None) -> int:
@@ -287,37 +309,7 @@ class WeightSync:
         return out
 
     def _connect(self, src: int) -> dict:
-        """Once, on every rank of the sync group: do the engines receive directly, and if so build the
-        weight-transfer group.  Every sync rank says (direct, workers) (workers: its engine's TP size on an
-        engine's first rank, else 0); actor rank 0 opens a TCPStore and sends its address; each engine's first
-        rank makes its workers join at ``rank_offset`` = 1 + the workers before it, while actor rank 0 joins as
-        rank 0.  Both joins block until the group is complete, at most ``timeout_s``."""
-        eng = self.engine
-        direct = eng is not None and eng.direct_weights
-        workers = eng.weight_workers() if direct else 0
-        info = comm.all_gather_object((direct, workers, wants_tied_aliases(eng)), group=self.groups.group("sync"))
-        aliases = any(a for _, _, a in info)  # tied weights under every name if any engine needs them
-        info = [(d, w) for d, w, _ in info]
-        if not any(d for d, _ in info):
-            return {"direct": False, "aliases": aliases}
-        world = 1 + sum(w for _, w in info)
-        is_src = self.groups.rank == src
-        store = addr = None
-        if is_src:
-            backend = transfer.transfer_backend(self.device)
-            store, port = transfer.open_store(transfer.sender_address(), self.timeout_s)
-            addr = (transfer.sender_address(), port, backend)
-        host, port, backend = comm.broadcast_object(addr, src, self.groups.group("sync"))
-        if is_src:
-            group = transfer.TransferGroup(store, 0, world, backend, self.timeout_s, self.device)
-            print(f"[weights] direct to {world - 1} vLLM worker(s) of {sum(1 for _, w in info if w)} engine(s) "
-                  f"over {backend} (weight-transfer group at {host}:{port})", flush=True)
-            return {"direct": True, "group": group, "aliases": aliases}
-        if workers:
-            me = comm.rank(self.groups.group("sync"))
-            offset = 1 + sum(w for _, w in info[:me])
-            eng.join_weight_group(host, port, offset, world, backend, self.timeout_s)
-        return {"direct": True, "joined": bool(workers), "aliases": aliases}
+        return connect(self.groups, self.engine, src, self.timeout_s, self.device)
 
     def _pack(self, tensors: dict, piece: transfer.Piece) -> torch.Tensor:
         dt = getattr(torch, piece[0])
