@@ -151,10 +151,12 @@ def _wait(work, timeout_s: float, what: str):
 class WeightSync:
     def __init__(self, groups, engine=None, bucket_mb: float = 256, dtype: Optional[torch.dtype] = None,
                  timeout_s: float = 600, device: Optional[torch.device] = None, lora_sync: str = "merged",
-                 keep_versions: int = 1):
+                 keep_versions: int = 1, from_shards: bool = False):
         """``lora_sync``: ``adapter`` sends a LoRA actor's base weights once and its adapter at every sync
         (``rlhf.distributed.lora_sync``), ``merged`` W + s B A every time; ``keep_versions``: adapter versions an
-        engine keeps (--async_queue_size + 1 under --async_train)."""
+        engine keeps (--async_queue_size + 1 under --async_train); ``from_shards``: separate rollout ranks whose
+        engines load in the trainer's process get each actor rank's own blocks (``rlhf.distributed.shard_sync``)
+        instead of actor rank 0's gathered copy."""
         self.groups = groups
         self.engine = engine
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -162,7 +164,7 @@ class WeightSync:
         self.timeout_s = timeout_s
         self.device = device or torch.device("cpu")
         self._meta: Optional[tuple] = None  # (base/merged weights' meta, adapter meta or None, adapter config)
-        self.lora_sync, self.keep_versions = lora_sync, keep_versions
+        self.lora_sync, self.keep_versions, self.from_shards = lora_sync, keep_versions, from_shards
         self.base_sent = False  # adapter sync: the engines hold the base weights (sent once)
         self.version = 0        # adapter sync: the last adapter version sent (vLLM's lora_int_id, >= 1)
         self.last: dict = {}    # the last sync's metrics on this rank: sync_bytes, sync_s, sync_GBps
@@ -219,26 +221,31 @@ class WeightSync:
         vLLM engines in their own processes (``direct_weights``): every worker of every engine is a rank of a
         weight-transfer group with actor rank 0 (``_connect``), and receives each bucket straight onto its own
         device; the engine's first trainer rank drives the receive with one RPC per sync, its other TP ranks
-        receive nothing.  Engines in the trainer's process (HF): buckets are broadcast over the sync group.
-        Non-zero actor ranks only help unshard (the gather of each parameter is collective over the actor)."""
+        receive nothing.  Engines in the trainer's process (HF): with ``from_shards`` every actor rank sends its
+        own blocks and the engine's rank assembles them (``shard_sync``; returns this rank's bytes); else buckets
+        are broadcast over the sync group and non-zero actor ranks only help unshard (each gather is collective
+        over the actor)."""
         plan, rank = self.groups.plan, self.groups.rank
         adapter = self.adapter_mode(model)  # actor ranks; rollout ranks learn it from the metadata
         lora, src = "base" if adapter else "merge", plan.sync_ranks[0]
         if self._link is None and rank in plan.sync_ranks:
             self._link = self._connect(src)
-        if self._route is None and model is not None:  # actor rank 0 decides for the actor ranks
-            mine = shard_route(model, lora, self._link["direct"] or self._link["aliases"]) if rank == src else None
-            self._route = comm.broadcast_object(mine, src, self.groups.group("actor"))
-        if rank not in plan.sync_ranks:
+        if self._route is None and model is not None:  # every actor rank alike (same model, same flag)
+            self._route = shard_route(model, lora, False) if self.from_shards else "gather"
+            if rank == src and self._route == "shards" and (self._link["direct"] or self._link["aliases"]):
+                raise RuntimeError("weight sync from every shard needs engines in the trainer's process; these "
+                                   "receive in processes of their own (vLLM): build WeightSync(from_shards=False)")
+        if rank not in plan.sync_ranks:  # another actor rank: its blocks (shards), or its part of each gather
+            sent = 0
             if not (adapter and self.base_sent):
                 if self._route == "shards":
-                    self._shard_sync(param_meta(model, False, lora)).send(shard_params(model, lora))
+                    sent = self._shard_sync(param_meta(model, False, lora)).send(shard_params(model, lora))
                 for _ in self._named_full(model, lora=lora) if self._route != "shards" else ():
                     pass
             for _ in export_adapter(model) if adapter else ():
                 pass
             self.base_sent = adapter
-            return 0
+            return sent
         aliases = self._link["aliases"]
         if self._meta is None:
             mine = None

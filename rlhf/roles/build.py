@@ -85,6 +85,13 @@ def lora_versions(r) -> int:
     return r.async_queue_size + 1 if r.async_train else 1
 
 
+def engines_in_process(r, path: str) -> bool:
+    """Do the rollout engines load weights in the trainer's process (the ``hf`` engine; vLLM on rollout ranks of
+    their own runs in processes of its own)?  The same answer on every rank (``auto_engine`` is)."""
+    kind = r.rollout_engine if r.rollout_engine != "auto" else auto_engine(path, torch.cuda.is_available())[0]
+    return kind == "hf"
+
+
 def build_rollout_engine(r, t, path: str, groups: Groups, device, *, bf16: bool, seed: int, max_model_len: int,
                          lora_rank: int = 0):
     """The rollout engine of this rank, from the registry (rlhf.engines.rollout_registry): --rollout_engine, or what

@@ -87,10 +87,72 @@ def _worker(rank, world):
     mod = torch.nn.Sequential(torch.nn.Linear(9, 7), torch.nn.Embedding(6, 3))  # 7 and 6 rows over 4 ranks
     sent4 = _case(rank, (2, 2), {"w": (r(7, 5), [0, 1]), "e": (r(13, 6), [None, 0]), "v": (r(5,), [None, None])},
                   module=mod)
+    through = _through_weight_sync(rank, world)
     box = [None] * world
-    dist.all_gather_object(box, (sent2, sent4))
+    dist.all_gather_object(box, (sent2, sent4, through))
     if rank == 0:
         print("[shard sync bytes]", box)
+
+
+def _net(seed):
+    torch.manual_seed(seed)  # 9 -> 7 -> 5: no dimension divisible by 4
+    return torch.nn.Sequential(torch.nn.Linear(9, 7), torch.nn.ReLU(), torch.nn.Linear(7, 5))
+
+
+def _through_weight_sync(rank, world):
+    """The trainer's path: placement actor 0-3 + rollout 4, FSDP2 actor, WeightSync(from_shards=True) twice; each
+    actor rank's sync_bytes is its own shard's, the engine gets the full weights."""
+    from helpers.engine_standin import StandInEngine
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from rlhf.config import TopologyConfig
+    from rlhf.distributed import WeightSync, build_groups, make_placement
+
+    class Loading(StandInEngine):
+        def __init__(self, model):
+            self.model, self.resets = model, 0
+
+        def load_weights(self, named):
+            params = dict(self.model.named_parameters())
+            for n, t in named:
+                params[n].data.copy_(t)
+
+        def reset_prefix_cache(self):
+            self.resets += 1
+
+    t = TopologyConfig()
+    t.actor_num_gpus_per_node, t.vllm_num_engines = 4, 1
+    plan = make_placement(t, world)
+    g = build_groups(plan, rank)
+    assert plan.ranks["actor"] == [0, 1, 2, 3] and plan.ranks["rollout"] == [4], plan.ranks
+    model = engine = None
+    whole = sum(p.numel() * 4 for p in _net(0).parameters())
+    if rank < 4:
+        model = _net(0)
+        own = sum(torch.chunk(p.detach(), 4, dim=0)[rank].numel() * 4 if rank < len(torch.chunk(p, 4)) else 0
+                  for p in model.parameters())
+        fully_shard(model, mesh=DeviceMesh.from_group(g.group("actor"), "cpu"))
+    else:
+        engine = Loading(_net(5))
+    ws = WeightSync(g, engine, bucket_mb=0.0002, from_shards=True)  # ~200 B buckets: several per sync
+    for step in range(2):
+        if model is not None and step:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        ws.sync(model)
+        got = ws.last["sync_bytes"]
+        assert ws.last["sync_GBps"] > 0 and ws.last["sync_s"] > 0, ws.last
+        if rank < 4:
+            assert got == own, f"actor rank {rank} sent {got} bytes through WeightSync, its shard is {own}"
+        else:
+            assert got == whole, f"the rollout rank received {got} bytes, the model is {whole}"
+            ref = _net(0)
+            for (n, p), q in zip(engine.model.named_parameters(), ref.parameters()):
+                assert torch.equal(p, q + step), f"sync {step + 1}: {n} differs from the actor's"
+    assert engine is None or engine.resets == 2
+    return ws.last["sync_bytes"]
 
 
 def test_shard_sync_sends_each_rank_its_own_blocks_at_world_2_and_4():
