@@ -100,7 +100,7 @@ class WorkerExtension:
 
     def rlhf_load_weights(self, rows, mode: str = "reload") -> int:
         """Rows from the trainer: (name, tensor) from its own process (colocated), or ``pack``'s host bytes."""
-        return load_into(self, unpack(rows), mode)
+        return load_into(self, unpack(rows, _worker_device(self).index or 0), mode)
 
     def rlhf_join_weight_group(self, host: str, port: int, rank_offset: int, world: int, backend: str,
                                timeout_s: float) -> int:
@@ -122,7 +122,7 @@ class WorkerExtension:
 
     def rlhf_add_adapter(self, version: int, rows, config: dict, keep: int) -> List[int]:
         """An adapter version from the trainer: (name, tensor) rows, or ``pack``'s host bytes (``add_adapter``)."""
-        return add_adapter(self, version, unpack(rows), config, keep)
+        return add_adapter(self, version, unpack(rows, _worker_device(self).index or 0), config, keep)
 
     def rlhf_receive_adapter(self, version: int, pieces: Sequence[Piece], config: dict, keep: int) -> List[int]:
         """An adapter version received over the weight-transfer group (the sending rank's pieces, in order)."""
