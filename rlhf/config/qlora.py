@@ -13,10 +13,16 @@ from rlhf.errors import ConfigError
 
 
 def check_load_in_4bit(load_in_4bit: bool, lora_rank: int, cuda: Optional[bool] = None,
-                       has_bnb: Optional[bool] = None) -> None:
-    """Raise ``ConfigError`` unless --load_in_4bit can run here (``cuda`` / ``has_bnb``: None asks this machine)."""
+                       has_bnb: Optional[bool] = None, rl: bool = False) -> None:
+    """Raise ``ConfigError`` unless --load_in_4bit can run here (``cuda`` / ``has_bnb``: None asks this machine).
+    RL is refused: the weight sync would send the packed 4-bit base to the rollout engine, which has to read the
+    base from the checkpoint instead (not wired yet); SFT, DPO and RM load the actor in 4 bits."""
     if not load_in_4bit:
         return
+    if rl:
+        raise ConfigError("load_in_4bit", "--load_in_4bit is not supported for RL yet: the rollout engine would "
+                                          "receive the packed 4-bit base; use --lora_rank over a --bf16 base (the "
+                                          "adapter sync sends the base once), or --load_in_4bit with SFT / DPO / RM")
     if lora_rank <= 0:
         raise ConfigError("load_in_4bit", "--load_in_4bit freezes a 4-bit base and trains LoRA adapters over it: "
                                           "add --lora_rank 16 (or drop --load_in_4bit)")

@@ -25,6 +25,14 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 LORA_PARTS = (".lora_A.default.weight", ".lora_B.default.weight")
+PEFT_PREFIX = "base_model.model."
+
+
+def _engine_name(name: str) -> str:
+    """peft's parameter name -> the plain HF model's (what the rollout engine holds)."""
+    if name.startswith(PEFT_PREFIX):
+        name = name[len(PEFT_PREFIX):]
+    return name.replace(".base_layer.", ".")
 
 
 def lora_scalings(model) -> Dict[str, float]:

@@ -186,8 +186,7 @@ class ShardSync:
 def shard_params(model, lora: str = "merge") -> List[Tuple[str, torch.Tensor]]:
     """(engine name, parameter) in ``weight_sync.param_meta``'s order (no aliases); ``lora="base"``: a LoRA
     layer's base under the engine's name, its A and B left out (they travel as the adapter)."""
-    from rlhf.distributed.lora_sync import LORA_PARTS, lora_scalings
-    from rlhf.distributed.weight_sync import _engine_name
+    from rlhf.distributed.lora_sync import LORA_PARTS, _engine_name, lora_scalings
 
     scal = lora_scalings(model) if lora == "base" else {}
     out = []

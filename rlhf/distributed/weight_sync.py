@@ -20,22 +20,12 @@ import torch
 from rlhf.distributed import comm
 from rlhf.distributed import transport as transfer  # the weight-transfer group and its wire format
 from rlhf.distributed.gather import full_shape, full_tensor, zero3_param  # noqa: F401 (their home before)
-from rlhf.distributed.lora_sync import adapter_config, adapter_meta, export_adapter, is_lora_model, sync_metrics
+from rlhf.distributed.lora_sync import _engine_name, adapter_config, adapter_meta, export_adapter, is_lora_model, sync_metrics
 from rlhf.distributed.shard_sync import ShardSync, shard_params, shard_route
 from rlhf.distributed.sync_link import connect, wants_tied_aliases
 from rlhf.errors import WeightSyncTimeout
 
 Meta = Tuple[str, Tuple[int, ...], torch.dtype]
-
-
-PEFT_PREFIX = "base_model.model."
-
-
-def _engine_name(name: str) -> str:
-    """peft's parameter name -> the plain HF model's (what the rollout engine holds)."""
-    if name.startswith(PEFT_PREFIX):
-        name = name[len(PEFT_PREFIX):]
-    return name.replace(".base_layer.", ".")
 
 
 def _lora_scalings(model) -> dict:

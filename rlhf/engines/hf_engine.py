@@ -7,8 +7,8 @@ import torch
 
 from rlhf.batch import Batch, cat
 from rlhf.data.formatting import pad_batch
-from rlhf.distributed.lora_sync import AdapterVersions
-from rlhf.distributed.weight_sync import _engine_name, tied_aliases
+from rlhf.distributed.lora_sync import AdapterVersions, _engine_name
+from rlhf.distributed.weight_sync import tied_aliases
 from rlhf.engines.rollout import RolloutEngine, SamplingParams, response_mask
 from rlhf.engines.rollout_registry import EngineArgs
 from rlhf.engines.sampling import decode_with_head, logits_head

@@ -25,7 +25,7 @@ import os
 from typing import List, Optional, Sequence
 
 from rlhf.distributed.lora_sync import vllm_max_lora_rank
-from rlhf.distributed.transport import layer_key, pack, split_last_layer
+from rlhf.distributed.transport import ipc_rows, layer_key, pack, split_last_layer
 from rlhf.engines.rollout import Batch, RolloutEngine, SamplingParams, batch_from_rows
 from rlhf.engines.rollout_registry import EngineArgs
 from rlhf.engines.vllm_compat import _cap_len, check_vllm, on_cuda, sleep_available
@@ -144,6 +144,9 @@ class VLLMEngine(RolloutEngine):
             env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
             if device_ids is not None and cuda:
                 env["CUDA_VISIBLE_DEVICES"] = visible_devices(device_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+                # CUDA IPC rows (``_send``) are (function, args) tuples: vLLM's RPC pickles them only with this set,
+                # as OpenRLHF sets it for its CUDA IPC weight sync
+                env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
             if not cuda and tp_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # auto-binding wants a NUMA node per CPU worker
             # vLLM's processes start from this env: without the launcher's variables they rendezvous on their own
@@ -229,8 +232,14 @@ class VLLMEngine(RolloutEngine):
             return
         if self.mode == "colocated":  # same process: the tensors are handed over as they are
             self.llm.collective_rpc("rlhf_load_weights", args=([list(t) for t in items], self.loader))
-        else:  # own processes on the actor's ranks (fed by the colocated gather): host bytes (vllm_worker.pack)
-            self.llm.collective_rpc("rlhf_load_weights", args=(pack(items), self.loader))
+        else:  # own processes on the actor's ranks (fed by the colocated gather): CUDA IPC handles on the trainer's
+            # GPU (no copy; transport.ipc_rows), host bytes elsewhere (transport.pack)
+            cuda = items[0][1].device.type == "cuda"
+            if cuda:
+                import torch
+
+                torch.cuda.synchronize()  # the gathered tensors are written before another process reads them
+            self.llm.collective_rpc("rlhf_load_weights", args=(ipc_rows(items) if cuda else pack(items), self.loader))
 
     @property
     def lora_adapters(self) -> bool:

@@ -66,7 +66,7 @@ def _collate(packing: bool, tok, samples):
 def build_policy(m, path: str, on_meta: bool = False):
     """The trainable causal LM of SFT and DPO (LoRA, bf16, flash-attention, checkpointing from the model group)."""
     return load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
-                          m.target_modules, on_meta=on_meta)
+                          m.target_modules, on_meta=on_meta, load_in_4bit=m.load_in_4bit)
 
 
 class SFTTask(Task):

@@ -107,5 +107,7 @@ def test_load_in_4bit_refused_without_cuda_or_bitsandbytes(monkeypatch):
         check_load_in_4bit(True, 16, cuda=False, has_bnb=True)
     with pytest.raises(ConfigError, match=r"--load_in_4bit.*bitsandbytes"):
         check_load_in_4bit(True, 16, cuda=True, has_bnb=False)
-    check_load_in_4bit(True, 16, cuda=True, has_bnb=True)  # where it runs
+    with pytest.raises(ConfigError, match=r"--load_in_4bit is not supported for RL.*--lora_rank over a --bf16"):
+        check_load_in_4bit(True, 16, cuda=True, has_bnb=True, rl=True)
+    check_load_in_4bit(True, 16, cuda=True, has_bnb=True)  # where it runs (SFT / DPO / RM)
     check_load_in_4bit(False, 0, cuda=False, has_bnb=False)
