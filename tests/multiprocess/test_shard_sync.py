@@ -88,8 +88,9 @@ def _worker(rank, world):
     sent4 = _case(rank, (2, 2), {"w": (r(7, 5), [0, 1]), "e": (r(13, 6), [None, 0]), "v": (r(5,), [None, None])},
                   module=mod)
     through = _through_weight_sync(rank, world)
+    adapter = _adapter_to_rollout_rank(rank, world)
     box = [None] * world
-    dist.all_gather_object(box, (sent2, sent4, through))
+    dist.all_gather_object(box, (sent2, sent4, through, adapter))
     if rank == 0:
         print("[shard sync bytes]", box)
 
@@ -157,3 +158,43 @@ def _through_weight_sync(rank, world):
 
 def test_shard_sync_sends_each_rank_its_own_blocks_at_world_2_and_4():
     spawn(_worker, 5)
+
+
+def _adapter_to_rollout_rank(rank, world):
+    """--lora_sync adapter to an HF engine on a rollout rank of its own: the base once (plain tensors: actor rank 0
+    sends them), then each adapter version over the sync group; the engine's logits equal the actor's."""
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf.config import TopologyConfig
+    from rlhf.distributed import WeightSync, build_groups, make_placement
+    from rlhf.engines.hf_engine import HFEngine
+
+    cfg = LlamaConfig(vocab_size=53, hidden_size=32, intermediate_size=45, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1)
+    t = TopologyConfig()
+    t.actor_num_gpus_per_node, t.vllm_num_engines = 4, 1
+    g = build_groups(make_placement(t, world), rank)
+    torch.manual_seed(0)
+    actor = peft.get_peft_model(LlamaForCausalLM(cfg), peft.LoraConfig(r=3, lora_alpha=5,
+                                                                       target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(9)
+    engine = HFEngine(LlamaForCausalLM(cfg), None, lora_adapters=True) if rank == 4 else None
+    ws = WeightSync(g, engine, bucket_mb=0.01, lora_sync="adapter", from_shards=True)
+    ids = torch.tensor([[3, 7, 11, 2, 40]])
+    sent = []
+    for seed in (1, 2):
+        with torch.no_grad():
+            for n, p in actor.named_parameters():
+                if "lora_" in n:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + len(n))) * 0.3)
+        ws.sync(actor if rank < 4 else None)
+        sent.append(ws.last["sync_bytes"])
+        if rank == 4:
+            with torch.no_grad():
+                want, got = actor(input_ids=ids).logits, engine.model(input_ids=ids).logits
+            assert (want - got).abs().max() < 1e-5, f"adapter version {seed}: engine logits differ from the actor's"
+    adapter = sum(p.numel() * 4 for n, p in actor.named_parameters() if "lora_" in n)
+    if rank in (0, 4):
+        assert sent[1] == adapter < sent[0], f"rank {rank}: second sync {sent} bytes, the adapter is {adapter}"
+    return sent
