@@ -192,7 +192,8 @@ class VLLMEngine(RolloutEngine):
                                       max_tokens=params.max_new_tokens, logprobs=0,
                                       stop_token_ids=list(params.stop_token_ids) or [self.eos], detokenize=False)
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
-        outs = self.llm.generate(prompts, sp, use_tqdm=False, lora_request=self._lora)
+        lora = {} if self._lora is None else {"lora_request": self._lora}  # the current adapter version (LoRA only)
+        outs = self.llm.generate(prompts, sp, use_tqdm=False, **lora)
         return self._to_batch(outs)
 
     def _to_batch(self, outs) -> Batch:
