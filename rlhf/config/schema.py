@@ -50,6 +50,9 @@ class ModelConfig:
     lora_rank: int = opt(0, "LoRA rank (0 = full fine-tuning)")
     lora_alpha: int = opt(16, "LoRA alpha")
     target_modules: str = opt("all-linear", "LoRA target modules (comma separated or all-linear)")
+    lora_sync: str = opt("adapter", "--lora_rank: send the rollout engine the adapter (A, B, scaling; base once) "
+                                   "or the merged W + s*B@A each sync", choices=("adapter", "merged"))
+    load_in_4bit: bool = opt(False, "QLoRA: 4-bit (nf4) frozen base via bitsandbytes (CUDA only)")
     logprob_chunk_size: int = opt(1024, "tokens per chunk when computing log-probs (bounds the vocab-sized buffer)")
     lm_head_keep_mb: int = opt(1024, "MiB of softmax probabilities the fused LM head may keep from forward for "
                                      "backward instead of recomputing the logits (0 = always recompute)")

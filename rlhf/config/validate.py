@@ -10,6 +10,7 @@ from rlhf.config.algorithm_checks import validate_algorithm
 from rlhf.config.batching_checks import validate_batching  # --use_dynamic_batch budgets, --adam_offload
 from rlhf.config.moe_checks import validate_moe
 from rlhf.config.openrlhf_meaning import resolve_async_colocate  # OpenRLHF: colocates the training models only
+from rlhf.config.qlora import check_load_in_4bit
 from rlhf.errors import ConfigError
 
 RL_KINDS = ("ppo", "grpo")
@@ -48,6 +49,7 @@ def validate(cfg, kind: str) -> None:
     _check(o.lr_warmup_ratio >= 0 and o.lr_warmup_ratio < 1, "lr_warmup_ratio", "--lr_warmup_ratio must lie in [0, 1)")
     if m.lora_rank < 0:
         raise ConfigError("lora_rank", "--lora_rank must be >= 0")
+    check_load_in_4bit(m.load_in_4bit, m.lora_rank, rl=kind in RL_KINDS)  # QLoRA (rlhf.config.qlora)
     _check(m.logprob_chunk_size > 0, "logprob_chunk_size",
            f"--logprob_chunk_size must be > 0 (rows of logits computed at once), got {m.logprob_chunk_size}; "
            f"e.g. --logprob_chunk_size 1024")

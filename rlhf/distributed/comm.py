@@ -314,6 +314,16 @@ def broadcast(t: torch.Tensor, src: int, group=None, timeout_s: Optional[float] 
     return t
 
 
+def exchange(sends: Sequence[tuple], recvs: Sequence[tuple], timeout_s: float = 600) -> None:
+    """Point-to-point: every ``(tensor, dst)`` sent and every ``(tensor, src)`` received (global ranks, in place),
+    posted at once (``batch_isend_irecv``) and waited for, each wait at most ``timeout_s``.  Between one pair of
+    ranks the messages of one call pair up in posting order."""
+    ops = [dist.P2POp(dist.isend, _on_device(t), dst) for t, dst in sends]
+    ops += [dist.P2POp(dist.irecv, t, src) for t, src in recvs]
+    for work in dist.batch_isend_irecv(ops) if ops else ():
+        wait(work, timeout_s, f"point-to-point exchange ({len(sends)} sends, {len(recvs)} receives)")
+
+
 def wait(work, timeout_s: float, what: str) -> None:
     """Wait for an async collective at most ``timeout_s``; ``TimeoutError`` naming ``what`` past it (gloo raises
     on timeout, NCCL's ``wait`` returns False)."""

@@ -217,7 +217,7 @@ def pack(named_tensors) -> List[list]:
     """(name, tensor) -> [name, dtype, shape, bytes]: what vLLM's engine-core RPC can carry (msgpack).  Only for a
     vLLM in its own processes that shares the actor's ranks (the rollout on the actor ranks while another role has
     ranks of its own): the weights come from the colocated gather there, and NCCL refuses a group of two processes
-    on one GPU; CUDA IPC handles (OpenRLHF's ``update_weight_cuda_ipc``) would be the direct transport."""
+    on one GPU; on CUDA the engine gets CUDA IPC handles instead (``ipc_rows``)."""
     rows = []
     for name, t in named_tensors:
         t = t.detach().to("cpu").contiguous()
@@ -225,11 +225,51 @@ def pack(named_tensors) -> List[list]:
     return rows
 
 
-def unpack(rows: Sequence) -> List[tuple]:
+# ---- CUDA IPC: an engine in another process on the trainer's GPU ------------------------------------------------
+IPC_DEVICE_ARG = 6  # torch/multiprocessing/reductions.py rebuild_cuda_tensor(tensor_cls, size, stride, offset,
+#                     storage_cls, dtype, storage_device, storage_handle, ...): the sender's device ordinal
+
+
+def ipc_rows(named_tensors) -> List[list]:
+    """(name, CUDA tensor) -> [name, (rebuild, args)]: a CUDA IPC handle per tensor
+    (``torch.multiprocessing.reductions.reduce_tensor``), no bytes copied, as OpenRLHF's colocated sync
+    (openrlhf/trainer/ray/vllm_worker_wrap.py ``update_weight_cuda_ipc``) and veRL's colocated rollout do.  The
+    sender keeps the tensors alive until the receiver has loaded them (the RPC that carries the rows returns after
+    the load).  Refused for host tensors: ``pack`` is the host-bytes path."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    rows = []
+    for name, t in named_tensors:
+        if t.device.type != "cuda":
+            raise ValueError(f"CUDA IPC handle for {name!r} on {t.device}: handles share CUDA memory only; send host "
+                             f"tensors with transport.pack")
+        rows.append([name, reduce_tensor(t.detach().contiguous())])
+    return rows
+
+
+def from_ipc(handle, device_index: int) -> torch.Tensor:
+    """A tensor from ``ipc_rows``' handle, opened on this process's device ``device_index``: the handle carries the
+    sender's ordinal, which names another GPU where the two processes see different CUDA_VISIBLE_DEVICES (OpenRLHF
+    and veRL overwrite ``args[6]`` the same way)."""
+    rebuild, args = handle
+    args = list(args)
+    args[IPC_DEVICE_ARG] = device_index
+    return rebuild(*args)
+
+
+def is_ipc_row(row) -> bool:
+    return len(row) == 2 and isinstance(row[1], tuple) and len(row[1]) == 2 and callable(row[1][0])
+
+
+def unpack(rows: Sequence, device_index: int = 0) -> List[tuple]:
+    """``pack``'s rows, CUDA IPC rows (opened on ``device_index``), or (name, tensor) rows from this process."""
     out = []
     for row in rows:
         if isinstance(row[1], torch.Tensor):  # in-process: already a tensor
             out.append((row[0], row[1]))
+            continue
+        if is_ipc_row(row):
+            out.append((row[0], from_ipc(row[1], device_index)))
             continue
         name, dtype, shape, data = row
         flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -12,63 +12,20 @@ once.  Every wait has a timeout (``--dist_timeout_s``).
 """
 from __future__ import annotations
 
+import time
 from typing import Iterator, List, Optional, Tuple
 
 import torch
 
 from rlhf.distributed import comm
 from rlhf.distributed import transport as transfer  # the weight-transfer group and its wire format
+from rlhf.distributed.gather import full_shape, full_tensor, zero3_param  # noqa: F401 (their home before)
+from rlhf.distributed.lora_sync import _engine_name, adapter_config, adapter_meta, export_adapter, is_lora_model, sync_metrics
+from rlhf.distributed.shard_sync import ShardSync, shard_params, shard_route
+from rlhf.distributed.sync_link import connect, wants_tied_aliases
 from rlhf.errors import WeightSyncTimeout
 
 Meta = Tuple[str, Tuple[int, ...], torch.dtype]
-
-
-def zero3_param(p: torch.Tensor) -> bool:
-    """A DeepSpeed ZeRO-3 parameter: its ``shape`` is the local partition's (``[0]`` outside a gather), ``ds_shape``
-    the full one (deepspeed/runtime/zero/partition_parameters.py sets ``ds_id``/``ds_shape`` on conversion)."""
-    return hasattr(p, "ds_id")
-
-
-def full_shape(p: torch.Tensor) -> Tuple[int, ...]:
-    """The full (unsharded) shape, without any collective: ZeRO-3 ``ds_shape``, a DTensor's global shape, or the
-    plain tensor's."""
-    return tuple(p.ds_shape) if zero3_param(p) else tuple(p.shape)
-
-
-def full_tensor(p: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """The full tensor of a parameter; a collective for sharded ones, so every rank of the shard group calls it for
-    the same parameters in the same order.  ``dtype``: the tensor comes back in it, and a sharded one is gathered
-    in it (each rank casts its shard first): a bf16 engine's sync all-gathers half the bytes of the fp32 masters
-    and holds a bf16 buffer, not an fp32 one (veRL gathers the FSDP actor's weights for vLLM in the rollout's
-    dtype, verl/workers/sharding_manager/fsdp_vllm.py: ``param.to(device, non_blocking=True).full_tensor()`` of
-    the bf16 state dict; OpenRLHF gathers ZeRO-3's bf16 module parameters).
-
-    * FSDP2 DTensor: ``full_tensor()`` (all-gather over its mesh).
-    * DeepSpeed ZeRO-3: gathered one parameter at a time inside ``deepspeed.zero.GatheredParameters([p])``
-      (all-gather over ``p.ds_process_group``), as OpenRLHF's ``_broadcast_to_vllm`` does
-      (openrlhf/trainer/ray/ppo_actor.py: ``GatheredParameters([param], enabled=zero_stage == 3)``); the gathered
-      data is copied out before the context re-partitions the parameter on exit.
-    * anything else passes through (no copy).
-    """
-    if zero3_param(p):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([p]):
-            return p.data.detach().to(dtype or p.dtype, copy=True)
-    t = p.data if isinstance(p, torch.nn.Parameter) else p
-    if dtype is not None and t.dtype != dtype:
-        t = t.to(dtype)  # a DTensor casts its local shard: no communication
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-PEFT_PREFIX = "base_model.model."
-
-
-def _engine_name(name: str) -> str:
-    """peft's parameter name -> the plain HF model's (what the rollout engine holds)."""
-    if name.startswith(PEFT_PREFIX):
-        name = name[len(PEFT_PREFIX):]
-    return name.replace(".base_layer.", ".")
 
 
 def _lora_scalings(model) -> dict:
@@ -90,7 +47,8 @@ def tied_aliases(model) -> dict:
     return out
 
 
-def _export(model, materialize: bool, aliases: bool = False, dtype: Optional[torch.dtype] = None):
+def _export(model, materialize: bool, aliases: bool = False, dtype: Optional[torch.dtype] = None,
+            lora: str = "merge"):
     """(engine name, full shape, dtype, tensor or None) for every weight the engine receives, in one fixed order
     (``named_parameters``, the same on every rank).  ``dtype``: the tensors are gathered in it (``full_tensor``);
     the metadata keeps the parameters' own dtypes.
@@ -117,6 +75,9 @@ def _export(model, materialize: bool, aliases: bool = False, dtype: Optional[tor
     form, Llama's / Qwen2's fused ``qkv_proj`` and ``gate_up_proj`` (``stacked_params_mapping`` in their
     ``load_weights``), are rebuilt from q/k/v and gate/up only when a reload gets all of a layer's tensors at
     once: the loaders hold a decoder layer back until it is complete (``transport.split_last_layer``).
+
+    ``lora="base"`` (adapter sync, ``rlhf.distributed.lora_sync``): a LoRA layer's frozen base goes under the
+    engine's name, its A and B not at all (they travel as the adapter).
     """
     scal = _lora_scalings(model)
     tied = tied_aliases(model) if aliases else {}
@@ -126,6 +87,10 @@ def _export(model, materialize: bool, aliases: bool = False, dtype: Optional[tor
         for key in (".base_layer.weight", ".lora_A.default.weight", ".lora_B.default.weight"):
             if name.endswith(key) and name[: -len(key)] in scal:
                 mod, part = name[: -len(key)], key
+        if mod is not None and lora == "base":
+            if part == ".base_layer.weight":
+                yield _engine_name(name), full_shape(p), p.dtype, full_tensor(p, dtype) if materialize else None
+            continue
         t = full_tensor(p, dtype if mod is None else None) if materialize else None
         if mod is None:
             for n in [name] + tied.get(name, []):
@@ -143,16 +108,10 @@ def _export(model, materialize: bool, aliases: bool = False, dtype: Optional[tor
             del pending[mod]
 
 
-def param_meta(model: torch.nn.Module, aliases: bool = False) -> List[Meta]:
+def param_meta(model: torch.nn.Module, aliases: bool = False, lora: str = "merge") -> List[Meta]:
     """(engine name, full shape, dtype) of every weight the engine receives; local, no collective.  ``aliases``:
-    tied weights under every name (see ``_export``)."""
-    return [(n, shape, dt) for n, shape, dt, _ in _export(model, materialize=False, aliases=aliases)]
-
-
-def wants_tied_aliases(engine) -> bool:
-    """Does this rank's engine (None: none here) need a tied weight under each of its names?  An engine says so
-    with ``tied_weights_apart`` (vLLM: see ``_export``); the HF engine shares the tensor and takes one name."""
-    return engine is not None and engine.tied_weights_apart
+    tied weights under every name, ``lora``: merged or base only (see ``_export``)."""
+    return [(n, shape, dt) for n, shape, dt, _ in _export(model, materialize=False, aliases=aliases, lora=lora)]
 
 
 def bucket_plan(meta: List[Meta], bucket_bytes: int, dtype: Optional[torch.dtype] = None) -> List[List[int]]:
@@ -181,26 +140,58 @@ def _wait(work, timeout_s: float, what: str):
 
 class WeightSync:
     def __init__(self, groups, engine=None, bucket_mb: float = 256, dtype: Optional[torch.dtype] = None,
-                 timeout_s: float = 600, device: Optional[torch.device] = None):
+                 timeout_s: float = 600, device: Optional[torch.device] = None, lora_sync: str = "merged",
+                 keep_versions: int = 1, from_shards: bool = False):
+        """``lora_sync``: ``adapter`` sends a LoRA actor's base weights once and its adapter at every sync
+        (``rlhf.distributed.lora_sync``), ``merged`` W + s B A every time; ``keep_versions``: adapter versions an
+        engine keeps (--async_queue_size + 1 under --async_train); ``from_shards``: separate rollout ranks whose
+        engines load in the trainer's process get each actor rank's own blocks (``rlhf.distributed.shard_sync``)
+        instead of actor rank 0's gathered copy."""
         self.groups = groups
         self.engine = engine
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.dtype = dtype
         self.timeout_s = timeout_s
         self.device = device or torch.device("cpu")
-        self._meta: Optional[List[Meta]] = None
+        self._meta: Optional[tuple] = None  # (base/merged weights' meta, adapter meta or None, adapter config)
+        self.lora_sync, self.keep_versions, self.from_shards = lora_sync, keep_versions, from_shards
+        self.base_sent = False  # adapter sync: the engines hold the base weights (sent once)
+        self.version = 0        # adapter sync: the last adapter version sent (vLLM's lora_int_id, >= 1)
+        self.last: dict = {}    # the last sync's metrics on this rank: sync_bytes, sync_s, sync_GBps
+
+    def adapter_mode(self, model) -> bool:
+        """Adapter sync on this actor rank: --lora_sync adapter, a LoRA model, and an engine that takes adapters
+        (none here: the rollout ranks' engines, all of which do)."""
+        return self.lora_sync == "adapter" and is_lora_model(model) and \
+            (self.engine is None or self.engine.lora_adapters)
 
     # ---- colocated -------------------------------------------------------------------------------------------
-    def _named_full(self, model, aliases: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
-        """Full (unsharded, LoRA-merged) weights under the engine's names; collective over the actor group."""
-        for name, _, _, t in _export(model, materialize=True, aliases=aliases, dtype=self.dtype):
+    def _named_full(self, model, aliases: bool = False, lora: str = "merge") -> Iterator[Tuple[str, torch.Tensor]]:
+        """Full (unsharded; LoRA merged, or base only) weights under the engine's names; collective over the
+        actor group."""
+        for name, _, _, t in _export(model, materialize=True, aliases=aliases, dtype=self.dtype, lora=lora):
             yield name, (t.to(self.dtype) if self.dtype is not None else t)
 
     def sync_colocated(self, model) -> int:
-        """Gather and load bucket by bucket; returns bytes loaded."""
+        """Gather and load bucket by bucket; returns bytes loaded.  Adapter sync: the base at the first sync,
+        then the adapter as a new version (``engine.load_adapter``)."""
+        adapter = self.adapter_mode(model)
+        total = 0
+        if not (adapter and self.base_sent):
+            total += self._load_colocated(model, "base" if adapter else "merge")
+            self.base_sent = adapter
+        if adapter:
+            named = [(n, t) for n, _, _, t in export_adapter(model)]
+            self.version += 1
+            if self.engine is not None:
+                self.engine.load_adapter(self.version, named, adapter_config(model), self.keep_versions)
+            total += sum(t.numel() * t.element_size() for _, t in named)
+        return total
+
+    def _load_colocated(self, model, lora: str) -> int:
         aliases = wants_tied_aliases(self.engine)
-        meta = param_meta(model, aliases)
-        it = self._named_full(model, aliases)
+        meta = param_meta(model, aliases, lora)
+        it = self._named_full(model, aliases, lora)
         total = 0
         for bucket in bucket_plan(meta, self.bucket_bytes, self.dtype):
             batch = [next(it) for _ in bucket]
@@ -220,85 +211,112 @@ class WeightSync:
         vLLM engines in their own processes (``direct_weights``): every worker of every engine is a rank of a
         weight-transfer group with actor rank 0 (``_connect``), and receives each bucket straight onto its own
         device; the engine's first trainer rank drives the receive with one RPC per sync, its other TP ranks
-        receive nothing.  Engines in the trainer's process (HF): buckets are broadcast over the sync group.
-        Non-zero actor ranks only help unshard (the gather of each parameter is collective over the actor)."""
+        receive nothing.  Engines in the trainer's process (HF): with ``from_shards`` every actor rank sends its
+        own blocks and the engine's rank assembles them (``shard_sync``; returns this rank's bytes); else buckets
+        are broadcast over the sync group and non-zero actor ranks only help unshard (each gather is collective
+        over the actor)."""
         plan, rank = self.groups.plan, self.groups.rank
-        if rank not in plan.sync_ranks:
-            for _ in self._named_full(model):
-                pass
-            return 0
-        src = plan.sync_ranks[0]
-        if self._link is None:
+        adapter = self.adapter_mode(model)  # actor ranks; rollout ranks learn it from the metadata
+        lora, src = "base" if adapter else "merge", plan.sync_ranks[0]
+        if self._link is None and rank in plan.sync_ranks:
             self._link = self._connect(src)
+        if self._route is None and model is not None:  # every actor rank alike (same model, same flag)
+            self._route = shard_route(model, lora, False) if self.from_shards else "gather"
+            if rank == src and self._route == "shards" and (self._link["direct"] or self._link["aliases"]):
+                raise RuntimeError("weight sync from every shard needs engines in the trainer's process; these "
+                                   "receive in processes of their own (vLLM): build WeightSync(from_shards=False)")
+        if rank not in plan.sync_ranks:  # another actor rank: its blocks (shards), or its part of each gather
+            sent = 0
+            if not (adapter and self.base_sent):
+                if self._route == "shards":
+                    sent = self._shard_sync(param_meta(model, False, lora)).send(shard_params(model, lora))
+                for _ in self._named_full(model, lora=lora) if self._route != "shards" else ():
+                    pass
+            for _ in export_adapter(model) if adapter else ():
+                pass
+            self.base_sent = adapter
+            return sent
         aliases = self._link["aliases"]
         if self._meta is None:
-            self._meta = comm.broadcast_object(param_meta(model, aliases) if rank == src else None, src,
-                                               self.groups.group("sync"))
-        wire = self._wire()
-        if not self._link["direct"]:
-            return self._sync_in_process(model, wire, src, aliases)
-        if rank == src:
-            return self._send_direct(model, wire, aliases)
-        if self._link["joined"]:
-            self.engine.receive_weights([p for bucket in wire for p in bucket])
+            mine = None
+            if rank == src:
+                mine = (param_meta(model, aliases, lora), adapter_meta(model) if adapter else None,
+                        adapter_config(model) if adapter else None, self._route)
+            self._meta = comm.broadcast_object(mine, src, self.groups.group("sync"))
+        base_meta, ameta, config, self._route = self._meta
+        adapter, total = ameta is not None, 0
+        if not (adapter and self.base_sent) and self._route == "shards":
+            total += self._from_shards(model, base_meta, lora)
+        elif not (adapter and self.base_sent):
+            stream = self._named_full(model, aliases, "base" if adapter else "merge") if rank == src else None
+            total += self._send(stream, self._wire(base_meta, self.dtype), src, aliases)
+        self.base_sent = adapter
+        if adapter:
+            self.version += 1
+            stream = ((n, t) for n, _, _, t in export_adapter(model)) if rank == src else None
+            total += self._send(stream, self._wire(ameta, None), src, False, (self.version, config))
+        return total
+
+    _route: Optional[str] = None    # "shards" (every actor rank sends its blocks) | "gather" (actor rank 0 sends)
+    _shards: Optional[ShardSync] = None
+
+    def _shard_sync(self, meta) -> ShardSync:
+        if self._shards is None:
+            receivers = [r for r in self.groups.plan.sync_ranks[1:]]
+            self._shards = ShardSync(meta, self.groups.ranks("actor"), receivers, self.groups.rank,
+                                     self.bucket_bytes, self.dtype, self.device, self.timeout_s)
+        return self._shards
+
+    def _from_shards(self, model, meta, lora: str) -> int:
+        """Shard route on a sync rank: actor rank 0 sends its blocks, an engine's rank assembles and loads."""
+        if model is not None:
+            return self._shard_sync(meta).send(shard_params(model, lora))
+        total = self._shard_sync(meta).receive(self.engine.load_weights if self.engine is not None else list)
+        if self.engine is not None:
             self.engine.reset_prefix_cache()
+        return total
+
+    def _send(self, stream, wire, src: int, aliases: bool, adapter=None) -> int:
+        """One stream of weights (the base / merged weights, or an adapter version ``adapter`` = (version,
+        config)) from actor rank ``src`` to the engines; ``stream`` only on ``src``."""
+        if not self._link["direct"]:
+            return self._sync_in_process(stream, wire, src, aliases, adapter)
+        if self.groups.rank == src:
+            return self._send_direct(stream, wire)
+        if self._link["joined"]:
+            pieces = [p for bucket in wire for p in bucket]
+            if adapter is None:
+                self.engine.receive_weights(pieces)
+                self.engine.reset_prefix_cache()
+            else:
+                self.engine.receive_adapter(adapter[0], pieces, adapter[1], self.keep_versions)
         return sum(transfer.piece_bytes(p) for bucket in wire for p in bucket)
 
-    def _wire(self) -> List[List[transfer.Piece]]:
+    def _wire(self, meta: List[Meta], dtype: Optional[torch.dtype]) -> List[List[transfer.Piece]]:
         """The bucket plan as the wire carries it: per bucket, one piece per dtype ``(dtype name, [(engine name,
-        shape), ...])``, each sent as one flat tensor.  Derived from the metadata on every rank alike."""
-        meta, out = self._meta, []
-        for bucket in bucket_plan(meta, self.bucket_bytes, self.dtype):
+        shape), ...])``, each sent as one flat tensor (in ``dtype``, else each tensor's own).  Derived from the
+        metadata on every rank alike."""
+        out = []
+        for bucket in bucket_plan(meta, self.bucket_bytes, dtype):
             by_dtype: dict = {}
             for i in bucket:
-                dt = str(self.dtype or meta[i][2]).removeprefix("torch.")
+                dt = str(dtype or meta[i][2]).removeprefix("torch.")
                 by_dtype.setdefault(dt, []).append((meta[i][0], list(meta[i][1])))
             out.append(list(by_dtype.items()))
         return out
 
     def _connect(self, src: int) -> dict:
-        """Once, on every rank of the sync group: do the engines receive directly, and if so build the
-        weight-transfer group.  Every sync rank says (direct, workers) (workers: its engine's TP size on an
-        engine's first rank, else 0); actor rank 0 opens a TCPStore and sends its address; each engine's first
-        rank makes its workers join at ``rank_offset`` = 1 + the workers before it, while actor rank 0 joins as
-        rank 0.  Both joins block until the group is complete, at most ``timeout_s``."""
-        eng = self.engine
-        direct = eng is not None and eng.direct_weights
-        workers = eng.weight_workers() if direct else 0
-        info = comm.all_gather_object((direct, workers, wants_tied_aliases(eng)), group=self.groups.group("sync"))
-        aliases = any(a for _, _, a in info)  # tied weights under every name if any engine needs them
-        info = [(d, w) for d, w, _ in info]
-        if not any(d for d, _ in info):
-            return {"direct": False, "aliases": aliases}
-        world = 1 + sum(w for _, w in info)
-        is_src = self.groups.rank == src
-        store = addr = None
-        if is_src:
-            backend = transfer.transfer_backend(self.device)
-            store, port = transfer.open_store(transfer.sender_address(), self.timeout_s)
-            addr = (transfer.sender_address(), port, backend)
-        host, port, backend = comm.broadcast_object(addr, src, self.groups.group("sync"))
-        if is_src:
-            group = transfer.TransferGroup(store, 0, world, backend, self.timeout_s, self.device)
-            print(f"[weights] direct to {world - 1} vLLM worker(s) of {sum(1 for _, w in info if w)} engine(s) "
-                  f"over {backend} (weight-transfer group at {host}:{port})", flush=True)
-            return {"direct": True, "group": group, "aliases": aliases}
-        if workers:
-            me = comm.rank(self.groups.group("sync"))
-            offset = 1 + sum(w for _, w in info[:me])
-            eng.join_weight_group(host, port, offset, world, backend, self.timeout_s)
-        return {"direct": True, "joined": bool(workers), "aliases": aliases}
+        return connect(self.groups, self.engine, src, self.timeout_s, self.device)
 
     def _pack(self, tensors: dict, piece: transfer.Piece) -> torch.Tensor:
         dt = getattr(torch, piece[0])
         return torch.cat([tensors[n].reshape(-1).to(dt) for n, _ in piece[1]]).to(self.device)
 
-    def _send_direct(self, model, wire: List[List[transfer.Piece]], aliases: bool) -> int:
+    def _send_direct(self, stream, wire: List[List[transfer.Piece]]) -> int:
         """Actor rank 0: gather, pack and broadcast each piece to every vLLM worker.  Double-buffered: the next
         piece is gathered and packed while the previous one is on the wire (peak: two packed pieces and one
         bucket of gathered tensors)."""
-        group = self._link["group"]
-        it = self._named_full(model, aliases)
+        group, it = self._link["group"], stream
         inflight, total = None, 0
         for bucket in wire:
             tensors = dict(next(it) for _ in range(sum(len(entries) for _, entries in bucket)))
@@ -312,15 +330,15 @@ class WeightSync:
             _wait(inflight[0], self.timeout_s, inflight[2])
         return total
 
-    def _sync_in_process(self, model, wire: List[List[transfer.Piece]], src: int, aliases: bool) -> int:
+    def _sync_in_process(self, it, wire: List[List[transfer.Piece]], src: int, aliases: bool, adapter=None) -> int:
         """Engines in the trainer's process: each piece is broadcast over the sync group, every rollout rank
-        loads it (tied aliases only where its engine wants them, ``wants_tied_aliases``)."""
-        rank, is_actor = self.groups.rank, model is not None
-        it = self._named_full(model, aliases) if is_actor else None
+        loads it (tied aliases only where its engine wants them, ``wants_tied_aliases``); an adapter version
+        (``adapter`` = (version, config)) is loaded whole once received."""
+        rank, is_actor = self.groups.rank, it is not None
         # another engine wants tied weights under every name; this one loads the first name only
         skip = set() if self.engine is None or not aliases or wants_tied_aliases(self.engine) \
             else self.engine.shared_weight_names()
-        total = 0
+        total, received = 0, []
         for bucket in wire:
             tensors = dict(next(it) for _ in range(sum(len(entries) for _, entries in bucket))) if is_actor else {}
             loaded = []
@@ -338,13 +356,21 @@ class WeightSync:
                 total += flat.numel() * flat.element_size()
                 if not is_actor:
                     loaded += [(n, t) for n, t in transfer.split_flat(flat, piece) if n not in skip]
-            if loaded and self.engine is not None:
+            if adapter is not None:
+                received += loaded
+            elif loaded and self.engine is not None:
                 self.engine.load_weights(loaded)
         if not is_actor and self.engine is not None:
-            self.engine.reset_prefix_cache()
+            if adapter is None:
+                self.engine.reset_prefix_cache()
+            else:
+                self.engine.load_adapter(adapter[0], received, adapter[1], self.keep_versions)
         return total
 
     def sync(self, model=None) -> int:
-        if self.groups.plan.separate_rollout:
-            return self.sync_broadcast(model)
-        return self.sync_colocated(model)
+        """One sync; ``last`` holds its bytes (on this rank: sent on the sending rank, received or loaded on an
+        engine's), seconds and GB/s."""
+        t0 = time.perf_counter()
+        n = self.sync_broadcast(model) if self.groups.plan.separate_rollout else self.sync_colocated(model)
+        self.last = sync_metrics(n, time.perf_counter() - t0)
+        return n

@@ -7,6 +7,7 @@ import torch
 
 from rlhf.batch import Batch, cat
 from rlhf.data.formatting import pad_batch
+from rlhf.distributed.lora_sync import AdapterVersions, _engine_name
 from rlhf.distributed.weight_sync import tied_aliases
 from rlhf.engines.hf_continuous import ContinuousDecoder, continuous_cache_ok
 from rlhf.engines.requests import StepResult, run_whole
@@ -36,7 +37,9 @@ class HFEngine(RolloutEngine):
     """Holds its own copy of the policy (like a vLLM engine would); weights arrive via load_weights."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, device=None, micro_batch_size: int = 16,
-                 max_model_len: Optional[int] = None):
+                 max_model_len: Optional[int] = None, lora_adapters: bool = False):
+        """``lora_adapters`` (--lora_rank with --lora_sync adapter): the model becomes a peft model at the first
+        ``load_adapter``; each adapter version is a named peft adapter, the newest active."""
         self.model = model.to(device or torch.device("cpu"))
         # prompt + response tokens of one sample, as vLLM's max_model_len (a generation stops there, finish reason
         # "length"): RL's --max_len (OpenRLHF's prompt + response budget); None: --generate_max_len alone
@@ -50,6 +53,7 @@ class HFEngine(RolloutEngine):
         self.decoder: Optional[ContinuousDecoder] = None  # the running batch of step_requests, built at its first
         self._continuous = continuous_cache_ok(self.model)
         self._routes = False  # record_routing
+        self._lora, self._versions = lora_adapters, AdapterVersions()
 
     def _stop_ids(self, params: SamplingParams) -> tuple:
         return stop_ids(params.stop_token_ids, self.tokenizer.eos_token_id, getattr(self.model, "generation_config", None))
@@ -134,11 +138,40 @@ class HFEngine(RolloutEngine):
 
     def load_weights(self, named_tensors) -> None:
         self._idle("load_weights")
-        params = dict(self.model.named_parameters())
+        params = {_engine_name(n): p for n, p in self.model.named_parameters()}  # a peft model's base under plain names
         for name, t in named_tensors:
             if name not in params:
                 raise KeyError(f"rollout engine has no parameter {name!r} (actor and engine models differ)")
             params[name].data.copy_(t.to(params[name].dtype))
+
+    @property
+    def lora_adapters(self) -> bool:
+        return self._lora
+
+    def load_adapter(self, version: int, named_tensors, config: dict, keep: int = 1) -> None:
+        """peft: adapter ``v<version>`` added (``add_adapter`` / ``get_peft_model`` the first time), filled from the
+        saved names (``set_peft_model_state_dict``), made the active one; versions past the newest ``keep`` are
+        deleted.  No merge: the forward is W x + s B A x, as the trainer's."""
+        import peft
+
+        name, cfg = f"v{version}", peft.LoraConfig(**config)
+        if version in self._versions.held:
+            self.model.delete_adapter(name)
+        if isinstance(self.model, peft.PeftModel):
+            self.model.add_adapter(name, cfg)
+        else:
+            self.model = peft.get_peft_model(self.model, cfg, adapter_name=name)
+        state = {n: t.to(self.device) for n, t in named_tensors}
+        res = peft.set_peft_model_state_dict(self.model, state, adapter_name=name)
+        missing = [k for k in res.missing_keys if f".{name}." in k and "lora_" in k]
+        if missing:
+            raise KeyError(f"adapter version {version} lacks {missing[:3]} (actor and engine models differ)")
+        self._versions.keep = max(1, keep)
+        for old in self._versions.add(version):
+            self.model.delete_adapter(f"v{old}")
+        self.model.set_adapter(name)
+        self.model.eval()
+        self.model.requires_grad_(False)
 
     def reset_prefix_cache(self) -> None:
         return None  # the decode loop keeps no cache across calls
@@ -169,4 +202,4 @@ def build_hf_engine(args: EngineArgs) -> HFEngine:
     model = load_causal_lm(args.model_path, args.bf16, trainable=False)
     model.config.use_cache = True
     return HFEngine(model, load_tokenizer(args.model_path), args.device, micro_batch_size=args.micro_batch_size,
-                    max_model_len=args.max_model_len)
+                    max_model_len=args.max_model_len, lora_adapters=args.lora_rank > 0)

@@ -121,6 +121,21 @@ class RolloutEngine(abc.ABC):
         ``direct_weights``."""
         raise NotImplementedError(f"{type(self).__name__} loads weights in this process (direct_weights is False)")
 
+    @property
+    def lora_adapters(self) -> bool:
+        """Does the engine run a LoRA adapter unmerged (``--lora_sync adapter``: the base once, then ``load_adapter``
+        per sync; ``rlhf.distributed.lora_sync``)?  Default: False, the sync sends merged weights."""
+        return False
+
+    def load_adapter(self, version: int, named_tensors, config: dict, keep: int = 1) -> None:
+        """Adapter version ``version`` (peft's saved names -> full A / B tensors; ``config`` peft's LoRA config as
+        JSON): generate with it from now on, keep the newest ``keep`` versions.  Only where ``lora_adapters``."""
+        raise NotImplementedError(f"{type(self).__name__} takes merged weights only (lora_adapters is False)")
+
+    def receive_adapter(self, version: int, pieces, config: dict, keep: int = 1) -> None:
+        """``load_adapter`` with the tensors received by the engine's own workers (``direct_weights``)."""
+        raise NotImplementedError(f"{type(self).__name__} loads weights in this process (direct_weights is False)")
+
     # ---- memory --------------------------------------------------------------------------------------------------
     @abc.abstractmethod
     def sleep(self) -> None:

@@ -46,6 +46,8 @@ class EngineArgs:
     enable_sleep: bool = False      # --vllm_enable_sleep
     sleep_level: int = 2            # --vllm_sleep_level
     enforce_eager: bool = False     # --enforce_eager
+    lora_rank: int = 0              # --lora_rank under --lora_sync adapter (0: merged weights, no adapter)
+    lora_versions: int = 1          # adapter versions an engine keeps (--async_queue_size + 1 under --async_train)
     place: EnginePlace = field(default_factory=lambda: EnginePlace(0, [0]))
 
 

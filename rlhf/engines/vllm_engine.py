@@ -25,10 +25,12 @@ import os
 from typing import List, Optional, Sequence
 
 from rlhf.data.images import multi_modal_data
-from rlhf.distributed.transport import layer_key, pack, split_last_layer
+from rlhf.distributed.lora_sync import vllm_max_lora_rank
+from rlhf.distributed.transport import ipc_rows, layer_key, pack, split_last_layer
 from rlhf.engines.requests import StepResult
 from rlhf.engines.rollout import Batch, RolloutEngine, SamplingParams, batch_from_rows
 from rlhf.engines.rollout_registry import EngineArgs
+from rlhf.engines.vllm_adapters import VLLMAdapters
 from rlhf.engines.vllm_compat import _cap_len, check_vision_deps, check_vllm, on_cuda, sleep_available
 from rlhf.engines.vllm_launch import (
     LAUNCHER_ENV,
@@ -68,13 +70,14 @@ class RolloutWorkerExtension(WorkerExtension):
 
 
 
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(VLLMAdapters, RolloutEngine):
     def __init__(self, model_path: str, tp_size: int = 1, *, mode: str = "colocated", max_model_len: int = 1024,
                  seed: int = 0, pad_token_id: int = 0, eos_token_id: int = 2, dtype: Optional[str] = None,
                  gpu_memory_utilization: float = 0.5, kv_cache_memory_bytes: Optional[int] = None,
                  enable_sleep: bool = False, sleep_level: int = 2, enforce_eager: bool = False,
                  weight_loader: Optional[str] = None, tp_group=None, tp_src: int = 0, driver: bool = True,
-                 device_ids: Optional[Sequence[int]] = None, dummy_weights: bool = False, log=print):
+                 device_ids: Optional[Sequence[int]] = None, dummy_weights: bool = False, lora_rank: int = 0,
+                 lora_versions: int = 1, log=print):
         """``tp_group`` / ``tp_src``: the engine's TP ranks and their first global rank (colocated, TP > 1: the
         prompts are broadcast from it so every TP rank passes identical prompts).  ``driver``: separate mode,
         False on an engine's non-first ranks (they build nothing).  ``device_ids``: separate mode on CUDA,
@@ -90,7 +93,9 @@ class VLLMEngine(RolloutEngine):
         DummyModelLoader, vllm/model_executor/model_loader/dummy_loader.py: random values, no file read); take the
         trainer's weights at the first sync, as veRL's colocated rollout does (``load_format: dummy``): no rank
         reads the checkpoint a second time (a 70B model: 140 GB per rank).  Until that sync ``needs_weights`` is True and a
-        generate is refused (``EngineMemory.check_generate``)."""
+        generate is refused (``EngineMemory.check_generate``).  ``lora_rank`` > 0 (--lora_sync adapter): vLLM runs
+        with LoRA (``enable_lora``, ``max_lora_rank`` the smallest it accepts >= the rank, one adapter per batch,
+        ``lora_versions`` kept in host memory); each ``load_adapter`` is a new version the next generates use."""
         weight_loader = weight_loader or os.environ.get("RLHF_VLLM_WEIGHT_LOADER", "auto")
         if mode not in MODES:
             raise ValueError(f"VLLMEngine mode must be one of {MODES}, got {mode!r}")
@@ -116,6 +121,7 @@ class VLLMEngine(RolloutEngine):
         self.memory = EngineMemory(None, sleep_level, enable_sleep, empty_cache=empty_device_cache)
         self._pending: List[tuple] = []
         self.llm = None
+        self.lora_rank, self.lora_versions, self._lora = lora_rank, max(1, lora_versions), None
         # the longest sequence (prompt + response) vLLM takes: a partial rollout's continuation prompt must stay below
         # it (vLLM refuses a prompt of max_model_len tokens, vllm/v1/engine/input_processor.py _validate_prompt_len,
         # and caps a generation there, vllm/v1/core/sched/utils.py check_stop: finish_reason "length")
@@ -126,6 +132,9 @@ class VLLMEngine(RolloutEngine):
                            dtype=dtype or default_dtype(cuda, False), enforce_eager=enforce_eager,
                            enable_sleep=enable_sleep, gpu_memory_utilization=gpu_memory_utilization,
                            kv_cache_memory_bytes=kv_cache_memory_bytes, cuda=cuda)
+        if lora_rank > 0:
+            kw.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1,
+                      max_cpu_loras=self.lora_versions)
         self.dummy = bool(dummy_weights)
         if self.dummy:
             kw["load_format"] = "dummy"
@@ -144,6 +153,9 @@ class VLLMEngine(RolloutEngine):
             env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
             if device_ids is not None and cuda:
                 env["CUDA_VISIBLE_DEVICES"] = visible_devices(device_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+                # CUDA IPC rows (``_send``) are (function, args) tuples: vLLM's RPC pickles them only with this set,
+                # as OpenRLHF sets it for its CUDA IPC weight sync
+                env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
             if not cuda and tp_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # auto-binding wants a NUMA node per CPU worker
             # vLLM's processes start from this env: without the launcher's variables they rendezvous on their own
@@ -192,7 +204,8 @@ class VLLMEngine(RolloutEngine):
                                       max_tokens=params.max_new_tokens, logprobs=0,
                                       stop_token_ids=list(params.stop_token_ids) or [self.eos], detokenize=False)
         prompts = [{"prompt_token_ids": list(p), **multi_modal_data(i)} for p, i in zip(prompt_ids, images)]
-        outs = self.llm.generate(prompts, sp, use_tqdm=False)
+        lora = {} if self._lora is None else {"lora_request": self._lora}  # the current adapter version (LoRA only)
+        outs = self.llm.generate(prompts, sp, use_tqdm=False, **lora)
         return self._to_batch(outs)
 
     def step_requests(self, admit, abort=()) -> Optional[StepResult]:
@@ -211,7 +224,7 @@ class VLLMEngine(RolloutEngine):
         if admit:
             self._flush()
             self.memory.check_generate()
-        return step_llm(self.llm, self.vllm, admit, abort, self.eos)
+        return step_llm(self.llm, self.vllm, admit, abort, self.eos, self._lora)
 
     def _to_batch(self, outs) -> Batch:
         rows = [(list(o.prompt_token_ids), c) for o in outs for c in o.outputs]
@@ -252,8 +265,14 @@ class VLLMEngine(RolloutEngine):
             return
         if self.mode == "colocated":  # same process: the tensors are handed over as they are
             self.llm.collective_rpc("rlhf_load_weights", args=([list(t) for t in items], self.loader))
-        else:  # own processes on the actor's ranks (fed by the colocated gather): host bytes (vllm_worker.pack)
-            self.llm.collective_rpc("rlhf_load_weights", args=(pack(items), self.loader))
+        else:  # own processes on the actor's ranks (fed by the colocated gather): CUDA IPC handles on the trainer's
+            # GPU (no copy; transport.ipc_rows), host bytes elsewhere (transport.pack)
+            cuda = items[0][1].device.type == "cuda"
+            if cuda:
+                import torch
+
+                torch.cuda.synchronize()  # the gathered tensors are written before another process reads them
+            self.llm.collective_rpc("rlhf_load_weights", args=(ipc_rows(items) if cuda else pack(items), self.loader))
 
     @property
     def direct_weights(self) -> bool:
@@ -299,8 +318,10 @@ class VLLMEngine(RolloutEngine):
             self.memory.wake(tags)
 
     def sync_follows(self) -> None:
-        """A weight sync comes before this engine's next generate: its next sleep may discard the weights."""
-        self.memory.sync_follows()
+        """A weight sync comes before this engine's next generate: its next sleep may discard the weights.  Not
+        with LoRA adapters: the base was sent once and the next syncs carry the adapter only."""
+        if not self.lora_adapters:
+            self.memory.sync_follows()
 
     def memory_state(self) -> str:
         """``full`` | ``weights`` | ``asleep`` (``EngineMemory.state``; without sleep mode nothing is released, the
@@ -365,4 +386,5 @@ def build_vllm_engine(args: EngineArgs) -> VLLMEngine:
                       sleep_level=args.sleep_level, enforce_eager=args.enforce_eager or cpu,
                       tp_group=p.tp_group, tp_src=p.ranks[0], driver=p.first,
                       device_ids=[k % p.gpus_per_node for k in p.ranks], dummy_weights=not p.separate,
+                      lora_rank=args.lora_rank, lora_versions=args.lora_versions,
                       log=print if p.first else (lambda *_: None))

@@ -36,8 +36,10 @@ def completion(out) -> Completion:
                       "stop" if c.finish_reason == "stop" else "length")
 
 
-def step_llm(llm, vllm, admit: Sequence[Request], abort: Sequence[str], eos: int) -> StepResult:
-    """Abort, admit, one ``llm_engine.step()``; the finished requests and how many were unfinished before it."""
+def step_llm(llm, vllm, admit: Sequence[Request], abort: Sequence[str], eos: int, lora=None) -> StepResult:
+    """Abort, admit, one ``llm_engine.step()``; the finished requests and how many were unfinished before it.
+    ``lora``: the current adapter version's LoRARequest (--lora_sync adapter), given to every admitted request
+    (vllm/v1/engine/llm_engine.py ``add_request(..., lora_request=)``)."""
     eng = llm.llm_engine
     if abort:
         eng.abort_request(list(abort))
@@ -45,7 +47,7 @@ def step_llm(llm, vllm, admit: Sequence[Request], abort: Sequence[str], eos: int
     for r in admit:
         try:
             prompt = llm._preprocess_cmpl_one({"prompt_token_ids": list(r.prompt_ids)})
-            eng.add_request(r.request_id, prompt, vllm_params(vllm, r, eos))
+            eng.add_request(r.request_id, prompt, vllm_params(vllm, r, eos), lora_request=lora)
         except Exception as e:  # noqa: BLE001  vLLM refused this request (VLLMValidationError, ...): it fails alone
             failed.append((r.request_id, f"vLLM refused request {r.request_id}: {e}"))
     running = eng.get_num_unfinished_requests()

@@ -58,6 +58,36 @@ def load_into(worker, named, mode: str) -> int:
     return len(named)
 
 
+def add_adapter(worker, version: int, named, config: dict, keep: int) -> List[int]:
+    """LoRA adapter version ``version`` from tensors in memory (no disk): what vLLM's ``WorkerLoRAManager.
+    _load_adapter`` does for a folder (vllm/lora/worker_manager.py, 0.32: ``PEFTHelper`` + ``validate_legal``,
+    ``LoRAModel.from_lora_tensors`` on CPU in ``lora_dtype``, the model's ``hf_to_vllm_mapper`` rename mapper and
+    ``lora_skip_prefixes``), then registered in its adapter manager (``add_adapter``), as veRL's
+    ``TensorLoRARequest`` path does (verl/utils/vllm/utils.py).  A generate request then names the version with a
+    ``LoRARequest`` of the same id: already registered, it is never looked up on disk.  The newest ``keep``
+    versions stay registered, older ones are removed.  The tensors are copied: vLLM scales lora_B in place.
+    Returns the registered versions."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    mgr = worker.model_runner.lora_manager  # vllm/v1/worker/lora_model_runner_mixin.py load_lora_model
+    helper = PEFTHelper.from_dict(dict(config, vllm_max_position_embeddings=mgr.max_position_embeddings))
+    helper.validate_legal(mgr.lora_config)
+    adapters = mgr._adapter_manager
+    model = adapters.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = LoRAModel.from_lora_tensors(version, {n: t.detach().to("cpu", copy=True) for n, t in named}, helper,
+                                       device="cpu", dtype=mgr.lora_config.lora_dtype, model_vocab_size=mgr.vocab_size,
+                                       weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+                                       skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+    adapters.remove_adapter(version)
+    adapters.add_adapter(lora)
+    for old in sorted(adapters.list_adapters()):
+        if old <= version - keep:
+            adapters.remove_adapter(old)
+    return sorted(adapters.list_adapters())
+
+
 def _worker_device(worker) -> torch.device:
     dev = getattr(worker, "device", None)
     return torch.device(dev) if dev is not None else next(worker.model_runner.get_model().parameters()).device
@@ -70,7 +100,7 @@ class WorkerExtension:
 
     def rlhf_load_weights(self, rows, mode: str = "reload") -> int:
         """Rows from the trainer: (name, tensor) from its own process (colocated), or ``pack``'s host bytes."""
-        return load_into(self, unpack(rows), mode)
+        return load_into(self, unpack(rows, _worker_device(self).index or 0), mode)
 
     def rlhf_join_weight_group(self, host: str, port: int, rank_offset: int, world: int, backend: str,
                                timeout_s: float) -> int:
@@ -89,6 +119,18 @@ class WorkerExtension:
                                       "the trainer's weight-transfer group")
         pieces = [(dt, [(n, list(s)) for n, s in entries]) for dt, entries in pieces]
         return receive_and_load(self._rlhf_group, pieces, lambda named: load_into(self, named, mode))
+
+    def rlhf_add_adapter(self, version: int, rows, config: dict, keep: int) -> List[int]:
+        """An adapter version from the trainer: (name, tensor) rows, or ``pack``'s host bytes (``add_adapter``)."""
+        return add_adapter(self, version, unpack(rows, _worker_device(self).index or 0), config, keep)
+
+    def rlhf_receive_adapter(self, version: int, pieces: Sequence[Piece], config: dict, keep: int) -> List[int]:
+        """An adapter version received over the weight-transfer group (the sending rank's pieces, in order)."""
+        if self._rlhf_group is None:
+            raise WeightTransferError("rlhf_receive_adapter before rlhf_join_weight_group")
+        got: list = []
+        receive_and_load(self._rlhf_group, [(dt, [(n, list(s)) for n, s in e]) for dt, e in pieces], got.extend)
+        return add_adapter(self, version, got, config, keep)
 
     def rlhf_leave_weight_group(self) -> None:
         if self._rlhf_group is not None:

@@ -179,13 +179,23 @@ def weight_dtype(bf16: bool, trainable: bool, lora: bool = False) -> torch.dtype
 
 def load_causal_lm(path: str, bf16: bool = False, flash_attn: bool = False, gradient_checkpointing: bool = False,
                    lora_rank: int = 0, lora_alpha: int = 16, target_modules: str = "all-linear", on_meta: bool = False,
-                   trainable: bool = True, freeze_visual: bool = False):
+                   trainable: bool = True, freeze_visual: bool = False, load_in_4bit: bool = False):
     """on_meta: see from_pretrained_or_meta; trainable: see weight_dtype; freeze_visual: --freeze_visual_encoder
-    (rlhf.models.vision.freeze_vision_tower)."""
+    (rlhf.models.vision.freeze_vision_tower); load_in_4bit (QLoRA, checked by rlhf.config.qlora): the frozen base in
+    nf4 through bitsandbytes, bf16 compute (OpenRLHF's ``BitsAndBytesConfig(load_in_4bit=True,
+    bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)``,
+    openrlhf/models/actor.py)."""
     from rlhf.models.vision import causal_auto_class  # a vision-language model: AutoModelForImageTextToText
 
+    quant = {}
+    if load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        quant["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                          bnb_4bit_use_double_quant=True,
+                                                          bnb_4bit_compute_dtype=torch.bfloat16)
     model = from_pretrained_or_meta(causal_auto_class(path), path, on_meta, dtype=weight_dtype(bf16, trainable, lora_rank > 0),
-                                    attn_implementation=_attn(flash_attn))
+                                    attn_implementation=_attn(flash_attn), **quant)
     model.config.use_cache = False
     if freeze_visual:
         from rlhf.models.vision import freeze_vision_tower

@@ -322,6 +322,7 @@ class WeightSyncStage(Stage):
 
     def run(self, batch: Batch, roles) -> None:
         sync_weights(self.weight_sync, roles)
+        batch.metrics.update(self.weight_sync.last)  # sync_bytes, sync_s, sync_GBps on the ranks that synced
 
 
 @dataclass

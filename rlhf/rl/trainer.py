@@ -37,7 +37,7 @@ from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer
 from rlhf.rl.evaluate import Evaluator
 from rlhf.rl.persistence import export_final, needs_first_sync, restore_run, run_state, save_run
 from rlhf.rl.stages import Stage, StageParts, build_stages, stage_deadlines, sync_weights
-from rlhf.roles.build import build_roles
+from rlhf.roles.build import build_roles, engines_in_process, lora_versions
 from rlhf.utils.cadence import Cadence
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preempt import StopSignal
@@ -110,7 +110,9 @@ class RLTrainer:
         self.scheduler.put_all_to_sleep()
         rollout_engine = self.roles.rollout.engine
         self.weight_sync = WeightSync(self.groups, rollout_engine, timeout_s=t.dist_timeout_s, device=self.device,
-                                      dtype=torch.bfloat16 if cfg.model.bf16 else None)
+                                      dtype=torch.bfloat16 if cfg.model.bf16 else None, lora_sync=cfg.model.lora_sync,
+                                      keep_versions=lora_versions(r),
+                                      from_shards=self.plan.separate_rollout and engines_in_process(r, self.path))
         self.kl_ctl = make_kl_controller(a.init_kl_coef, a.kl_target, a.kl_horizon)
         self.reward_norm = running_reward_norm(a)
         self.invalid_rewards = InvalidRewardGuard(a.max_invalid_reward_batches)

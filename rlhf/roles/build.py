@@ -63,7 +63,8 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
     if rollout.is_member:
         rollout.engine = build_rollout_engine(cfg.rollout, cfg.topology, path, groups, device, bf16=m.bf16,
                                               seed=cfg.optim.seed,
-                                              max_model_len=engine_len(cfg.agent, cfg.rollout, cfg.data))
+                                              max_model_len=engine_len(cfg.agent, cfg.rollout, cfg.data),
+                                              lora_rank=m.lora_rank if m.lora_sync == "adapter" else 0)
         if cfg.rollout.agent_func_path:
             from rlhf.agents.load import load_agent
 
@@ -130,7 +131,21 @@ def rl_max_len(d) -> int:
     return min(d.prompt_max_len + d.generate_max_len, d.max_len)
 
 
-def build_rollout_engine(r, t, path: str, groups: Groups, device, *, bf16: bool, seed: int, max_model_len: int):
+def lora_versions(r) -> int:
+    """Adapter versions an engine keeps (--lora_sync adapter): under --async_train the K queued batches' versions
+    and the current one (--async_queue_size + 1), else 1."""
+    return r.async_queue_size + 1 if r.async_train else 1
+
+
+def engines_in_process(r, path: str) -> bool:
+    """Do the rollout engines load weights in the trainer's process (the ``hf`` engine; vLLM on rollout ranks of
+    their own runs in processes of its own)?  The same answer on every rank (``auto_engine`` is)."""
+    kind = r.rollout_engine if r.rollout_engine != "auto" else auto_engine(path, torch.cuda.is_available())[0]
+    return kind == "hf"
+
+
+def build_rollout_engine(r, t, path: str, groups: Groups, device, *, bf16: bool, seed: int, max_model_len: int,
+                         lora_rank: int = 0):
     """The rollout engine of this rank, from the registry (rlhf.engines.rollout_registry): --rollout_engine, or what
     ``auto`` picks (said once, by rank 0), built from the engine's flags (``r`` the rollout config, ``t`` the
     topology; ``seed`` --seed: engine i gets seed + i) and its place in the placement."""
@@ -148,5 +163,6 @@ def build_rollout_engine(r, t, path: str, groups: Groups, device, *, bf16: bool,
     args = EngineArgs(path, device, max_model_len, seed=seed + index, bf16=bf16,
                       micro_batch_size=r.micro_rollout_batch_size, tp_size=t.vllm_tensor_parallel_size,
                       gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep=t.vllm_enable_sleep,
-                      sleep_level=r.vllm_sleep_level, enforce_eager=r.enforce_eager, place=place)
+                      sleep_level=r.vllm_sleep_level, enforce_eager=r.enforce_eager, place=place,
+                      lora_rank=lora_rank, lora_versions=lora_versions(r))
     return build_engine(kind, args)

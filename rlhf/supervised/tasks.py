@@ -70,7 +70,7 @@ def build_policy(m, path: str, on_meta: bool = False, freeze_visual: bool = Fals
     """The trainable causal LM of SFT and DPO (LoRA, bf16, flash-attention, checkpointing from the model group;
     ``freeze_visual``: --freeze_visual_encoder)."""
     return load_causal_lm(path, m.bf16, m.flash_attn, m.gradient_checkpointing, m.lora_rank, m.lora_alpha,
-                          m.target_modules, on_meta=on_meta, freeze_visual=freeze_visual)
+                          m.target_modules, on_meta=on_meta, freeze_visual=freeze_visual, load_in_4bit=m.load_in_4bit)
 
 
 class SFTTask(Task):
