@@ -153,9 +153,17 @@ def num_experts(model) -> int:
 
 def set_experts(model, implementation: str) -> None:
     """--experts_implementation: transformers' ``set_experts_implementation`` on an MoE model (``auto``, or a dense
-    model: nothing)."""
-    if implementation != "auto" and routers(model):
-        model.set_experts_implementation(implementation)
+    model: nothing).  A wrapper (the critic's ``CriticModel``, an FSDP or LoRA wrapper) is set through its outermost
+    transformers model, which dispatches to its sub-models; the experts read it from the shared config."""
+    if implementation == "auto" or not routers(model):
+        return
+    from transformers import PreTrainedModel
+
+    top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if top is None:
+        raise TypeError(f"--experts_implementation {implementation}: {type(model).__name__} holds MoE experts but no "
+                        f"transformers model to set them on; use --experts_implementation auto")
+    top.set_experts_implementation(implementation)
 
 
 def checkpoint_layout(named_tensors):

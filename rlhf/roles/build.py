@@ -75,6 +75,7 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
             rollout.agent = build_tool_executor(cfg.agent, cfg.rollout, cfg.data.generate_max_len, rollout.engine,
                                                 load_tokenizer(path))
     set_routing(cfg.parallel, actor, ref, rollout)
+    set_expert_kernels(cfg.parallel.experts_implementation, critic, reward, rollout)
     from rlhf.rewards.reward_model import reward_model_stats
 
     return Roles(actor=actor, rollout=rollout, ref=ref, critic=critic, reward=reward, **declared,
@@ -107,6 +108,16 @@ def set_routing(par, actor, ref, rollout) -> None:
         raise RuntimeError(f"--router_replay R3: the rollout engine {type(rollout.engine).__name__} does not return "
                            f"the experts it routed each token to (or the model has no MoE router); use "
                            f"--rollout_engine hf with an MoE model, or --router_replay R2")
+
+
+def set_expert_kernels(implementation: str, critic, reward, rollout) -> None:
+    """--experts_implementation for the roles ``set_routing`` leaves: the critic, the reward model and the rollout
+    engine's own copy of the policy (the HF engine; vLLM keeps its fused MoE).  A dense model: nothing."""
+    for r in (critic, reward):
+        if r is not None and r.engine is not None:
+            moe.set_experts(r.engine.model, implementation)
+    if rollout.engine is not None:
+        rollout.engine.set_experts_implementation(implementation)
 
 
 def rl_max_len(d) -> int:
