@@ -16,7 +16,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from rlhf.distributed import comm
+from rlhf.distributed import comm, expert_names
 from rlhf.distributed import transport as transfer  # the weight-transfer group and its wire format
 from rlhf.errors import WeightSyncTimeout
 
@@ -231,9 +231,11 @@ class WeightSync:
         if self._link is None:
             self._link = self._connect(src)
         aliases = self._link["aliases"]
-        if self._meta is None:
-            self._meta = comm.broadcast_object(param_meta(model, aliases) if rank == src else None, src,
-                                               self.groups.group("sync"))
+        if self._meta is None:  # vLLM's own processes read MoE experts under per-expert names (expert_names)
+            meta = param_meta(model, aliases) if rank == src else None
+            if meta is not None and self._link["direct"]:
+                meta = expert_names.per_expert_meta(meta)
+            self._meta = comm.broadcast_object(meta, src, self.groups.group("sync"))
         wire = self._wire()
         if not self._link["direct"]:
             return self._sync_in_process(model, wire, src, aliases)
@@ -298,7 +300,7 @@ class WeightSync:
         piece is gathered and packed while the previous one is on the wire (peak: two packed pieces and one
         bucket of gathered tensors)."""
         group = self._link["group"]
-        it = self._named_full(model, aliases)
+        it = expert_names.per_expert(self._named_full(model, aliases))  # as the metadata (sync_broadcast)
         inflight, total = None, 0
         for bucket in wire:
             tensors = dict(next(it) for _ in range(sum(len(entries) for _, entries in bucket)))
