@@ -41,7 +41,7 @@ from rlhf.engines.vllm_launch import (
 )
 from rlhf.engines.vllm_memory import EngineMemory, empty_device_cache, release_vllm_groups
 from rlhf.engines.vllm_requests import step_llm
-from rlhf.engines.vllm_worker import WorkerExtension
+from rlhf.engines.vllm_worker import WorkerExtension, loader_for_moe
 from rlhf.models import moe
 from rlhf.models.load import load_tokenizer
 
@@ -145,6 +145,8 @@ class VLLMEngine(RolloutEngine):
             with _env(env, drop=LAUNCHER_ENV):
                 self.llm = vllm.LLM(**kw)
         self.memory.llm = self.llm
+        # an MoE kernel in another layout than the checkpoint's takes new weights only through the reload
+        self.loader = loader_for_moe(self.loader, weight_loader, self.llm.collective_rpc("rlhf_moe_relayout"))
         if self.dummy:
             self.memory.weights_valid = False  # random values until the first weight sync (needs_weights)
 

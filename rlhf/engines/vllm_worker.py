@@ -72,6 +72,39 @@ def _relaying_moe_methods(model) -> list:
             and type(m.moe_kernel.fused_experts).process_weights_after_loading is not base]
 
 
+# the unquantized fused-MoE backends whose kernels read w13/w2 in the checkpoint's layout (vLLM 0.32,
+# fused_moe/oracle/unquantized.py ``convert_to_unquantized_kernel_format``: AITER shuffles, FlashInfer CUTLASS swaps
+# the halves to [w3; w1], FlashInfer TRTLLM re-blocks, CPU prepacks, XPU transposes)
+CHECKPOINT_LAYOUT_MOE = ("TRITON", "BATCHED_TRITON")
+
+
+def moe_relayout(model) -> List[str]:
+    """The backends of ``model``'s unquantized fused-MoE layers that keep their weights in another layout than the
+    checkpoint's (empty: none, or a dense model).  The direct loader (``load_weights`` into the parameters) is
+    wrong for those: only the reload re-runs the layer's conversion."""
+    try:
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:
+        return []
+    relaid = set(_relaying_moe_methods(model))
+    return sorted({m.unquantized_backend.name for m in model.modules() if isinstance(m, UnquantizedFusedMoEMethod)
+                   and (m in relaid or m.unquantized_backend.name not in CHECKPOINT_LAYOUT_MOE)})
+
+
+def loader_for_moe(loader: str, requested: str, relayout: Sequence[Sequence[str]]) -> str:
+    """The weight loader once the workers said which MoE backends re-lay their weights out (``relayout``: each
+    worker's ``moe_relayout``): ``auto`` turns ``direct`` (CUDA) into ``reload`` there; an explicit ``direct`` is
+    refused, as it would load the experts in the checkpoint's layout into a kernel that reads another."""
+    backends = sorted({b for worker in relayout for b in worker})
+    if loader != "direct" or not backends:
+        return loader
+    if requested == "direct":
+        raise ValueError(f"RLHF_VLLM_WEIGHT_LOADER=direct: vLLM's fused MoE ({', '.join(backends)}) keeps the experts "
+                         f"in another layout than the checkpoint's, so a direct load would leave them wrong; use "
+                         f"RLHF_VLLM_WEIGHT_LOADER=reload (or auto)")
+    return "reload"
+
+
 @contextlib.contextmanager
 def fresh_moe_kernels(model):
     """Make vLLM's in-place reload re-run an MoE layer's whole post-load step, as at the first load.
@@ -131,6 +164,10 @@ class WorkerExtension:
         if self._rlhf_group is not None:
             self._rlhf_group.close()
             self._rlhf_group = None
+
+    def rlhf_moe_relayout(self) -> List[str]:
+        """``moe_relayout`` of this worker's model."""
+        return moe_relayout(self.model_runner.get_model())
 
     def rlhf_param_names(self) -> List[str]:
         return [n for n, _ in self.model_runner.get_model().named_parameters()]

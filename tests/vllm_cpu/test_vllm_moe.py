@@ -53,6 +53,8 @@ def test_synced_experts_reach_vllm_cpu(engine, moe_kit):
 
     from rlhf.distributed.weight_sync import WeightSync
 
+    # vllm_worker.moe_relayout: the CPU experts prepack, so weights go through the reload
+    assert engine.llm.collective_rpc("rlhf_moe_relayout") == [["CPU"]] and engine.loader == "reload"
     model = AutoModelForCausalLM.from_pretrained(moe_kit, dtype=torch.float32).eval()
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=3)
     loaded = gap(model, engine.generate(PROMPTS, params))
