@@ -79,7 +79,8 @@ class VLLMEngine(RolloutEngine):
         the local GPU ids of the engine's ranks (mapped through the parent's CUDA_VISIBLE_DEVICES).
         ``weight_loader``: direct | reload | auto (direct on CUDA,
         reload elsewhere: CPU repacks the linear weights after loading); None reads RLHF_VLLM_WEIGHT_LOADER
-        (default auto): ``reload`` on CUDA for models whose layers post-process their weights (e.g. quantised).
+        (default auto): ``reload`` on CUDA for models whose layers post-process their weights (e.g. quantised);
+        auto also picks reload where vLLM's fused MoE keeps the experts in its own layout (``loader_for_moe``).
         ``seed``: the engine's seed, set once (OpenRLHF: ``LLM(seed=seed + engine index)``); a generate's
         ``params.seed`` resets the sampler's generator once per call, never per request.  ``dtype``: None picks
         bf16 on CUDA, fp32 on CPU (``default_dtype``).  ``sleep_level``: 2 discards the weights where a weight
