@@ -17,7 +17,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from rlhf.distributed import comm
+from rlhf.distributed import comm, expert_names
 from rlhf.distributed import transport as transfer  # the weight-transfer group and its wire format
 from rlhf.distributed.gather import full_shape, full_tensor, zero3_param  # noqa: F401 (their home before)
 from rlhf.distributed.lora_sync import _engine_name, adapter_config, adapter_meta, export_adapter, is_lora_model, sync_metrics
@@ -240,7 +240,10 @@ class WeightSync:
         if self._meta is None:
             mine = None
             if rank == src:
-                mine = (param_meta(model, aliases, lora), adapter_meta(model) if adapter else None,
+                bm = param_meta(model, aliases, lora)
+                if self._link["direct"]:  # vLLM's own processes read MoE experts under per-expert names (expert_names)
+                    bm = expert_names.per_expert_meta(bm)
+                mine = (bm, adapter_meta(model) if adapter else None,
                         adapter_config(model) if adapter else None, self._route)
             self._meta = comm.broadcast_object(mine, src, self.groups.group("sync"))
         base_meta, ameta, config, self._route = self._meta
@@ -249,6 +252,8 @@ class WeightSync:
             total += self._from_shards(model, base_meta, lora)
         elif not (adapter and self.base_sent):
             stream = self._named_full(model, aliases, "base" if adapter else "merge") if rank == src else None
+            if stream is not None and self._link["direct"]:
+                stream = expert_names.per_expert(stream)  # as the metadata
             total += self._send(stream, self._wire(base_meta, self.dtype), src, aliases)
         self.base_sent = adapter
         if adapter:

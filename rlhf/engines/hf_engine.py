@@ -99,6 +99,9 @@ class HFEngine(RolloutEngine):
         self._routes = bool(moe.routers(self.model))
         return self._routes
 
+    def set_experts_implementation(self, implementation: str) -> None:
+        moe.set_experts(self.model, implementation)
+
     def _routing(self, b: Batch) -> torch.Tensor:
         """(B, P + R, L * k): the experts the engine's routers pick for every token of the finished rows, from one
         no-grad forward of the engine's own model (its weights and dtype) over them, -1 on padding; the decode loop

@@ -74,6 +74,10 @@ class RolloutEngine(abc.ABC):
         --router_replay R3).  Default: False, this engine cannot."""
         return False
 
+    def set_experts_implementation(self, implementation: str) -> None:
+        """--experts_implementation for the engine's own copy of an MoE policy (transformers' expert kernels:
+        eager | batched_mm | grouped_mm; ``auto`` keeps the model's).  Default: nothing (vLLM runs its own fused MoE)."""
+
     # ---- weights -------------------------------------------------------------------------------------------------
     @abc.abstractmethod
     def load_weights(self, named_tensors) -> None:

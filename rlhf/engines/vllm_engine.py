@@ -44,7 +44,7 @@ from rlhf.engines.vllm_launch import (
 )
 from rlhf.engines.vllm_memory import EngineMemory, empty_device_cache, release_vllm_groups
 from rlhf.engines.vllm_requests import step_llm
-from rlhf.engines.vllm_worker import WorkerExtension
+from rlhf.engines.vllm_worker import WorkerExtension, loader_for_moe
 from rlhf.models import moe
 from rlhf.models.load import load_tokenizer
 from rlhf.models.vision import cut_at_tokens, vision_tokens_of
@@ -84,7 +84,8 @@ class VLLMEngine(VLLMAdapters, RolloutEngine):
         the local GPU ids of the engine's ranks (mapped through the parent's CUDA_VISIBLE_DEVICES).
         ``weight_loader``: direct | reload | auto (direct on CUDA,
         reload elsewhere: CPU repacks the linear weights after loading); None reads RLHF_VLLM_WEIGHT_LOADER
-        (default auto): ``reload`` on CUDA for models whose layers post-process their weights (e.g. quantised).
+        (default auto): ``reload`` on CUDA for models whose layers post-process their weights (e.g. quantised);
+        auto also picks reload where vLLM's fused MoE keeps the experts in its own layout (``loader_for_moe``).
         ``seed``: the engine's seed, set once (OpenRLHF: ``LLM(seed=seed + engine index)``); a generate's
         ``params.seed`` resets the sampler's generator once per call, never per request.  ``dtype``: None picks
         bf16 on CUDA, fp32 on CPU (``default_dtype``).  ``sleep_level``: 2 discards the weights where a weight
@@ -162,6 +163,8 @@ class VLLMEngine(VLLMAdapters, RolloutEngine):
             with _env(env, drop=LAUNCHER_ENV):
                 self.llm = vllm.LLM(**kw)
         self.memory.llm = self.llm
+        # an MoE kernel in another layout than the checkpoint's takes new weights only through the reload
+        self.loader = loader_for_moe(self.loader, weight_loader, self.llm.collective_rpc("rlhf_moe_relayout"))
         if self.dummy:
             self.memory.weights_valid = False  # random values until the first weight sync (needs_weights)
 

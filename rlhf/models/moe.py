@@ -153,9 +153,17 @@ def num_experts(model) -> int:
 
 def set_experts(model, implementation: str) -> None:
     """--experts_implementation: transformers' ``set_experts_implementation`` on an MoE model (``auto``, or a dense
-    model: nothing)."""
-    if implementation != "auto" and routers(model):
-        model.set_experts_implementation(implementation)
+    model: nothing).  A wrapper (the critic's ``CriticModel``, an FSDP or LoRA wrapper) is set through its outermost
+    transformers model, which dispatches to its sub-models; the experts read it from the shared config."""
+    if implementation == "auto" or not routers(model):
+        return
+    from transformers import PreTrainedModel
+
+    top = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if top is None:
+        raise TypeError(f"--experts_implementation {implementation}: {type(model).__name__} holds MoE experts but no "
+                        f"transformers model to set them on; use --experts_implementation auto")
+    top.set_experts_implementation(implementation)
 
 
 def checkpoint_layout(named_tensors):
@@ -163,17 +171,8 @@ def checkpoint_layout(named_tensors):
     reverses its MoE merge, transformers/conversion_mapping.py) and vLLM's loaders read:
     ``...experts.gate_up_proj`` (E, 2I, H) -> ``...experts.{e}.gate_proj.weight`` = rows [0, I) of expert e and
     ``...experts.{e}.up_proj.weight`` = rows [I, 2I); ``...experts.down_proj`` (E, H, I) ->
-    ``...experts.{e}.down_proj.weight``; every other (name, tensor) as it is."""
-    for name, t in named_tensors:
-        if name.endswith("experts.gate_up_proj"):
-            base = name[:-len("gate_up_proj")]
-            gate, up = t.chunk(2, dim=1)
-            for e in range(t.size(0)):
-                yield f"{base}{e}.gate_proj.weight", gate[e]
-                yield f"{base}{e}.up_proj.weight", up[e]
-        elif name.endswith("experts.down_proj"):
-            base = name[:-len("down_proj")]
-            for e in range(t.size(0)):
-                yield f"{base}{e}.down_proj.weight", t[e]
-        else:
-            yield name, t
+    ``...experts.{e}.down_proj.weight``; every other (name, tensor) as it is.  The one mapping of every weight
+    path to vLLM: ``rlhf.distributed.expert_names.per_expert``."""
+    from rlhf.distributed.expert_names import per_expert
+
+    return per_expert(named_tensors)

@@ -77,6 +77,7 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
             rollout.agent = build_tool_executor(cfg.agent, cfg.rollout, cfg.data.generate_max_len, rollout.engine,
                                                 load_tokenizer(path))
     set_routing(cfg.parallel, actor, ref, rollout)
+    set_expert_kernels(cfg.parallel.experts_implementation, critic, reward, rollout)
     from rlhf.rewards.reward_model import reward_model_stats
 
     return Roles(actor=actor, rollout=rollout, ref=ref, critic=critic, reward=reward, **declared,
@@ -123,6 +124,16 @@ def endpoint_settings(a, r, rollout: RolloutRole):
     return Settings(a.agent_endpoint_host, port, rollout.engine.max_model_len,
                     make_reward_source(r.remote_rm_url, r.reward_timeout_s, retries=r.remote_rm_retries),
                     tool_call_parser=a.tool_call_parser)
+
+
+def set_expert_kernels(implementation: str, critic, reward, rollout) -> None:
+    """--experts_implementation for the roles ``set_routing`` leaves: the critic, the reward model and the rollout
+    engine's own copy of the policy (the HF engine; vLLM keeps its fused MoE).  A dense model: nothing."""
+    for r in (critic, reward):
+        if r is not None and r.engine is not None:
+            moe.set_experts(r.engine.model, implementation)
+    if rollout.engine is not None:
+        rollout.engine.set_experts_implementation(implementation)
 
 
 def rl_max_len(d) -> int:

@@ -190,6 +190,8 @@ class FakeLLM(SleepModeLLM):
             if self.loaded >= self.names:
                 self.weights_valid = True
             return [len(args[0])]
+        if method == "rlhf_moe_relayout":  # vllm_worker.moe_relayout: the stand-in runs no vLLM fused-MoE kernel
+            return [[]]
         raise NotImplementedError(f"fake vLLM has no worker method {method!r}")
 
     def reset_prefix_cache(self) -> bool:
