@@ -34,6 +34,8 @@ def opt(default, help: str, choices=None, nargs=None, flag_type=None, optional_v
 class ModelConfig:
     pretrain: Optional[str] = opt(None, "HF model dir or hub name of the actor / policy (default: the built-in tiny kit)")
     reward_pretrain: Optional[str] = opt(None, "HF dir of the sequence-classification reward model")
+    teacher_pretrain: Optional[str] = opt(None, "HF dir of a frozen teacher whose log-probs of the sampled tokens "
+                                                "each step records (teacher_logprobs; on the actor's ranks)")
     value_head_prefix: Optional[str] = opt(None, "name of the reward head's weights in --reward_pretrain (OpenRLHF: "
                                                  "score or value_head; default: config.json's value_head_prefix, "
                                                  "else score)")

@@ -137,3 +137,6 @@ register_role(RoleDecl("critic", _own_or("critic", "actor"), need=_critic_needed
 register_role(RoleDecl("reward", _reward_ranks, need=lambda a, m: m.reward_pretrain is not None,
                        need_kw="need_reward_model", reserves=lambda t: not t.colocate_critic_reward))
 register_role(RoleDecl("rollout", _rollout_ranks, splits_sequences=False))
+register_role(RoleDecl("teacher", lambda t, needs: Share("actor"), need=lambda a, m: m.teacher_pretrain is not None,
+                       need_kw="need_teacher", builder="rlhf.roles.registry:build_frozen_lm", pretrain="teacher_pretrain",
+                       forward="teacher_logprobs"))  # a frozen teacher on the actor's ranks (on-policy distillation)
