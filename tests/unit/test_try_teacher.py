@@ -51,3 +51,15 @@ def test_grpo_step_records_teacher_logprobs(monkeypatch, tmp_path):
     assert trainer.step == 1 and [s.name for s in trainer.stages].count("teacher") == 1
     # the teacher is the starting policy and the rollout samples from it at temperature 1: the gap is ~0
     assert "time_teacher" in seen[0] and len(gaps) == 1 and abs(gaps[0]) < 1e-3, (gaps, seen[0])
+
+
+def test_the_memory_planner_plans_the_teachers_forward():
+    from rlhf.config.schema import TopologyConfig
+    from rlhf.planning.dims import ModelDims
+    from rlhf.planning.memory import Job, plan_memory
+
+    dims = ModelDims(hidden=8, layers=3, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=50, tied=False)
+    placement = make_placement(TopologyConfig(), 1, need_ref=True, need_teacher=True)
+    plan = plan_memory(Job(kind="rl", rollout_engine="hf"), {"actor": dims}, placement, on_cuda=False)
+    planned = [s.name for s in plan.groups[0].stages]
+    assert planned.index("ref") < planned.index("teacher") < planned.index("actor_update"), planned
