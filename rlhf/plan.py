@@ -21,13 +21,13 @@ from typing import Optional
 import click
 
 from rlhf.config import make_command
-from rlhf.distributed.placement import TopologyError, make_placement, required_world_size, role_needs
+from rlhf.distributed.placement import TopologyError, job_role_needs, make_placement, required_world_size
 
 
 def plan_for(cfg, world_size: Optional[int], nnodes: Optional[int]):
     t = cfg.topology
     if world_size is None:
-        world_size = required_world_size(t, **role_needs(cfg.algorithm, cfg.model))
+        world_size = required_world_size(t, **job_role_needs(cfg))
         if world_size is None:
             raise TopologyError("the role flags leave the world size open (the actor takes all remaining ranks): "
                                 "give --actor_num_gpus_per_node, or --world_size N")
@@ -35,7 +35,7 @@ def plan_for(cfg, world_size: Optional[int], nnodes: Optional[int]):
         nnodes = t.actor_num_nodes if t.colocate_all_models else max(1, t.nnodes_hint or 1)
         if world_size % nnodes:
             nnodes = 1
-    return make_placement(t, world_size, nnodes, **role_needs(cfg.algorithm, cfg.model))
+    return make_placement(t, world_size, nnodes, **job_role_needs(cfg))
 
 
 KINDS = ("ppo", "grpo", "sft", "rm", "dpo")

@@ -34,8 +34,6 @@ def opt(default, help: str, choices=None, nargs=None, flag_type=None, optional_v
 class ModelConfig:
     pretrain: Optional[str] = opt(None, "HF model dir or hub name of the actor / policy (default: the built-in tiny kit)")
     reward_pretrain: Optional[str] = opt(None, "HF dir of the sequence-classification reward model")
-    teacher_pretrain: Optional[str] = opt(None, "HF dir of a frozen teacher whose log-probs of the sampled tokens "
-                                                "each step records (teacher_logprobs; on the actor's ranks)")
     value_head_prefix: Optional[str] = opt(None, "name of the reward head's weights in --reward_pretrain (OpenRLHF: "
                                                  "score or value_head; default: config.json's value_head_prefix, "
                                                  "else score)")
@@ -114,6 +112,8 @@ class TopologyConfig:
     ref_num_gpus_per_node: int = opt(0, "ranks per node for the reference model (0 = same as actor / colocated)")
     reward_num_nodes: int = opt(1, "nodes for the reward-model role")
     reward_num_gpus_per_node: int = opt(0, "ranks per node for the reward model (0 = same as actor / colocated)")
+    teacher_num_nodes: int = opt(1, "nodes for the teacher role (--teacher_pretrain)")
+    teacher_num_gpus_per_node: int = opt(0, "ranks per node for the teacher (0 = on the actor's ranks, asleep)")
     vllm_num_engines: int = opt(0, "rollout engines (0 = one per actor rank, colocated)")
     vllm_tensor_parallel_size: int = opt(1, "tensor-parallel ranks per rollout engine")
     colocate_all_models: bool = opt(False, "all roles share the same ranks and take turns (hybrid engine); with "

@@ -22,8 +22,9 @@ from rlhf.batch import Batch
 from rlhf.config.batching_checks import dynamic_budgets
 from rlhf.config.preflight import preflight
 from rlhf.console import print0
-from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, make_placement, nnodes_from_env, role_needs
+from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, make_placement, nnodes_from_env
 from rlhf.distributed.failfast import guarded
+from rlhf.distributed.placement import job_role_needs
 from rlhf.distributed.sharding import all_gather_objects
 from rlhf.distributed.watchdog import Watchdog, refill_deadlines
 from rlhf.models.load import load_tokenizer, resolve_pretrain
@@ -33,6 +34,7 @@ from rlhf.rl.async_queue import AsyncRollout, QueueSettings
 from rlhf.rl.checks import check_async_placement, check_backend_placement, check_batch_sizes, io_deadlines, load_prompt_sets, plan_steps
 from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer
 from rlhf.rl.evaluate import Evaluator
+from rlhf.rl.opd import distill_stages
 from rlhf.rl.persistence import export_final, needs_first_sync, restore_run, run_state, save_run
 from rlhf.rl.stages import Stage, StageParts, build_stages, stage_deadlines, sync_weights
 from rlhf.roles.build import build_roles
@@ -61,7 +63,7 @@ class RLTrainer:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         preflight(cfg, "ppo", world)  # model kinds, writable paths, resume
         self.plan_nodes = t.nnodes_hint or nnodes_from_env()
-        self.plan = make_placement(t, world, self.plan_nodes, **role_needs(a, cfg.model))
+        self.plan = make_placement(t, world, self.plan_nodes, **job_role_needs(cfg))
         check_async_placement(r.async_train, self.plan)
         check_batch_sizes(cfg.optim, r.rollout_batch_size * r.n_samples_per_prompt, self.plan)
         check_backend_placement(t.backend, self.plan)
@@ -160,7 +162,8 @@ class RLTrainer:
             sampler=self.sampler, scheduler=self.scheduler, watchdog=self.watchdog, weight_sync=self.weight_sync,
             reward_norm=self.reward_norm, guard=self.invalid_rewards, queue=self.async_rollout,
             refill_draw=self.refill_prompts, total_steps=self.total_steps,
-            timeouts=(t.watchdog_timeout_s, t.watchdog_slow_timeout_s, round_s, refill_s)))
+            timeouts=(t.watchdog_timeout_s, t.watchdog_slow_timeout_s, round_s, refill_s),
+            distill=distill_stages(cfg.teacher, t.watchdog_slow_timeout_s)))
         self.watchdog.deadlines.update(stage_deadlines(self.stages))
 
     # ---- phases ----------------------------------------------------------------------------------------------------
