@@ -13,8 +13,10 @@ as a per-token loss whose gradient is  sg(log pi_s - log pi_t) * grad log pi_s  
 loss as a per-token advantage, A_t += coef * r_t (rlhf.rl.opd): at the on-policy ratio 1 the policy gradient
 -A_t grad log pi_s is PR #1276's gradient, and PPO's clip and the RL reward's advantage compose with it.
 
-The optional top-k term (OpenRLHF ``--opd.topk``) is the forward KL restricted to the teacher's k most likely
-tokens at each response position, with the mass outside them as one tail bucket:
+A top-k term (issue 46's ``--opd_topk``; not yet wired into the step: the step record has no (rows, tokens, k)
+field) is the forward KL restricted to the teacher's k most likely tokens at each response position, the mass
+outside them one tail bucket (OpenRLHF PR #1276 ``compute_topk_token_kl`` is the reverse KL over the student's top
+k with the same tail bucket):
 
     KL_k(p_t || p_s) = sum_{v in topk(p_t)} p_t(v) (log p_t(v) - log p_s(v)) + p_t(tail) (log p_t(tail) - log p_s(tail)),
     p(tail) = 1 - sum_{v in topk(p_t)} p(v)  (clamped to [1e-7, 1]).

@@ -36,8 +36,7 @@ class TeacherConfig:
                                "teacher's log-probs are logged only)")
     opd_only: bool = opt(False, "on-policy distillation alone: the advantages are the OPD term only (the task "
                                 "reward is still computed and logged, not trained on)")
-    opd_topk: int = opt(0, "OpenRLHF --opd.topk: > 0 adds the forward KL from the teacher's top-k tokens at each "
-                           "response position to the student's as a loss term (weight --opd_topk_coef); 0: none")
-    opd_topk_coef: float = opt(1.0, "weight of the --opd_topk forward-KL loss term")
+    opd_topk: int = opt(0, "OpenRLHF --opd.topk (a KL over the top-k tokens at each response position): only 0 "
+                           "(the sampled-token reverse KL) runs here; k > 0 is refused with the reason")
     kd_coef: float = opt(0.5, "SFT with --teacher_pretrain: loss = (1 - kd_coef) * CE + kd_coef * KL(teacher || "
                               "student) over the data tokens (OpenRLHF train_kd.py's --kd_coef)")

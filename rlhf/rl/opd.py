@@ -28,7 +28,7 @@ class OPDStage(Stage):
     writes = ("advantages",)
 
     def __init__(self, coef: float, only: bool):
-        self.name, self.coef, self.only = "opd", coef, only
+        self.coef, self.only = coef, only
 
     def run(self, batch: Batch, roles) -> None:
         behaviour = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
@@ -42,6 +42,10 @@ class OPDStage(Stage):
         })
 
 
+# named after the class is made: no row of rlhf.stage_table (no model memory, as the role table's declared forwards)
+OPDStage.name = "opd"
+
+
 class RemoteTeacherStage(Stage):
     """``teacher_logprobs`` from a teacher server (--teacher_url, rlhf.rl.teacher_client): every trainer rank asks
     for the whole batch (the answers are the same: every rank then holds the same batch, as after a gather)."""
@@ -50,11 +54,14 @@ class RemoteTeacherStage(Stage):
     writes = ("teacher_logprobs",)
 
     def __init__(self, client, deadline_s: Optional[float] = None):
-        self.name, self.client, self.deadline_s = "teacher", client, deadline_s
+        self.client, self.deadline_s = client, deadline_s
 
     def run(self, batch: Batch, roles) -> None:
         lp = self.client.logprobs(batch.sequences, batch.attention_mask, batch.action_mask.size(1))
         batch.teacher_logprobs = lp * batch.action_mask.float()
+
+
+RemoteTeacherStage.name = "teacher"  # the local teacher's stage name (its time_teacher), no stage_table row
 
 
 def distill_stages(teacher, deadline_s: Optional[float]) -> Tuple[List[Stage], List[Stage]]:

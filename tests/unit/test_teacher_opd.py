@@ -115,8 +115,8 @@ def test_mismatched_vocabulary_refused_before_any_process_group(tmp_path):
     from rlhf.config.teacher_checks import check_teacher
 
     check_teacher(cfg, "grpo")
-    cfg.teacher.opd_topk, cfg.teacher.teacher_url = 2, "http://h:1"
-    with pytest.raises(ConfigError, match="opd_topk"):
+    cfg.teacher.opd_topk = 2
+    with pytest.raises(ConfigError, match="opd_topk 0"):
         check_teacher(cfg, "grpo")
 
 
