@@ -21,6 +21,7 @@ import sys
 import click
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script from anywhere: the checkout's rlhf
 
 
 def _run(module: str, args, log_dir: str):

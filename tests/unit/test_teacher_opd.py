@@ -135,6 +135,13 @@ def test_the_memory_planner_plans_the_teachers_forward():
     plan = plan_memory(Job(kind="rl", rollout_engine="hf"), {"actor": dims, "teacher": big}, placement, on_cuda=False)
     by = {s.name: s.total for s in plan.groups[0].stages}
     assert by["teacher"] > {s.name: s.total for s in small.groups[0].stages}["teacher"], by
+    # the teacher's dimensions come from --teacher_pretrain (the teacher flag group), not the model group's
+    from rlhf.distributed.placement import flag_groups
+    from rlhf.models.load import resolve_pretrain
+    from rlhf.planning import role_dims
+
+    cfg = _parse(["--teacher_pretrain", resolve_pretrain(None), "--remote_rm_url", "r.py"])
+    assert "teacher" in role_dims(cfg.model, **flag_groups(cfg)) and "teacher" not in role_dims(cfg.model)
 
 
 def test_grpo_step_with_opd_in_process(monkeypatch, tmp_path):
