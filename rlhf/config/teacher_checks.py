@@ -36,6 +36,11 @@ def check_teacher(cfg, kind: str) -> None:
     if t.teacher_url and kind not in RL_KINDS:
         raise ConfigError("teacher_url", f"--teacher_url serves on-policy distillation (rlhf.train_grpo / "
                                          f"train_ppo); {kind} distills from a local --teacher_pretrain DIR")
+    if t.teacher_url and cfg.rollout.temperature not in (0.0, 1.0):
+        raise ConfigError("teacher_url", f"--teacher_url gives log-probs at temperature 1 (vLLM computes prompt "
+                                         f"log-probs from the raw logits) and the student's are at --temperature "
+                                         f"{cfg.rollout.temperature}: give --temperature 1.0, or a local "
+                                         f"--teacher_pretrain (scored at the rollout's temperature)")
     if t.opd_topk != 0:  # rlhf.algorithms.distill.topk_forward_kl is the term; the step record lacks its fields
         raise ConfigError("opd_topk", f"--opd_topk {t.opd_topk}: the top-k term is not available yet (the step "
                                       f"record has no (rows, tokens, k) field for the teacher's top-k log-probs); "

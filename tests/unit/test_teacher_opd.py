@@ -118,6 +118,11 @@ def test_mismatched_vocabulary_refused_before_any_process_group(tmp_path):
     cfg.teacher.opd_topk = 2
     with pytest.raises(ConfigError, match="opd_topk 0"):
         check_teacher(cfg, "grpo")
+    cfg.teacher.opd_topk, cfg.teacher.teacher_url, cfg.rollout.temperature = 0, "http://h:1", 0.7
+    with pytest.raises(ConfigError, match="temperature 1.0"):  # vLLM's prompt log-probs are at temperature 1
+        check_teacher(cfg, "grpo")
+    with pytest.raises(ConfigError, match="teacher_pretrain"):  # SFT distills from a local teacher only
+        check_teacher(cfg, "sft")
 
 
 def test_the_memory_planner_plans_the_teachers_forward():
