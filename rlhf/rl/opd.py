@@ -5,7 +5,9 @@ become a per-token advantage term after the advantage stage (``OPDStage``):
     A_t <- A_t + opd_coef * r_t,   r_t = -(log pi_s(y_t) - log pi_t(y_t))   (rlhf.algorithms.distill),
     A_t <- opd_coef * r_t          with --opd_only (the task reward is logged, not trained on),
 
-with log pi_s the student's behaviour log-probs (old log-probs where computed, else the rollout engine's).  As
+with log pi_s the student's behaviour log-probs: those its tokens were sampled with (``rollout_logprobs``, at the
+rollout's temperature; under --async_train the policy of one or more steps before, whose ratio to the current one
+the policy loss and its IS correction already carry).  As
 OpenRLHF PR #1276 (openrlhf/trainer/opd_trainer.py ``compute_opd_loss``: ``surrogate = log_ratio.detach() *
 student_log_probs``) each token's term is its own log-ratio, no sum over later tokens; slime
 (docs/en/advanced/on-policy-distillation.md) subtracts it from any estimator's advantage the same way.  Under
@@ -24,14 +26,14 @@ class OPDStage(Stage):
     """The OPD term into ``advantages`` (module docstring) and its metrics: ``opd/reverse_kl`` (the sampled
     reverse KL per response token, sum_t m_t (log pi_s - log pi_t) / sum_t m_t) and ``opd/teacher_logprob``."""
     trainers_only = True
-    reads = ("teacher_logprobs", "old_logprobs", "rollout_logprobs", "action_mask", "advantages")
+    reads = ("teacher_logprobs", "rollout_logprobs", "action_mask", "advantages")
     writes = ("advantages",)
 
     def __init__(self, coef: float, only: bool):
         self.coef, self.only = coef, only
 
     def run(self, batch: Batch, roles) -> None:
-        behaviour = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+        behaviour = batch.rollout_logprobs
         mask = batch.action_mask  # the advantage stage zeroed the rows that train nothing
         term = self.coef * opd_token_reward(behaviour, batch.teacher_logprobs, mask)
         batch.advantages = term if self.only else batch.advantages + term
