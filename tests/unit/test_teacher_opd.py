@@ -181,3 +181,22 @@ def test_grpo_step_with_opd_in_process(monkeypatch, tmp_path):
     assert checks == [0.0] or checks[0] < 1e-6, checks
     # the teacher is the starting policy, sampled at temperature 1: the reverse KL per token is ~0
     assert "time_teacher" in seen[0] and abs(seen[0]["opd/reverse_kl"]) < 1e-3, seen[0]
+
+
+def test_opd_stage_adds_or_replaces_the_advantages():
+    from rlhf.batch import Batch
+    from rlhf.rl.opd import OPDStage
+
+    def batch():
+        return Batch(step=0, prompts=[], n_samples=1, advantages=torch.tensor([[0.5, 0.5, 0.5], [-1.0, -1.0, 0.0]]),
+                     rollout_logprobs=torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.25, 0.0]]),
+                     teacher_logprobs=torch.tensor([[-1.5, -1.0, -3.0], [-0.5, -1.25, 0.0]]),
+                     action_mask=torch.tensor([[1, 1, 0], [1, 1, 0]]))
+
+    b = batch()
+    OPDStage(2.0, False).run(b, None)  # A + 2 * (t - s) on the mask
+    assert torch.allclose(b.advantages, torch.tensor([[-0.5, 2.5, 0.5], [-1.0, -3.0, 0.0]])), b.advantages
+    assert abs(b.metrics["opd/reverse_kl"] - (0.5 - 1.0 + 0.0 + 1.0) / 4) < 1e-6, b.metrics
+    b = batch()
+    OPDStage(2.0, True).run(b, None)  # --opd_only: the OPD term alone
+    assert torch.allclose(b.advantages, torch.tensor([[-1.0, 2.0, 0.0], [0.0, -2.0, 0.0]])), b.advantages
