@@ -30,7 +30,8 @@ class OPDStage(Stage):
     writes = ("advantages",)
 
     def __init__(self, coef: float, only: bool):
-        self.coef, self.only = coef, only
+        # named per object: no row of rlhf.stage_table (no model memory), as the role table's declared forwards
+        self.name, self.coef, self.only = "opd", coef, only
 
     def run(self, batch: Batch, roles) -> None:
         behaviour = batch.rollout_logprobs
@@ -44,9 +45,6 @@ class OPDStage(Stage):
         })
 
 
-# named after the class is made: no row of rlhf.stage_table (no model memory, as the role table's declared forwards)
-OPDStage.name = "opd"
-
 
 class RemoteTeacherStage(Stage):
     """``teacher_logprobs`` from a teacher server (--teacher_url, rlhf.rl.teacher_client): every trainer rank asks
@@ -56,14 +54,12 @@ class RemoteTeacherStage(Stage):
     writes = ("teacher_logprobs",)
 
     def __init__(self, client, deadline_s: Optional[float] = None):
-        self.client, self.deadline_s = client, deadline_s
+        # the local teacher's stage name (its time_teacher), per object as OPDStage's
+        self.name, self.client, self.deadline_s = "teacher", client, deadline_s
 
     def run(self, batch: Batch, roles) -> None:
         lp = self.client.logprobs(batch.sequences, batch.attention_mask, batch.action_mask.size(1))
         batch.teacher_logprobs = lp * batch.action_mask.float()
-
-
-RemoteTeacherStage.name = "teacher"  # the local teacher's stage name (its time_teacher), no stage_table row
 
 
 def distill_stages(teacher, deadline_s: Optional[float]) -> Tuple[List[Stage], List[Stage]]:
