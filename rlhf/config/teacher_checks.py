@@ -45,6 +45,9 @@ def check_teacher(cfg, kind: str) -> None:
         raise ConfigError("opd_topk", f"--opd_topk {t.opd_topk}: the top-k term is not available yet (the step "
                                       f"record has no (rows, tokens, k) field for the teacher's top-k log-probs); "
                                       f"give --opd_topk 0, the sampled-token reverse KL (OpenRLHF's default)")
+    if kind == "sft" and cfg.topology.ring_attn_size > 1:
+        raise ConfigError("ring_attn_size", f"--teacher_pretrain in SFT compares full-vocabulary distributions on "
+                                            f"whole rows: give --ring_attn_size 1 (got {cfg.topology.ring_attn_size})")
     if not 0.0 <= t.kd_coef <= 1.0:
         raise ConfigError("kd_coef", f"--kd_coef {t.kd_coef} must lie in [0, 1] (loss = (1 - a) CE + a KL), e.g. 0.5")
     if not t.teacher_pretrain:
