@@ -70,6 +70,9 @@ class Batch:
         NAMED, "float", torch.float32, 0.0, "reward", "name -> (B,) per-row reward-function logs")
     ref_logprobs: torch.Tensor = tensor_field(
         TOKEN, "float", torch.float32, 0.0, "ref", "(B, R) reference log-probs, masked")
+    teacher_logprobs: torch.Tensor = tensor_field(
+        TOKEN, "float", torch.float32, 0.0, "teacher", "(B, R) the frozen teacher's log-probs of the sampled "
+        "tokens, masked")
     old_logprobs: torch.Tensor = tensor_field(
         TOKEN, "float", torch.float32, 0.0, "old_logprobs", "(B, R) actor log-probs before the update (None: one "
         "on-policy update needs none)")

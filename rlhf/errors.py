@@ -19,6 +19,7 @@ MemoryPlanError            ValueError           yes         the memory planner's
 CombineError               ValueError           no          ``rlhf.tools.lora_combiner``
 RewardError                RuntimeError         yes         a reward function that failed / broke its contract
 RewardTimeout              (Exception)          no          a reward call past its deadline
+TeacherServerError         RuntimeError         no          a --teacher_url answer that breaks vLLM's format
 AgentContractError         ValueError           no          an agent's return value (``.field``, ``.kind``)
 CheckpointError            RuntimeError         no          a checkpoint that cannot be used
 ExportError                RuntimeError         no          an export that would overwrite foreign files
@@ -90,6 +91,10 @@ class RewardError(Refusal, RuntimeError):
 
 class RewardTimeout(RLHFError):
     """A reward call ran past its deadline (retried, then scored invalid)."""
+
+
+class TeacherServerError(RLHFError, RuntimeError):
+    """The teacher server's answer is missing or does not follow vLLM's completion response (rlhf.rl.teacher_client)."""
 
 
 class AgentContractError(RLHFError, ValueError):

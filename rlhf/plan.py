@@ -21,13 +21,13 @@ from typing import Optional
 import click
 
 from rlhf.config import make_command
-from rlhf.distributed.placement import TopologyError, make_placement, required_world_size, role_needs
+from rlhf.distributed.placement import TopologyError, flag_groups, job_role_needs, make_placement, required_world_size
 
 
 def plan_for(cfg, world_size: Optional[int], nnodes: Optional[int]):
     t = cfg.topology
     if world_size is None:
-        world_size = required_world_size(t, **role_needs(cfg.algorithm, cfg.model))
+        world_size = required_world_size(t, **job_role_needs(cfg))
         if world_size is None:
             raise TopologyError("the role flags leave the world size open (the actor takes all remaining ranks): "
                                 "give --actor_num_gpus_per_node, or --world_size N")
@@ -35,19 +35,20 @@ def plan_for(cfg, world_size: Optional[int], nnodes: Optional[int]):
         nnodes = t.actor_num_nodes if t.colocate_all_models else max(1, t.nnodes_hint or 1)
         if world_size % nnodes:
             nnodes = 1
-    return make_placement(t, world_size, nnodes, parallel=cfg.parallel, **role_needs(cfg.algorithm, cfg.model))
+    return make_placement(t, world_size, nnodes, parallel=cfg.parallel, **job_role_needs(cfg))
 
 
 KINDS = ("ppo", "grpo", "sft", "rm", "dpo")
 
 
-def memory_report(job, model, gpu_memory_gb: Optional[float], placement, world: int) -> str:
+def memory_report(job, model, gpu_memory_gb: Optional[float], placement, world: int, **groups) -> str:
     """The memory plan's table, its overflows and the flag sets that fit (rlhf.planning): ``job`` from
-    ``job_from_flags``, the models' paths in ``model`` (the --model flag group), against --gpu_memory_gb."""
+    ``job_from_flags``, the models' paths in ``model`` (the --model flag group; ``groups``: the flag groups a
+    declared role reads, ``rlhf.distributed.placement.flag_groups``), against --gpu_memory_gb."""
     from rlhf.planning import device_budget, plan_with_fixes, report, role_dims
 
     try:
-        plan, fits = plan_with_fixes(job, role_dims(model), placement, world, device_budget(gpu_memory_gb))
+        plan, fits = plan_with_fixes(job, role_dims(model, **groups), placement, world, device_budget(gpu_memory_gb))
     except (OSError, ValueError) as e:
         raise click.UsageError(f"--memory reads each model's config.json: {e}; give --pretrain a local model "
                                f"directory (config.json is enough)")
@@ -88,7 +89,7 @@ def main(argv=None):
             raise click.UsageError(f"bad topology: {e}")
         click.echo(placement.table())
         if memory:
-            click.echo(memory_report(job, cfg.model, gb, placement, placement.world_size))
+            click.echo(memory_report(job, cfg.model, gb, placement, placement.world_size, **flag_groups(cfg)))
 
     make_command("plan", run, help="Print the placement plan (add --world_size N --nnodes K; --memory: the memory "
                                    "plan; --kind sft|rm|dpo: a supervised job).").main(

@@ -16,6 +16,10 @@ def run(cfg):
     from rlhf.supervised.tasks import SFTTask
     from rlhf.supervised.trainer import run_supervised
 
+    if cfg.teacher.teacher_pretrain:  # offline KD from a frozen teacher (rlhf.supervised.kd)
+        from rlhf.supervised.kd import kd_task
+
+        return run_supervised(cfg, kd_task(cfg.teacher), "sft")
     return run_supervised(cfg, SFTTask, "sft")
 
 

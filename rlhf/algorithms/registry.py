@@ -66,3 +66,4 @@ PREFERENCE_LOSSES = Registry("preference loss")
 REWARD_MODEL_LOSSES = Registry("reward-model loss")
 IS_CORRECTIONS = Registry("importance-sampling correction")
 IS_GATES = Registry("importance-sampling gate statistic")
+DISTILLATION = Registry("distillation term")  # rlhf.algorithms.distill

@@ -67,6 +67,7 @@ HIERARCHICAL: Dict[str, Entry] = {
     "reward.model_name_or_path": "reward_pretrain",
     "critic.model_name_or_path": "critic_pretrain",
     "ref.model_name_or_path": "ref_pretrain",
+    "teacher.model_name_or_path": "teacher_pretrain", "opd.topk": "opd_topk",  # OpenRLHF PR #1276 train_opd.py
     "reward.remote_url": "remote_rm_url",
     "train.agent_func_path": "agent_func_path",
     # --- placement ---
@@ -74,6 +75,7 @@ HIERARCHICAL: Dict[str, Entry] = {
     "critic.num_nodes": "critic_num_nodes", "critic.num_gpus_per_node": "critic_num_gpus_per_node",
     "ref.num_nodes": "ref_num_nodes", "ref.num_gpus_per_node": "ref_num_gpus_per_node",
     "reward.num_nodes": "reward_num_nodes", "reward.num_gpus_per_node": "reward_num_gpus_per_node",
+    "teacher.num_nodes": "teacher_num_nodes", "teacher.num_gpus_per_node": "teacher_num_gpus_per_node",
     "train.colocate_actor_ref": "colocate_actor_ref", "train.colocate_critic_reward": "colocate_critic_reward",
     "train.colocate_all": "colocate_all_models",
     "ref.offload": "ref_reward_offload", "reward.offload": "ref_reward_offload",

@@ -23,6 +23,9 @@ def preflight(cfg, kind: str, world_size: Optional[int] = None) -> List[str]:
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     notices: List[str] = []
     check_models(cfg, kind)
+    from rlhf.config.teacher_checks import check_teacher
+
+    check_teacher(cfg, kind)  # the teacher's vocabulary is the student's
     check_flash_attn(cfg)
     check_writable(cfg)
     notices += check_resume(cfg, world)
@@ -73,15 +76,17 @@ def memory_notices(cfg, kind: str, world: int, on_cuda: Optional[bool] = None,
     placement = None
     if kind in RL_KINDS:
         from rlhf.distributed.groups import nnodes_from_env
-        from rlhf.distributed.placement import TopologyError, make_placement, role_needs
+        from rlhf.distributed.placement import TopologyError, job_role_needs, make_placement
 
         try:
             placement = make_placement(cfg.topology, world, cfg.topology.nnodes_hint or nnodes_from_env(),
-                                       parallel=cfg.parallel, **role_needs(cfg.algorithm, cfg.model))
+                                       parallel=cfg.parallel, **job_role_needs(cfg))
         except TopologyError:
             return []
     job = job_from_flags(kind, cfg.model, cfg.data, cfg.topology, cfg.rollout, cfg.optim, cfg.parallel)
-    return startup_check(job, cfg.model, cfg.topology, world, placement, on_cuda, device_bytes)
+    from rlhf.distributed.placement import flag_groups
+
+    return startup_check(job, cfg.model, cfg.topology, world, placement, on_cuda, device_bytes, flag_groups(cfg))
 
 
 def check_models(cfg, kind: str) -> None:

@@ -115,6 +115,8 @@ class TopologyConfig:
     ref_num_gpus_per_node: int = opt(0, "ranks per node for the reference model (0 = same as actor / colocated)")
     reward_num_nodes: int = opt(1, "nodes for the reward-model role")
     reward_num_gpus_per_node: int = opt(0, "ranks per node for the reward model (0 = same as actor / colocated)")
+    teacher_num_nodes: int = opt(1, "nodes for the teacher role (--teacher_pretrain)")
+    teacher_num_gpus_per_node: int = opt(0, "ranks per node for the teacher (0 = on the actor's ranks, asleep)")
     vllm_num_engines: int = opt(0, "rollout engines (0 = one per actor rank, colocated)")
     vllm_tensor_parallel_size: int = opt(1, "tensor-parallel ranks per rollout engine")
     colocate_all_models: bool = opt(False, "all roles share the same ranks and take turns (hybrid engine); with "

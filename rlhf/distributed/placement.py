@@ -132,12 +132,26 @@ def required_world_size(topo, **need) -> Optional[int]:
     return n_actor + sum(b.nodes * b.per_node for b in blocks)
 
 
-def role_needs(algorithm, model) -> Dict[str, bool]:
-    """Which optional roles a job needs, from the algorithm and model flags: each role's declared ``need`` rule
-    (rlhf.distributed.role_table, the one place these rules live; e.g. a reference if the KL enters the reward or
-    the loss, a critic if the advantage estimator needs one, a reward model if ``--reward_pretrain`` is given).
-    The keyword arguments of ``make_placement`` / ``required_world_size``."""
-    return {d.need_kw: bool(d.need(algorithm, model)) for d in ROLE_TABLE.values() if d.need_kw}
+def role_needs(algorithm, model, **groups) -> Dict[str, bool]:
+    """Which optional roles a job needs, from the algorithm and model flags (and the flag ``groups`` a declaration
+    reads instead of the model's, ``RoleDecl.flags``: ``teacher=cfg.teacher``; one not given: not needed): each
+    role's declared ``need`` rule (rlhf.distributed.role_table, the one place these rules live; e.g. a reference if
+    the KL enters the reward or the loss, a critic if the advantage estimator needs one, a reward model if
+    ``--reward_pretrain`` is given).  The keyword arguments of ``make_placement`` / ``required_world_size``."""
+    groups["model"] = model
+    return {d.need_kw: d.flags in groups and bool(d.need(algorithm, groups[d.flags]))
+            for d in ROLE_TABLE.values() if d.need_kw}
+
+
+def flag_groups(cfg) -> Dict[str, object]:
+    """name -> flag group of a parsed config, for every group besides ``model`` a role declaration reads
+    (``RoleDecl.flags``)."""
+    return {d.flags: getattr(cfg, d.flags) for d in ROLE_TABLE.values() if d.flags != "model"}
+
+
+def job_role_needs(cfg) -> Dict[str, bool]:
+    """``role_needs`` of a parsed config (every flag group a declaration reads)."""
+    return role_needs(cfg.algorithm, cfg.model, **flag_groups(cfg))
 
 
 def _rules(topo, needs: Dict[str, bool]) -> Dict[str, object]:

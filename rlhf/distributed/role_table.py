@@ -50,7 +50,8 @@ class RoleDecl:
     ``splits_sequences`` whether its forwards split a sequence over --ring_attn_size ranks; ``builder``
     ``"module:function"`` of ``(decl, model, optim, topology, groups, device, total_steps) -> Role`` ("": ``build_roles`` builds it
     itself); ``pretrain`` the model flag the builder loads (``rlhf.roles.registry.build_frozen_lm``); ``forward`` the
-    ``Batch`` field a no-grad log-prob stage of this role writes each step, after the reference's ("": none)."""
+    ``Batch`` field a no-grad log-prob stage of this role writes each step, after the reference's ("": none);
+    ``flags`` the config group (a field of the config: ``model``, ``teacher``) its ``need`` and ``pretrain`` read."""
     name: str
     ranks: Callable[[Any, Dict[str, bool]], Rule]
     need: Optional[Callable[[Any, Any], bool]] = None
@@ -61,6 +62,7 @@ class RoleDecl:
     builder: str = ""
     pretrain: str = ""
     forward: str = ""
+    flags: str = "model"
 
 
 ROLE_TABLE: Dict[str, RoleDecl] = {}
@@ -137,3 +139,6 @@ register_role(RoleDecl("critic", _own_or("critic", "actor"), need=_critic_needed
 register_role(RoleDecl("reward", _reward_ranks, need=lambda a, m: m.reward_pretrain is not None,
                        need_kw="need_reward_model", reserves=lambda t: not t.colocate_critic_reward))
 register_role(RoleDecl("rollout", _rollout_ranks, splits_sequences=False))
+register_role(RoleDecl("teacher", _own_or("teacher", "actor"), need=lambda a, t: bool(t.teacher_pretrain) and not t.teacher_url,
+                       need_kw="need_teacher", builder="rlhf.roles.teacher:build_teacher", pretrain="teacher_pretrain",
+                       forward="teacher_logprobs", flags="teacher"))  # a frozen teacher (on-policy distillation)

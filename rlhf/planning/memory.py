@@ -315,10 +315,11 @@ def plan_memory(job: Job, dims: Dict[str, ModelDims], placement=None, world: int
     return MemoryPlan(job, device_bytes, out, ranks_per_node=placement.gpus_per_node, dims=actor)
 
 
-def role_dims(model) -> Dict[str, ModelDims]:
+def role_dims(model, **groups) -> Dict[str, ModelDims]:
     """Each role's dimensions from its config.json, the paths in ``model`` (the --model flag group): --pretrain
     (the built-in kit when unset), --ref_pretrain, --critic_pretrain (default --pretrain), --reward_pretrain, and
-    each declared role's ``pretrain`` flag (rlhf.distributed.role_table)."""
+    each declared role's ``pretrain`` flag (rlhf.distributed.role_table), read from ``model`` or the flag group
+    it declares (``groups``: ``teacher=cfg.teacher``)."""
     from rlhf.distributed.role_table import ROLE_TABLE
     from rlhf.models.load import resolve_pretrain
     from rlhf.planning.dims import dims_of
@@ -330,6 +331,7 @@ def role_dims(model) -> Dict[str, ModelDims]:
         if path:
             out[role] = dims_of(path)
     for decl in ROLE_TABLE.values():  # a declared role loading a model flag (rlhf.distributed.role_table)
-        if decl.pretrain and getattr(m, decl.pretrain):
-            out[decl.name] = dims_of(getattr(m, decl.pretrain))
+        g = m if decl.flags == "model" else groups.get(decl.flags)
+        if decl.pretrain and g is not None and getattr(g, decl.pretrain):
+            out[decl.name] = dims_of(getattr(g, decl.pretrain))
     return out

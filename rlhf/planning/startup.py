@@ -58,7 +58,7 @@ def below_reserve(device_bytes: float, budget: str, stage: str, need: float, fit
 
 
 def startup_check(job: Job, model, topology, world: int, placement=None, on_cuda: Optional[bool] = None,
-                  device_bytes: Optional[float] = None) -> List[str]:
+                  device_bytes: Optional[float] = None, groups: Optional[dict] = None) -> List[str]:
     """Run before any process group (rlhf/config/preflight.py ``memory_notices``): plan the job and refuse a layout
     with a stage that cannot fit, naming the stage, the numbers and flag sets that fit, unless --skip_memory_check.
 
@@ -89,7 +89,7 @@ def startup_check(job: Job, model, topology, world: int, placement=None, on_cuda
     vllm = importlib.util.find_spec("vllm") is not None
     job = job.on(on_cuda, vllm)
     try:
-        dims = role_dims(model)
+        dims = role_dims(model, **(groups or {}))  # groups: the flag groups a declared role reads
         plan, fits = plan_with_fixes(job, dims, placement, world, device_bytes, on_cuda, vllm)
     except (OSError, ValueError) as e:
         return [f"[memory] plan skipped: a model's config.json could not be read ({e})"]

@@ -345,6 +345,9 @@ class StageParts:
     refill_draw: Callable
     total_steps: int
     timeouts: Tuple[float, float, float, float]
+    # distillation (rlhf.rl.opd ``distill_stages``): a remote teacher's forward, after the declared ones; the OPD
+    # term, after the advantages
+    distill: Tuple[Sequence[Stage], Sequence[Stage]] = ((), ())
 
 
 def rewards_ahead(async_train: bool, agent_mode: bool, reward_model: bool, reward_source: bool) -> bool:
@@ -372,12 +375,12 @@ def build_stages(r, a, o, logging, data, p: StageParts) -> List[Stage]:
                                   p.refill_draw, round_s), refill_s) if refill else None,
         ProduceStage(p.queue, r.async_queue_size, p.total_steps, slow_s) if r.async_train else None,
         RefStage(p.forwards) if p.has["ref"] else None,
-        *declared_forwards(p.forwards, p.has),
+        *declared_forwards(p.forwards, p.has), *p.distill[0],
         ValuesStage(p.forwards) if p.has["critic"] else None,
         OldLogprobsStage(p.forwards) if old_logprobs else None,
         LogprobGapStage(p.forwards, p.scheduler, logging.logprob_gap_interval)
         if measures_gap_only(logging.logprob_gap_interval, old_logprobs) else None,
-        AdvantagesStage(a, data.generate_max_len, r.n_samples_per_prompt, p.reward_norm, p.guard),
+        AdvantagesStage(a, data.generate_max_len, r.n_samples_per_prompt, p.reward_norm, p.guard), *p.distill[1],
         UpdateStage("critic") if p.has["critic"] else None,
         UpdateStage("actor", o.freezing_actor_steps),
         RewardAheadStage(p.queue, r.async_queue_size, p.total_steps, wait_s)

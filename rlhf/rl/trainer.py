@@ -23,8 +23,9 @@ from rlhf.config.batching_checks import dynamic_budgets
 from rlhf.config.preflight import preflight
 from rlhf.console import print0
 from rlhf.data.images import ImageInputs
-from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, make_placement, nnodes_from_env, role_needs
+from rlhf.distributed import PhaseScheduler, WeightSync, build_groups, comm, make_placement, nnodes_from_env
 from rlhf.distributed.failfast import guarded
+from rlhf.distributed.placement import job_role_needs
 from rlhf.distributed.sharding import all_gather_objects
 from rlhf.distributed.watchdog import Watchdog, refill_deadlines
 from rlhf.models.load import load_tokenizer, resolve_pretrain
@@ -35,6 +36,7 @@ from rlhf.rl.async_queue import AsyncRollout, QueueSettings
 from rlhf.rl.checks import check_async_placement, check_backend_placement, check_batch_sizes, io_deadlines, load_prompt_sets, plan_steps
 from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer
 from rlhf.rl.evaluate import Evaluator
+from rlhf.rl.opd import distill_stages
 from rlhf.rl.persistence import export_final, needs_first_sync, restore_run, run_state, save_run
 from rlhf.rl.stages import Stage, StageParts, build_stages, stage_deadlines, sync_weights
 from rlhf.roles.build import build_roles, engines_in_process, lora_versions
@@ -63,7 +65,7 @@ class RLTrainer:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         preflight(cfg, "ppo", world)  # model kinds, writable paths, resume
         self.plan_nodes = t.nnodes_hint or nnodes_from_env()
-        self.plan = make_placement(t, world, self.plan_nodes, parallel=cfg.parallel, **role_needs(a, cfg.model))
+        self.plan = make_placement(t, world, self.plan_nodes, parallel=cfg.parallel, **job_role_needs(cfg))
         check_async_placement(r.async_train, self.plan)
         check_batch_sizes(cfg.optim, r.rollout_batch_size * r.n_samples_per_prompt, self.plan)
         check_backend_placement(t.backend, self.plan)
@@ -82,7 +84,7 @@ class RLTrainer:
         check_tool_run(cfg.agent, r, cfg.model, cfg.data, self.tokenizer)  # --tools_path: file, flags, parser, template
         self.images = ImageInputs.from_model_dir(self.path, cfg.vision.image_key, cfg.vision.max_images_per_prompt)
         if self.images is not None:  # a vision-language policy: no critic or reward model (rlhf.models.vision)
-            refuse_vision_roles(role_needs(a, cfg.model))
+            refuse_vision_roles(job_role_needs(cfg))
         self.prompts, eval_prompts, eval_sources = load_prompt_sets(
             cfg.data, cfg.optim.seed, self.tokenizer, None if cfg.model.pretrain else self.path,
             tool_schemas(cfg.agent.tools_path), self.images)
@@ -171,7 +173,8 @@ class RLTrainer:
             sampler=self.sampler, scheduler=self.scheduler, watchdog=self.watchdog, weight_sync=self.weight_sync,
             reward_norm=self.reward_norm, guard=self.invalid_rewards, queue=self.async_rollout,
             refill_draw=self.refill_prompts, total_steps=self.total_steps,
-            timeouts=(t.watchdog_timeout_s, t.watchdog_slow_timeout_s, round_s, refill_s)))
+            timeouts=(t.watchdog_timeout_s, t.watchdog_slow_timeout_s, round_s, refill_s),
+            distill=distill_stages(cfg.teacher, t.watchdog_slow_timeout_s)))
         self.watchdog.deadlines.update(stage_deadlines(self.stages))
 
     # ---- phases ----------------------------------------------------------------------------------------------------

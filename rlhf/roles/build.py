@@ -54,7 +54,9 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
         return rm
 
     reward = model_role(ModelRole, "reward", groups, t.backend, device, frozen_spec(m, o, t, total_steps), load_rm)
-    declared = declared_roles(m, o, t, groups, device, total_steps)  # the role table's roles with a builder
+    from rlhf.distributed.placement import flag_groups
+
+    declared = declared_roles(m, o, t, groups, device, total_steps, **flag_groups(cfg))  # the table's, with a builder
     if cfg.rollout.async_train:  # the rollout ranks of their own generate meanwhile (rlhf.rl.async_queue)
         for r in (actor, ref, critic, reward, *declared.values()):
             if r is not None:

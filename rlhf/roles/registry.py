@@ -14,15 +14,18 @@ from rlhf.models.load import load_causal_lm
 from rlhf.roles.base import ModelRole, Role, model_role
 
 
-def declared_roles(model, optim, topology, groups: Groups, device, total_steps: int) -> Dict[str, Optional[Role]]:
+def declared_roles(model, optim, topology, groups: Groups, device, total_steps: int,
+                   **flags) -> Dict[str, Optional[Role]]:
     """name -> the role (None where the placement has none) of every declaration with a builder, in table order;
-    a builder is called as ``(decl, model, optim, topology, groups, device, total_steps)`` (the sub-configs)."""
+    a builder is called as ``(decl, model, optim, topology, groups, device, total_steps)`` (the sub-configs), and
+    with ``flags=`` the flag group it declares where that is not ``model`` (``flags``: name -> group)."""
     out: Dict[str, Optional[Role]] = {}
     for decl in ROLE_TABLE.values():
         if decl.builder:
             module, _, fn = decl.builder.partition(":")
+            own = {} if decl.flags == "model" else {"flags": flags[decl.flags]}
             out[decl.name] = getattr(importlib.import_module(module), fn)(decl, model, optim, topology, groups, device,
-                                                                              total_steps)
+                                                                              total_steps, **own)
     return out
 
 
@@ -33,10 +36,11 @@ class FrozenLM(ModelRole):
 
 
 def build_frozen_lm(decl: RoleDecl, model, optim, topology, groups: Groups, device,
-                    total_steps: int) -> Optional[FrozenLM]:
+                    total_steps: int, flags=None) -> Optional[FrozenLM]:
     """``decl``'s role on every rank (None where the placement has none): the model at the flag ``decl.pretrain``
-    names (a field of the model config), a frozen engine spec (as ``frozen_spec``) sharded over the role's group."""
-    path = getattr(model, decl.pretrain)
+    names (a field of the model config, or of ``flags``, the group the role declares), a frozen engine spec (as
+    ``frozen_spec``) sharded over the role's group."""
+    path = getattr(model if flags is None else flags, decl.pretrain)
 
     def spec(role):
         return spec_from_config(model, optim, topology, 0.0, total_steps, trainable=False, group_size=role.size)

@@ -76,6 +76,10 @@ class Task:
         precomputed reference log-probs); the trainer then builds the Reference role and sets ``ref``."""
         return False
 
+    def reference_flags(self, m):
+        """The model group the reference is built from (KD: its --ref_pretrain is the teacher, rlhf.supervised.kd)."""
+        return m
+
     def sequences(self, sample) -> List[List[int]]:
         """The token sequences one sample puts into a micro-batch: SFT ``(ids, loss_mask)`` one, an RM pair
         ``(chosen, rejected[, margin])`` and a DPO pair ``((ids, mask), (ids, mask), ref)`` two."""
@@ -140,7 +144,7 @@ def supervised_roles(m, o, t, task: Task, groups: Groups, path: str, device, tot
     actor = model_role(Actor, "actor", groups, t.backend, device, spec,
                        lambda on_meta: task.build_model(path, on_meta=on_meta))
     actor.state_name = "model"
-    return Roles(actor=actor, ref=build_reference(m, o, t, groups, path, device, total_steps))
+    return Roles(actor=actor, ref=build_reference(task.reference_flags(m), o, t, groups, path, device, total_steps))
 
 
 class SupervisedTrainer:

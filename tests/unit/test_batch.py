@@ -38,6 +38,7 @@ def rows_batch(P: int, R: int, prompt_lens, resp_lens, seed: int = 0, every: boo
         b.ref_logprobs, b.old_logprobs, b.values, b.advantages, b.returns = tok(), tok(), tok(), tok(), tok()
         # (B, P + R, L * k): 3 layers x top-2 of 5 experts, -1 on padding (a column that is itself (L * k,))
         b.routed_experts = torch.where(att.bool().unsqueeze(-1), torch.randint(0, 5, (B, P + R, 6), generator=g), -1)
+        b.teacher_logprobs = tok()
     return b
 
 
@@ -260,19 +261,19 @@ def test_a_new_field_needs_no_code_in_the_ops(world):
 
     @dataclass
     class Wider(Batch):
-        teacher_logprobs: torch.Tensor = batch_mod.tensor_field(TOKEN, "float", torch.float32, 0.0, "teacher",
+        prm_token_scores: torch.Tensor = batch_mod.tensor_field(TOKEN, "float", torch.float32, 0.0, "teacher",
                                                                 "(B, R) a teacher's log-probs")
 
     def wider(b):
-        return Wider(**{f.name: getattr(b, f.name) for f in fields(Batch)}, teacher_logprobs=b.rollout_logprobs - 1)
+        return Wider(**{f.name: getattr(b, f.name) for f in fields(Batch)}, prm_token_scores=b.rollout_logprobs - 1)
 
     a, b = wider(rows_batch(2, 3, [2, 1], [3, 1], seed=1)), wider(rows_batch(4, 1, [4], [1], seed=2))
-    assert torch.equal(a.select(torch.tensor([1])).teacher_logprobs, a.teacher_logprobs[[1]])
+    assert torch.equal(a.select(torch.tensor([1])).prm_token_scores, a.prm_token_scores[[1]])
     c = cat([a, b], PAD)
-    assert type(c) is Wider and c.teacher_logprobs.shape == (3, 3)
+    assert type(c) is Wider and c.prm_token_scores.shape == (3, 3)
     for i, (src, j) in enumerate(((a, 0), (a, 1), (b, 0))):
-        assert unpadded(c, i, "teacher_logprobs") == unpadded(src, j, "teacher_logprobs")
-    names = ["sequences", "attention_mask", "teacher_logprobs"]
+        assert unpadded(c, i, "prm_token_scores") == unpadded(src, j, "prm_token_scores")
+    names = ["sequences", "attention_mask", "prm_token_scores"]
     w = world(2)
     got = w.run(lambda r: gather_batch((a, b)[r], (slice(0, 2), slice(2, 3))[r], 3, names, PAD, cls=Wider))
-    assert all(torch.equal(g.teacher_logprobs, c.teacher_logprobs) for g in got)
+    assert all(torch.equal(g.prm_token_scores, c.prm_token_scores) for g in got)

@@ -119,11 +119,11 @@ def test_role_needs_are_the_placement_kwargs():
     from rlhf.distributed.placement import role_needs
 
     alg = SimpleNamespace(advantage_estimator="gae", init_kl_coef=0.0, use_kl_loss=False)
-    assert role_needs(alg, SimpleNamespace(reward_pretrain=None)) == dict(need_ref=False, need_critic=True,
-                                                                          need_reward_model=False)
+    assert role_needs(alg, SimpleNamespace(reward_pretrain=None, teacher_pretrain=None)) == dict(
+        need_ref=False, need_critic=True, need_reward_model=False, need_teacher=False)
     alg = SimpleNamespace(advantage_estimator="group_norm", init_kl_coef=0.0, use_kl_loss=True)
-    assert role_needs(alg, SimpleNamespace(reward_pretrain="rm")) == dict(need_ref=True, need_critic=False,
-                                                                          need_reward_model=True)
+    assert role_needs(alg, SimpleNamespace(reward_pretrain="rm", teacher_pretrain=None)) == dict(
+        need_ref=True, need_critic=False, need_reward_model=True, need_teacher=False)
 
 
 def test_batch_check_counts_data_parallel_ranks_of_the_mesh():

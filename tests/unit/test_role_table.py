@@ -27,15 +27,16 @@ def probe(monkeypatch):
 
 
 def test_the_built_in_table_keeps_the_block_and_group_order():
-    assert role_table.role_names() == ("actor", "ref", "critic", "reward", "rollout")
-    assert role_table.sp_role_names() == ("actor", "ref", "critic", "reward")
+    assert role_table.role_names() == ("actor", "ref", "critic", "reward", "rollout", "teacher")
+    assert role_table.sp_role_names() == ("actor", "ref", "critic", "reward", "teacher")
 
 
 def test_a_declared_role_reaches_placement_roles_and_stages(probe):
     probe(lambda t, needs: Share("actor"))
     alg = SimpleNamespace(advantage_estimator="group_norm", init_kl_coef=0.0, use_kl_loss=False)
-    needs = role_needs(alg, SimpleNamespace(reward_pretrain=None, probe_pretrain="dir"))
-    assert needs == dict(need_ref=False, need_critic=False, need_reward_model=False, need_probe=True)
+    needs = role_needs(alg, SimpleNamespace(reward_pretrain=None, teacher_pretrain=None, probe_pretrain="dir"))
+    assert needs == dict(need_ref=False, need_critic=False, need_reward_model=False, need_teacher=False,
+                         need_probe=True)
     plan = make_placement(TopologyConfig(ring_attn_size=2), 4, **needs)
     assert plan.ranks["probe"] == plan.ranks["actor"] == [0, 1, 2, 3] and "probe" in plan.roles_of(0)
     assert plan.sp_groups["probe"] == [[0, 1], [2, 3]]
@@ -65,9 +66,9 @@ def test_a_declared_block_is_taken_after_the_others_and_counted(probe):
 
 
 def test_unknown_role_names_are_errors_naming_the_table():
-    with pytest.raises(TypeError, match="need_teacher.*need_critic"):
-        make_placement(TopologyConfig(), 1, need_teacher=True)
-    with pytest.raises(TypeError, match="teacher.*role table"):
-        Roles(actor=object(), teacher=object())
-    with pytest.raises(AttributeError, match="no role 'teacher'"):
-        Roles(actor=object()).teacher
+    with pytest.raises(TypeError, match="need_student.*need_critic"):
+        make_placement(TopologyConfig(), 1, need_student=True)
+    with pytest.raises(TypeError, match="student.*role table"):
+        Roles(actor=object(), student=object())
+    with pytest.raises(AttributeError, match="no role 'student'"):
+        Roles(actor=object()).student
