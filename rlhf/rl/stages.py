@@ -27,45 +27,8 @@ from rlhf.data.images import row_images
 from rlhf.distributed.role_table import ROLE_TABLE
 from rlhf.rl.advantage_stage import _gap_metric, advantage_stage, needs_old_logprobs
 from rlhf.rl.components import Forwards, Rollouts, Sampler, Scorer, gap_due, measures_gap_only, on_policy_single_update, refills
+from rlhf.rl.stage import Stage
 from rlhf.roles.routing import route_metrics
-from rlhf.stage_table import RL_STAGE
-
-
-class Stage:
-    """A stage of the RL step (see the module docstring); subclasses set ``name``, the fields and ``run``; the
-    declared ``role``, ``share``, ``tags`` and ``memory`` come from the stage's row of rlhf.stage_table (the one
-    declaration the memory planner plans from), set when the class (or, for ``UpdateStage``, the object) names it."""
-    name: str = ""
-    role: Optional[str] = None        # the role the phase scheduler wakes (None: no model, or its own phase)
-    share: Optional[str] = None       # the role that stays awake with it (same device)
-    tags: Optional[List[str]] = None  # what of ``role`` wakes (None: everything)
-    reads: Tuple[str, ...] = ()
-    writes: Tuple[str, ...] = ()
-    # the rollout ranks of their own skip it under --async_train (they generate meanwhile): its collectives run
-    # over the model roles' ranks only (Groups.trainers); from the placement, so the same on every rank of a kind
-    trainers_only: bool = False
-    deadline_s: Optional[float] = None
-    # how the memory planner plans it (rlhf.stage_table: "rollout", "forward", "update", "sync"; None: nothing)
-    memory: Optional[str] = None
-
-    def __init_subclass__(cls, **kw):
-        super().__init_subclass__(**kw)
-        if "name" in vars(cls):
-            cls._declare(cls, cls.name)
-
-    @staticmethod
-    def _declare(target, name: str) -> None:
-        """``target`` (a Stage class or object) takes the declared fields of the stage ``name``."""
-        row = RL_STAGE[name]
-        target.name, target.role, target.share, target.memory = row.name, row.role, row.share, row.memory
-        target.tags = list(row.tags) if row.tags is not None else None
-
-    def run(self, batch: Batch, roles) -> None:
-        raise NotImplementedError
-
-    def __repr__(self):
-        return f"{type(self).__name__}({self.name}, role={self.role})"
-
 
 ROLLOUT = tuple(row_fields("rollout"))
 REWARD = tuple(row_fields("reward"))
@@ -170,8 +133,7 @@ class RefillRolloutStage(Stage):
         st.pixel_values, st.image_grid_thw = row_images(st.prompts, n)  # the chosen prompts' images (VLM)
         st.metrics.update({"dynamic_filter_rounds": float(rounds), "dynamic_filter_pass_rate": passed / seen,
                            "dynamic_filter_generated_prompts": float(seen)})
-        if roles.rollout.agent is not None:  # every round's episodes
-            st.metrics.update(roles.rollout.agent.take_metrics())
+        st.metrics.update(roles.rollout.take_agent_metrics())  # every round's episodes (agent/*, tool/*)
 
 
 class ProduceStage(Stage):
