@@ -186,8 +186,10 @@ class FSDP2Engine(TrainEngine):
                                                self.mesh.size_of("sp"))
                 device_mesh = fsdp_submesh(self.device_mesh)
             if self.mesh.ep_size > 1:  # --ep_size: experts over (dp_mod_ep, ep), left out of FSDP2 (expert_parallel)
-                shard_experts(model, ep_device_mesh(self.mesh, self.device.type))
+                per = shard_experts(model, ep_device_mesh(self.mesh, self.device.type))
                 self.experts = expert_params(model)
+                if first:
+                    print(f"[fsdp2] {self.mesh.name}: --ep_size {self.mesh.ep_size}: {per} experts per rank", flush=True)
             mp = mixed_precision(spec.bf16)
             reshard = spec.zero_stage >= 3
             off = offload_policy(self.adam_offload, self.device)
