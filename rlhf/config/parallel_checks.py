@@ -88,7 +88,8 @@ def check_expert_parallel(cfg, kind: str, world: int) -> None:
     if kind not in RL_KINDS:
         raise ConfigError("ep_size", f"--ep_size: train_ppo / train_grpo only here (not {kind}); use --ep_size 1")
     for flag, val, off in (("tp_size", int(p.tp_size), 1), ("fsdp_shard_size", int(p.fsdp_shard_size), 0),
-                           ("ring_attn_size", int(t.ring_attn_size or 1), 1), ("lora_rank", int(m.lora_rank), 0)):
+                           ("ring_attn_size", int(t.ring_attn_size or 1), 1), ("lora_rank", int(m.lora_rank), 0),
+                           ("adam_offload", int(bool(t.adam_offload)), 0)):
         if val != off:
             raise ConfigError("ep_size", f"--ep_size {ep} with --{flag} {val} is not supported here; {no}--{flag} {off}")
     from rlhf.models.load import resolve_pretrain

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import torch
+
 from helpers.tp_checks import TOL, VOCAB, batch, checkpoint_roundtrip, logprob_loss
 
 
@@ -15,9 +16,9 @@ def _full(t):
 
 
 def engine_case(rank, tmp: str, ep: int = 2) -> None:
-    from helpers.models import tiny_moe
     from torch.distributed.tensor import Shard
 
+    from helpers.models import tiny_moe
     from rlhf.distributed import comm
     from rlhf.distributed.expert_parallel import WEIGHTS, with_ep
     from rlhf.distributed.groups import build_groups

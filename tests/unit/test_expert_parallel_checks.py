@@ -50,6 +50,7 @@ def test_ep_size_refused_before_any_group(tmp_path):
         (moe, ("--fsdp_shard_size", 2), 4, "--fsdp_shard_size 2"),
         (moe, ("--ring_attn_size", 2, "--packing_samples"), 4, "--ring_attn_size 2"),
         (moe, ("--lora_rank", 4), 4, "--lora_rank 4"),
+        (moe, ("--adam_offload",), 4, "--adam_offload 1"),
         (moe, ("--ep_size", 0), 4, "must be >= 1"),
     ]:
         extra = extra if "--ep_size" in extra else ("--ep_size", 2, *extra)
@@ -76,3 +77,28 @@ def test_with_ep_sets_the_actor_and_ref_meshes():
     assert plan.ep_size == 2 and ep_of(plan, "actor") == 2 and ep_of(plan, "ref") == 2 and ep_of(plan, "critic") == 1
     with pytest.raises(TopologyError, match=r"--ep_size 3 must divide the actor's 4 ranks"):
         with_ep(supervised_placement(4, 4, 1), 3)
+
+
+def test_planner_holds_experts_over_ep_outside_fsdp():
+    """An MoE actor's experts are E/ep per rank under --ep_size (terms.ep_states), the dense weights FSDP2 shards."""
+    from types import SimpleNamespace
+
+    from rlhf.planning.dims import ModelDims
+    from rlhf.planning.job import Job
+    from rlhf.planning.memory import role_states
+    from rlhf.planning.plan_types import RoleModel
+
+    c = SimpleNamespace(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=96, moe_intermediate_size=40, num_experts=6, vocab_size=100,
+                        model_type="qwen3_moe")
+    d = ModelDims.from_config(c)
+    assert d.layer_expert_params == 6 * 3 * 64 * 40
+    assert d.layer_params == 64 * (64 + 2 * 32) + 64 * 64 + 6 * 3 * 64 * 40 + 64 * 6 + 2 * 64  # experts + router
+    actor = RoleModel(d, ranks=4, trainable=True, lm=True)
+    x = 3 * d.layer_expert_params
+    one, two = role_states(Job(backend="fsdp2"), actor), role_states(Job(backend="fsdp2", ep_size=2), actor)
+    assert one.params == 4.0 * d.params / 4  # ep 1: every weight sharded over the 4 FSDP ranks
+    assert two.params == 4.0 * (d.params - x) / 4 + 4.0 * x / 2, (two.params, x)  # ep 2: experts over 2 ranks
+    assert two.grads == two.params and two.optimizer == 2 * two.params
+    critic = RoleModel(d, ranks=4, trainable=True, lm=False)  # not an EP role: unchanged
+    assert role_states(Job(backend="fsdp2", ep_size=2), critic).params == role_states(Job(backend="fsdp2"), critic).params
