@@ -42,6 +42,8 @@ def engine_case(rank, tmp: str, ep: int = 2) -> None:
         if n in experts:  # this rank's E/ep experts, a DTensor on the (dp_mod_ep, ep) mesh
             assert p.placements[-1] == Shard(0) and p.to_local().shape[0] == 4 // ep, f"{n}: {p.placements}"
             assert p.device_mesh.mesh_dim_names == ("dp_mod_ep", "ep"), f"{n}: {p.device_mesh}"
+            # the GPU contract: the ep mesh is on the engine's device (rank 1 built its model on meta)
+            assert p.device_mesh.device_type == eng.device.type, f"{n}: ep mesh on {p.device_mesh.device_type}"
             assert p.to_local().device == eng.device, f"{n}: shard on {p.to_local().device}, engine {eng.device}"
     seq, att, act = batch()
     rows = mesh.dp_rows(seq.size(0))
