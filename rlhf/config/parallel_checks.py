@@ -1,4 +1,4 @@
-"""--tp_size and --fsdp_shard_size against the backend, the trainer, the models' heads and every role's ranks: a
+"""--tp_size, --fsdp_shard_size and --ep_size against the backend, the trainer, the models' heads and every role's ranks: a
 ConfigError naming the flag and a value that works, before any process group (rlhf.config.preflight)."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ RL_KINDS = ("ppo", "grpo")
 
 
 def check_tensor_parallel(cfg, kind: str, world: int) -> None:
+    check_expert_parallel(cfg, kind, world)
     p, m = cfg.parallel, cfg.model
     tp, shard = int(p.tp_size), int(p.fsdp_shard_size)
     if tp < 1:
@@ -70,3 +71,57 @@ def _model_type(path: str):
     with open(f) as fh:
         c = json.load(fh)
     return c.get("text_config", c).get("model_type")
+
+
+def check_expert_parallel(cfg, kind: str, world: int) -> None:
+    """--ep_size: FSDP2, PPO/GRPO, alone (no TP, HSDP, SP or LoRA), an MoE policy (and reference) whose experts it
+    divides, and the actor's and reference's ranks it divides."""
+    p, m, t = cfg.parallel, cfg.model, cfg.topology
+    ep = int(p.ep_size)
+    if ep < 1:
+        raise ConfigError("ep_size", f"--ep_size must be >= 1, got {ep}; e.g. --ep_size 1")
+    if ep == 1:
+        return
+    no = "use --ep_size 1 or "
+    if t.backend != "fsdp2":
+        raise ConfigError("ep_size", f"--ep_size {ep} needs --backend fsdp2; {no}--backend fsdp2")
+    if kind not in RL_KINDS:
+        raise ConfigError("ep_size", f"--ep_size: train_ppo / train_grpo only here (not {kind}); use --ep_size 1")
+    for flag, val, off in (("tp_size", int(p.tp_size), 1), ("fsdp_shard_size", int(p.fsdp_shard_size), 0),
+                           ("ring_attn_size", int(t.ring_attn_size or 1), 1), ("lora_rank", int(m.lora_rank), 0),
+                           ("adam_offload", int(bool(t.adam_offload)), 0)):
+        if val != off:
+            raise ConfigError("ep_size", f"--ep_size {ep} with --{flag} {val} is not supported here; {no}--{flag} {off}")
+    from rlhf.models.load import resolve_pretrain
+
+    for path in {resolve_pretrain(m.pretrain), m.ref_pretrain} - {None, ""}:
+        n = _experts(path)
+        if n == 0:
+            raise ConfigError("ep_size", f"--ep_size {ep}: {path} is not a mixture-of-experts model (no num_experts "
+                                         f"in its config.json); use --ep_size 1")
+        if n is not None and n % ep:
+            ok = [k for k in range(1, n + 1) if n % k == 0]
+            raise ConfigError("ep_size", f"--ep_size {ep} must divide the {n} experts of {path}; use one of {ok}")
+    from rlhf.distributed.groups import nnodes_from_env
+    from rlhf.distributed.placement import make_placement, role_needs
+
+    try:
+        make_placement(t, world, t.nnodes_hint or nnodes_from_env(), parallel=p, **role_needs(cfg.algorithm, m))
+    except TopologyError as e:
+        if "--ep_size" in str(e):
+            raise ConfigError("ep_size", str(e)) from None
+
+
+def _experts(path: str):
+    """The expert count in ``path``'s config.json (Qwen3-MoE/Qwen2-MoE ``num_experts``, Mixtral
+    ``num_local_experts``); 0: a dense model; None: no config.json to read."""
+    import json
+    import os
+
+    f = os.path.join(path, "config.json")
+    if not os.path.isfile(f):
+        return None
+    with open(f) as fh:
+        c = json.load(fh)
+    c = c.get("text_config", c)
+    return int(c.get("num_experts") or c.get("num_local_experts") or 0)

@@ -24,6 +24,10 @@ class ParallelConfig:
     fsdp_shard_size: int = _opt(0, "hybrid sharding (HSDP, veRL's fsdp_size): FSDP2 shards each model over groups "
                                   "of this many data-parallel ranks (a node) and replicates across the groups "
                                   "(gradients all-reduced between them); 0: shard over every data-parallel rank")
+    ep_size: int = _opt(1, "expert parallelism of the actor and reference MoE models (FSDP2): each expert "
+                          "layer's experts are split over this many consecutive data-parallel ranks, tokens reach "
+                          "their experts by all-to-all (rlhf.distributed.expert_parallel; torchtitan's ep); must "
+                          "divide the experts and the actor's ranks; not with --tp_size > 1 or --fsdp_shard_size")
     # --- MoE (issue 45 items 3-4; rlhf.models.moe) ---
     experts_implementation: str = _opt(
         "auto", "MoE expert kernels (OpenRLHF --ds.experts_implementation; transformers' experts_implementation): "

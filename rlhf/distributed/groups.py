@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from rlhf.distributed import comm
+from rlhf.distributed.expert_parallel import build_ep_groups, ep_of
 from rlhf.distributed.mesh import RoleMesh
 from rlhf.distributed.placement import Placement
 from rlhf.distributed.role_table import role_names
@@ -83,8 +84,9 @@ def build_groups(plan: Placement, rank: int) -> Groups:
         if ranks:
             grp = make(ranks)
             g.meshes[role] = RoleMesh(role, ranks, rank, plan.dims(role), group=grp if rank in ranks else None,
-                                      shard_size=plan.fsdp_shard_size)
+                                      shard_size=plan.fsdp_shard_size, ep_size=ep_of(plan, role))
             build_dim_groups(g.meshes[role], make)  # --tp_size / --fsdp_shard_size: the DeviceMesh's groups
+            build_ep_groups(g.meshes[role], make)  # --ep_size: the ep and dp_mod_ep groups
     rollout = g.meshes.get("rollout")
     for e in (rollout.ranks_along("tp") if rollout is not None else []):  # each engine's TP ranks
         grp = make(e)

@@ -42,6 +42,7 @@ class RoleMesh:
     dim_groups: Dict[str, Any] = field(default_factory=dict)
     sp: SP = field(default_factory=SP)
     shard_size: int = 0  # --fsdp_shard_size: HSDP shard group inside the FSDP ranks (0: all; tensor_parallel)
+    ep_size: int = 1  # --ep_size: experts sharded over consecutive FSDP ranks (rlhf.distributed.expert_parallel)
 
     def __post_init__(self):
         size = 1

@@ -31,6 +31,7 @@ class Placement:
     sp_groups: Dict[str, List[List[int]]] = field(default_factory=dict)  # role -> its SP groups (consecutive ranks)
     tp_size: int = 1                       # --tp_size: a model role's tensor-parallel ranks (rlhf.distributed.tensor_parallel)
     fsdp_shard_size: int = 0               # --fsdp_shard_size: HSDP shard group (0: shard over every FSDP rank)
+    ep_size: int = 1                       # --ep_size: the actor's and reference's expert-parallel ranks
 
     def dims(self, role: str) -> Dict[str, int]:
         """``role``'s named mesh dimensions, outer to inner (their product is its rank count; rlhf.distributed.mesh).
@@ -183,6 +184,9 @@ def make_placement(topo, world_size: int, nnodes: int = 1, parallel=None, **need
         from rlhf.distributed.tensor_parallel import with_tp
 
         with_tp(plan, parallel.tp_size, parallel.fsdp_shard_size)
+        from rlhf.distributed.expert_parallel import with_ep
+
+        with_ep(plan, parallel.ep_size)
     return plan
 
 

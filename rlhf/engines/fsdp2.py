@@ -10,6 +10,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlhf.distributed import comm
+from rlhf.distributed.expert_parallel import ep_device_mesh, expert_params, reduce_expert_grads, shard_experts
 from rlhf.distributed.mesh import RoleMesh, world_mesh
 from rlhf.distributed.tensor_parallel import apply_tp, clip_grad_norm, fsdp_submesh, role_device_mesh, tp_partial_grads
 from rlhf.engines.train import EngineSpec, TrainEngine, is_last, make_optimizer
@@ -156,6 +157,7 @@ class FSDP2Engine(TrainEngine):
         self.device_mesh = role_device_mesh(self.mesh, self.device.type)
         self.tp_group = self.mesh.dim_groups.get("tp") if self.device_mesh is not None else None
         self.tp_partial: List[str] = []
+        self.experts: List[torch.nn.Parameter] = []  # --ep_size: the expert shards FSDP2 leaves alone
         self.dp = comm.world_size(self.group) // self.mesh.size_of("tp")
         per_step = spec.micro_batch_size * self.dp
         if spec.train_batch_size % per_step:
@@ -183,15 +185,22 @@ class FSDP2Engine(TrainEngine):
                     self.tp_partial = apply_tp(model, self.device_mesh["tp"], decoder_layers(model),
                                                self.mesh.size_of("sp"))
                 device_mesh = fsdp_submesh(self.device_mesh)
+            if self.mesh.ep_size > 1:  # --ep_size: experts over (dp_mod_ep, ep), left out of FSDP2 (expert_parallel)
+                per = shard_experts(model, ep_device_mesh(self.mesh, self.device.type))
+                self.experts = expert_params(model)
+                if first:
+                    print(f"[fsdp2] {self.mesh.name}: --ep_size {self.mesh.ep_size}: {per} experts per rank", flush=True)
             mp = mixed_precision(spec.bf16)
             reshard = spec.zero_stage >= 3
             off = offload_policy(self.adam_offload, self.device)
             for block in decoder_layers(model):
-                fully_shard(block, mesh=device_mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=off)
+                fully_shard(block, mesh=device_mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=off,
+                            ignored_params=set(self.experts) or None)
             # the root unit (embedding, final norm, LM head) stays unsharded from forward to backward, torch's own
             # default for the root (its params are all-gathered again at once for backward), and what lets the
             # fused LM head read the unsharded head weight after the forward (lm_head.fusable_head)
-            fully_shard(model, mesh=device_mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=off)
+            fully_shard(model, mesh=device_mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=off,
+                        ignored_params=set(self.experts) or None)
         home = torch.device("cpu") if self.adam_offload else self.device  # offloaded shards stay on the host
         if load_on_first:
             model.to_empty(device=home)
@@ -229,7 +238,9 @@ class FSDP2Engine(TrainEngine):
     def step(self) -> Dict[str, float]:
         self._onload_optimizer()  # after a sleep the optimizer state comes back here, for the update only
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.device_mesh is not None:  # gradients on TP's and FSDP's meshes (rlhf.distributed.tensor_parallel)
+        if self.experts:  # to the data-parallel mean FSDP2 gives the dense gradients
+            reduce_expert_grads(self.experts, self.mesh.dim_groups.get("dp_mod_ep"), self.dp)
+        if self.device_mesh is not None or self.experts:  # gradients on several meshes (tensor_parallel)
             tp_partial_grads(self.model, self.tp_partial, self.tp_group)
             norm = clip_grad_norm(params, self.spec.max_norm)
         else:

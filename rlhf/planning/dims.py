@@ -58,6 +58,8 @@ class ModelDims:
     tied: bool
     qkv_bias: bool = False      # Qwen2 has q/k/v biases, Llama none
     vision: int = 0             # a vision-language model's vision tower (rlhf.models.vision.vision_tower_params)
+    experts: int = 0            # MoE: experts per layer (Qwen3-MoE num_experts, Mixtral num_local_experts; 0: dense)
+    expert_intermediate: int = 0  # MoE: each expert's intermediate size (moe_intermediate_size, else intermediate)
 
     @classmethod
     def from_config(cls, c) -> ModelDims:
@@ -71,7 +73,9 @@ class ModelDims:
                    intermediate=c.intermediate_size, vocab=c.vocab_size,
                    tied=bool(getattr(c, "tie_word_embeddings", False)),
                    qkv_bias=getattr(c, "model_type", "") in ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
-                   or bool(getattr(c, "attention_bias", False)), vision=vision)
+                   or bool(getattr(c, "attention_bias", False)), vision=vision,
+                   experts=int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0),
+                   expert_intermediate=int(getattr(c, "moe_intermediate_size", None) or c.intermediate_size))
 
     @classmethod
     def from_pretrained(cls, path: str) -> ModelDims:
@@ -100,7 +104,13 @@ class ModelDims:
 
             h (q + 2 kv) + q h + 3 h i + 2 h  [+ q + 2 kv biases]"""
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        return h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        mlp = self.layer_expert_params + h * self.experts if self.experts else 3 * h * i  # MoE: experts + router
+        return h * (q + 2 * kv) + q * h + mlp + 2 * h + ((q + 2 * kv) if self.qkv_bias else 0)
+
+    @property
+    def layer_expert_params(self) -> int:
+        """One MoE block's experts, E x 3 h i_e (every layer sparse; 0 for a dense model)."""
+        return self.experts * 3 * self.hidden * self.expert_intermediate
 
     @property
     def embed_params(self) -> int:

@@ -43,6 +43,7 @@ class Job:
     target_modules: str = "all-linear"
     tp_size: int = 1                      # --tp_size: model roles' tensor parallelism (rlhf.distributed.tensor_parallel)
     fsdp_shard_size: int = 0              # --fsdp_shard_size: HSDP shard group (0: the role's FSDP ranks)
+    ep_size: int = 1                      # --ep_size: the actor's and ref's expert parallelism (expert_parallel)
 
     @property
     def c(self) -> int:

@@ -42,6 +42,8 @@ def role_states(job: Job, rm: RoleModel) -> States:
         return terms.deepspeed_states(rm.n, rm.ranks, job.bf16, job.zero_stage, rm.trainable, d.layer_params,
                                       job.adam_offload and rm.trainable, rm.adapters)
     tp, shard = fsdp_layout(job, rm.ranks)  # --tp_size splits every layer, FSDP2 shards the rest over the shard group
+    if job.ep_size > 1 and rm.lm and d.experts:  # --ep_size (actor, ref): experts / ep per rank, outside FSDP2
+        return terms.ep_states(job, rm, shard)
     return terms.fsdp2_states(rm.n // tp, shard, job.c, job.zero_stage, rm.trainable, d.layer_params // tp,
                               (d.root_params if rm.lm else d.embed_params + 2 * d.hidden) // tp,
                               job.adam_offload and rm.trainable, job.grad_accum_no_sync and rm.trainable, rm.adapters)

@@ -93,6 +93,24 @@ def fsdp2_states(n: int, dp: int, c: int, zero_stage: int, trainable: bool, laye
     return st
 
 
+def ep_states(job, rm, shard: int) -> States:
+    """An MoE actor / reference under --ep_size (rlhf.distributed.expert_parallel): the dense weights as FSDP2
+    shards them (``fsdp2_states`` over ``shard`` ranks, units without experts), plus this rank's experts, which
+    FSDP2 leaves whole (never gathered; replicated over the dp/ep ranks that share its ep coordinate):
+
+        X = L E 3 h i_e;  params += s X / ep,  grads += 4 X / ep,  optimizer += 8 X / ep   (s: stored bytes)"""
+    d = rm.dims
+    x = d.layers * d.layer_expert_params
+    st = fsdp2_states(rm.n - x, shard, job.c, job.zero_stage, rm.trainable, d.layer_params - d.layer_expert_params,
+                      d.root_params, False, job.grad_accum_no_sync and rm.trainable)
+    mine = float(x) / max(1, job.ep_size)
+    st.params += stored_bytes(job.c, rm.trainable) * mine
+    if rm.trainable:
+        st.grads += 4.0 * mine
+        st.optimizer += 8.0 * mine
+    return st
+
+
 def deepspeed_states(n: int, dp: int, bf16: bool, zero_stage: int, trainable: bool, layer_params: int,
                      adam_offload: bool = False, adapters: int = 0) -> States:
     """DeepSpeed ZeRO, bytes per parameter as DeepSpeed's own estimators count them (module docstring):

@@ -33,6 +33,9 @@ def _run(moe_model, tmp_path, nproc, **over):
                    actor_learning_rate=1e-2, eval_dataset=None, save_path=tmp_path / "out", seed=3, **over)
     train, _, out = torchrun("rlhf.train_grpo", nproc, args, tmp_path, str(tmp_path / "logs"))
     assert len(train) == 2, out[-2000:]
+    if over.get("ep_size", 1) > 1:  # the engines split the experts (rlhf.engines.fsdp2)
+        for role in ("actor", "ref"):
+            assert f"[fsdp2] {role}: --ep_size {over['ep_size']}: 2 experts per rank" in out, (role, out[-3000:])
     return train
 
 
@@ -55,5 +58,10 @@ def test_grpo_moe_r3_through_the_cli(moe_model, tmp_path):
 
 
 def test_grpo_moe_r2_two_ranks(moe_model, tmp_path):
-    train = _run(moe_model, tmp_path, 2, router_replay="R2")
+    """Also --ep_size 2 (one launch for both, the suite's time): the actor's and reference's 4 experts split 2 per
+    rank, tokens dispatched by all-to-all; the rollout (the HF engine's whole copy, synced from the expert shards)
+    and the trainer agree to < 1e-4 at step 2, after an update moved every expert; R2 replays through EP."""
+    train = _run(moe_model, tmp_path, 2, router_replay="R2", ep_size=2)
     _routing_checks(train, ("update",))
+    assert train[1]["kl"] > 100 * train[1]["rollout_logprob_gap"], "step 2's policy did not move off the reference"
+

@@ -4,7 +4,7 @@ from __future__ import annotations
 from helpers.mp import spawn
 
 
-def _ep2_vs_ep1(rank, world):
+def _ep2_vs_ep1(rank, world, tmp):
     import copy
 
     import torch
@@ -40,10 +40,15 @@ def _ep2_vs_ep1(rank, world):
         worst = max(worst, float((got - full).abs().max()))
         assert float(full.abs().max()) > 0 or "gate" in name, f"{name}: no gradient in the reference"
     assert worst < 1e-5, f"EP 2 gradients differ from EP 1 by {worst}"
+    from helpers.ep_checks import engine_case
+
+    engine_case(rank, f"{tmp}/ckpt")  # --ep_size 2 on the FSDP2 engine: one update equals one process
 
 
-def test_ep2_equals_ep1_on_two_gloo_ranks():
+def test_ep2_equals_ep1_on_two_gloo_ranks(tmp_path):
     """4 experts over 2 ranks (2 each), top-2, tokens of both ranks dispatched by all-to-all: the loss and every
     gradient (expert shards against the full model's slice, the rest summed over ranks) equal one process's to
-    1e-5; the shards' full_tensor() is the original stack."""
-    spawn(_ep2_vs_ep1, 2)
+    1e-5; the shards' full_tensor() is the original stack.  Then the FSDP2 engine with --ep_size 2
+    (helpers.ep_checks): one AdamW update equals one process's (loss, norm, every weight), the checkpoint loads
+    back, the weight sync's blocks cover every expert once."""
+    spawn(_ep2_vs_ep1, 2, str(tmp_path))
