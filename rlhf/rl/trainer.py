@@ -154,7 +154,8 @@ class RLTrainer:
         self.forwards = Forwards.from_config(cfg.rollout, cfg.model, dynamic_budgets(cfg)[1])
         self.sampler = Sampler.from_config(cfg.rollout, cfg.data.generate_max_len, cfg.optim.seed,
                                            self.tokenizer.eos_token_id, self.roles.rollout.engine_index)
-        self.rollouts = Rollouts(self.tokenizer.pad_token_id, with_rewards=self.agent_mode)
+        self.rollouts = Rollouts(self.tokenizer.pad_token_id, with_rewards=self.agent_mode,
+                                 with_images=bool(cfg.rollout.agent_func_path) and self.images is not None)
         self.scorer = Scorer(self.agent_mode, self.reward_source, self.tokenizer, self.watchdog, self.forwards,
                              self.rank, self.world)
         queue = QueueSettings.from_config(cfg.rollout, a, cfg.data.generate_max_len)
