@@ -68,15 +68,12 @@ class HFEngine(RolloutEngine):
     def step_requests(self, admit, abort=()) -> StepResult:
         """One step of the running batch (``hf_continuous.ContinuousDecoder``: at most micro_batch_size rows
         decode together, as ``generate`` decodes in chunks of that many rows); a model whose cache is not
-        full-attention only runs each admitted request whole (``requests.run_whole``)."""
+        full-attention, or a vision-language model, runs each admitted request whole (``requests.run_whole``)."""
         if not self._continuous:
             return run_whole(self, admit)
-        whole = [r for r in admit if r.images is not None]  # a VLM image prompt: its prefill needs pixel_values
-        if whole:  # and mrope positions, which the running batch does not compute: run whole (generate's path)
-            done = run_whole(_Unguarded(self), whole)
-            rest = self.step_requests([r for r in admit if r.images is None], abort) if len(whole) < len(admit) \
-                or abort or (self.decoder is not None and self.decoder.busy) else StepResult()
-            return StepResult(done.finished + rest.finished, done.running + rest.running, rest.failed)
+        if any(r.images is not None for r in admit) or vision_token_ids(getattr(self.model, "config", None)):
+            return run_whole(self, admit)  # a VLM: generate's path (an image prompt's prefill needs pixel_values
+            # and mrope positions, which the running batch does not compute; a sampled placeholder is cut there)
         if self.decoder is None:
             self.decoder = ContinuousDecoder(self.model, self.device, self.tokenizer.pad_token_id, self._stop_ids,
                                              self.max_model_len, max_rows=self.micro_batch_size)
@@ -85,9 +82,6 @@ class HFEngine(RolloutEngine):
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[List[int]], params: SamplingParams, images=None) -> Batch:
         self._idle("generate")
-        return self._generate(prompt_ids, params, images)
-
-    def _generate(self, prompt_ids, params: SamplingParams, images=None) -> Batch:
         stop = self._stop_ids(params)
         per = max(1, self.micro_batch_size // max(params.n, 1))
         outs = []
@@ -204,18 +198,6 @@ class HFEngine(RolloutEngine):
     def memory_state(self) -> str:
         """``full`` | ``asleep`` (no partial state: the model moves as one)."""
         return "asleep" if self._offloaded else "full"
-
-
-class _Unguarded:
-    """An HFEngine whose ``generate`` runs beside its running per-request batch (the image requests of
-    ``step_requests``: whole generations that do not touch the decoder's cache)."""
-
-    def __init__(self, engine: HFEngine):
-        self.engine = engine
-
-    def generate(self, prompt_ids, params: SamplingParams, images=None) -> Batch:
-        with torch.no_grad():
-            return self.engine._generate(prompt_ids, params, images)
 
 
 def build_hf_engine(args: EngineArgs) -> HFEngine:
