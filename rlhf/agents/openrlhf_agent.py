@@ -43,7 +43,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from rlhf.agents import episode_stats
-from rlhf.agents.episode_images import expand_images, row_tensors
 from rlhf.agents.base import (
     AgentContractError,
     AgentInstanceBase,
@@ -54,6 +53,7 @@ from rlhf.agents.base import (
     say_once,
 )
 from rlhf.agents.base import AgentExecutorBase as NativeExecutorBase
+from rlhf.agents.episode_images import expand_images, row_tensors
 from rlhf.agents.llm_engine import AsyncEngine
 from rlhf.agents.scheduler import EngineStepError
 from rlhf.data.images import open_images
@@ -96,10 +96,10 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             observation = check_observation(await agent.reset({"observation": prompt, "label": label}),
                                             f"{where}.reset")
         except AgentContractError as e:
-            return self._failed(prompt, label, hf_tokenizer, e, f"{where}.reset")
+            return self._failed(prompt, label, hf_tokenizer, e, f"{where}.reset", vis, images)
         tokens = expand_images(vis, hf_tokenizer(text=observation, add_special_tokens=False)["input_ids"], images)
         room = max_length - (getattr(sampling_params, "max_tokens", None) or 1)
-        if len(tokens) > room and not images:  # (a prompt with images is never cut into: rlhf.data.images)  # OpenRLHF keeps the tail of an over-long first observation
+        if len(tokens) > room and not images:  # OpenRLHF keeps the tail (never cut into images)
             tokens = tokens[-room:]
             observation = hf_tokenizer.decode(tokens, skip_special_tokens=False)
         ranges: List[Tuple[int, int]] = []
@@ -142,11 +142,13 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 "action_ranges": ranges, "rollout_log_probs": logprobs, "extra_logs": logs, "truncated": truncated}
 
     @staticmethod
-    def _failed(prompt, label, hf_tokenizer, err: AgentContractError, key: str) -> Dict[str, Any]:
-        """A failed episode: the prompt, no action, reward NaN (excluded from the loss, counted invalid)."""
+    def _failed(prompt, label, hf_tokenizer, err: AgentContractError, key: str, vis=None, images=None
+                ) -> Dict[str, Any]:
+        """A failed episode: the prompt (its images kept), no action, reward NaN (excluded from the loss, counted
+        invalid)."""
         episode_failed(err, key)
-        tokens = hf_tokenizer(text=prompt, add_special_tokens=False)["input_ids"]
-        return {"prompt": prompt, "label": label, "images": None, "reward": math.nan, "scores": math.nan,
+        tokens = expand_images(vis, hf_tokenizer(text=prompt, add_special_tokens=False)["input_ids"], images)
+        return {"prompt": prompt, "label": label, "images": images, "reward": math.nan, "scores": math.nan,
                 "observation_tokens": tokens, "action_ranges": [], "rollout_log_probs": None, "extra_logs": {},
                 "truncated": False}
 
