@@ -84,3 +84,46 @@ def test_openrlhf_vlm_agent_trains_two_grpo_steps_with_images(vlm_kit, tmp_path,
     assert env_images > 0, "no episode got an environment screenshot: the test did not exercise environment_images"
     print(f"vlm agent: gaps {gaps}, environment images {env_images}, turns "
           f"{[[len(r['action_ranges']) for r in run['results']] for run in runs]}, rewards {[r['reward'] for r in rows]}")
+
+
+def test_image_turns_are_checked_and_vllm_refuses_them_alone(vlm_kit):
+    """A turn whose placeholders do not match its images is refused as vLLM refuses it (not generated with a wrong
+    image count); a vLLM per-request step fails an image request alone, naming the engine that runs it."""
+    from PIL import Image
+
+    from rlhf.agents.episode_images import expand_images, request_images
+    from rlhf.data.images import ImageInputs
+    from rlhf.engines.requests import Request
+    from rlhf.engines.rollout import SamplingParams
+    from rlhf.engines.vllm_requests import step_llm
+
+    vis = ImageInputs.from_model_dir(vlm_kit)
+    img = Image.new("RGB", (28, 28), (200, 10, 10))  # the agent's screenshot size: 32x32 after resize, 4 tokens
+    ids = expand_images(vis, [5, vis.image_token_id, 6], [img])
+    assert ids == [5] + [vis.image_token_id] * 4 + [6], ids
+    px, grid = request_images(vis, ids, img)
+    assert grid.tolist() == [[1, 4, 4]] and px.size(0) == 16, (grid, px.shape)
+    with pytest.raises(ValueError, match="5 image tokens for 1 image"):
+        request_images(vis, ids + [vis.image_token_id], [img])
+    with pytest.raises(ValueError, match="--pretrain is a text-only model"):
+        expand_images(None, ids, [img])
+
+    class Engine:  # vllm/v1/engine/llm_engine.py's calls step_llm makes
+        added = []
+
+        def abort_request(self, ids):
+            pass
+
+        def add_request(self, rid, prompt, params, lora_request=None):
+            self.added.append(rid)
+
+        def get_num_unfinished_requests(self):
+            return len(self.added)
+
+        def step(self):
+            return []
+
+    llm = type("LLM", (), {"llm_engine": Engine(), "_preprocess_cmpl_one": lambda self, p: p})()
+    out = step_llm(llm, None, [Request("a", ids, SamplingParams(n=1), (px, grid))], (), eos=0)
+    assert out.failed and out.failed[0][0] == "a" and "--rollout_engine hf" in out.failed[0][1], out
+    assert llm.llm_engine.added == [], "an image request reached vLLM without its images"
