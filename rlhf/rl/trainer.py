@@ -83,6 +83,11 @@ class RLTrainer:
         self.images = ImageInputs.from_model_dir(self.path, cfg.vision.image_key, cfg.vision.max_images_per_prompt)
         if self.images is not None:  # a vision-language policy: no critic or reward model (rlhf.models.vision)
             refuse_vision_roles(role_needs(a, cfg.model))
+            if r.agent_func_path and r.async_train:  # the async queue gathers no episode images
+                from rlhf.errors import InputError
+
+                raise InputError("--async_train with --agent_func_path on a vision-language model is not supported "
+                                 "(episode images are not carried through the async queue): drop --async_train")
         self.prompts, eval_prompts, eval_sources = load_prompt_sets(
             cfg.data, cfg.optim.seed, self.tokenizer, None if cfg.model.pretrain else self.path,
             tool_schemas(cfg.agent.tools_path), self.images)

@@ -127,3 +127,4 @@ def test_image_turns_are_checked_and_vllm_refuses_them_alone(vlm_kit):
     out = step_llm(llm, None, [Request("a", ids, SamplingParams(n=1), (px, grid))], (), eos=0)
     assert out.failed and out.failed[0][0] == "a" and "--rollout_engine hf" in out.failed[0][1], out
     assert llm.llm_engine.added == [], "an image request reached vLLM without its images"
+
