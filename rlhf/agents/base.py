@@ -173,6 +173,7 @@ class AgentExecutorBase:
         self.engine, self.tokenizer = engine, tokenizer
         self.stats: List[episode_stats.EpisodeStats] = []  # episodes run since the last take_metrics
         self.occupancy: List[int] = []  # requests per engine step, since the last take_metrics
+        self.image_inputs = None  # a VLM policy's rlhf.data.images.ImageInputs (set by roles/build.py)
 
     def run(self, prompt_ids: List[List[int]], prompts: List[str], labels: List, params: SamplingParams
             ) -> Batch:

@@ -14,6 +14,7 @@ import types
 from dataclasses import dataclass
 
 from rlhf.agents import episode_stats
+from rlhf.agents.episode_images import request_images
 from rlhf.agents.scheduler import scheduler_for
 from rlhf.engines.requests import Completion
 from rlhf.engines.rollout import SamplingParams
@@ -43,12 +44,13 @@ def request_output(prompt_ids, c: Completion, tokenizer, skip_special: bool):
 class AsyncEngine:
     """``await generate(token_ids, sampling_params)``: one request to ``engine``'s continuous batch."""
 
-    def __init__(self, engine, tokenizer, default_max_tokens: int):
+    def __init__(self, engine, tokenizer, default_max_tokens: int, image_inputs=None):
         self.engine, self.tokenizer, self.default_max_tokens = engine, tokenizer, default_max_tokens
+        self.image_inputs = image_inputs  # a VLM's rlhf.data.images.ImageInputs (None: a text-only model)
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
-        if multi_modal_data:
-            raise ValueError("--agent_func_path: multi_modal_data is not supported here (text agents only)")
+        """``multi_modal_data={"image": PIL or list}``: the images of the prompt's (expanded) placeholders."""
+        images = request_images(self.image_inputs, prompt_token_ids, (multi_modal_data or {}).get("image"))
         ep = episode_stats.current()
         seed = sampling_params.seed
         if ep is not None:
@@ -56,7 +58,7 @@ class AsyncEngine:
         params = to_params(sampling_params, self.default_max_tokens, seed)
         t0 = time.perf_counter()
         try:
-            c = await scheduler_for(self.engine).generate(prompt_token_ids, params)
+            c = await scheduler_for(self.engine).generate(prompt_token_ids, params, images)
         finally:
             if ep is not None:
                 ep.turns += 1

@@ -16,7 +16,8 @@ follows OpenRLHF's openrlhf/utils/agent.py and openrlhf/trainer/ray/vllm_engine.
   a vLLM ``RequestOutput``-like object: ``outputs[0].token_ids / .text / .logprobs`` (a list of {token id: obj
   with .logprob}) / ``.finish_reason`` ("length" or "stop");
 * ``MultiTurnAgentExecutor(AgentInstance)``: OpenRLHF's multi-turn loop (the reward is the sum of the step
-  rewards; the score the last step's ``scores``); text only (no images here).
+  rewards; the score the last step's ``scores``); images (a VLM): the prompt's, then each step's
+  ``environment_images``, go with every turn and come back as the result's ``images`` (rlhf.agents.episode_images).
 
 ``ExecuteAdapter`` runs such an executor under this project's executor contract (``run(prompt_ids, prompts,
 labels, params) -> Batch``): every ``execute`` is its own asyncio task and each of its ``generate`` calls one
@@ -26,6 +27,7 @@ prompt, no action, reward NaN: counted in ``agent/episode_errors`` and reward_in
 """
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import inspect
@@ -48,12 +50,13 @@ from rlhf.agents.base import (
     check_observation,
     check_step_result,
     episode_failed,
-    images_dropped,
     say_once,
 )
 from rlhf.agents.base import AgentExecutorBase as NativeExecutorBase
+from rlhf.agents.episode_images import expand_images, row_tensors
 from rlhf.agents.llm_engine import AsyncEngine
 from rlhf.agents.scheduler import EngineStepError
+from rlhf.data.images import open_images
 from rlhf.engines.rollout import Batch, SamplingParams, batch_from_rows
 
 __all__ = ["AgentInstanceBase", "AgentExecutorBase", "MultiTurnAgentExecutor", "ExecuteAdapter", "openrlhf_names",
@@ -85,18 +88,18 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         self.agent_instance_cls = agent_instance_cls
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
-        if images:
-            raise ValueError("--agent_func_path: image observations are not supported here (text agents only)")
+        images = list(images or [])  # the episode's images so far (PIL): the prompt's, then the environment's
+        vis = llm_engine.image_inputs if images else None
         agent = await new_instance(self.agent_instance_cls)
         where = f"{agent_file(self.agent_instance_cls)}: {self.agent_instance_cls.__name__}"
         try:
             observation = check_observation(await agent.reset({"observation": prompt, "label": label}),
                                             f"{where}.reset")
         except AgentContractError as e:
-            return self._failed(prompt, label, hf_tokenizer, e, f"{where}.reset")
-        tokens = hf_tokenizer(text=observation, add_special_tokens=False)["input_ids"]
+            return self._failed(prompt, label, hf_tokenizer, e, f"{where}.reset", vis, images)
+        tokens = expand_images(vis, hf_tokenizer(text=observation, add_special_tokens=False)["input_ids"], images)
         room = max_length - (getattr(sampling_params, "max_tokens", None) or 1)
-        if len(tokens) > room:  # OpenRLHF keeps the tail of an over-long first observation
+        if len(tokens) > room and not images:  # OpenRLHF keeps the tail (never cut into images)
             tokens = tokens[-room:]
             observation = hf_tokenizer.decode(tokens, skip_special_tokens=False)
         ranges: List[Tuple[int, int]] = []
@@ -107,12 +110,12 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             if sampling_params.max_tokens <= 0:
                 truncated = True
                 break
-            out = (await llm_engine.generate(tokens, deepcopy(sampling_params))).outputs[0]
+            mm = {"multi_modal_data": {"image": list(images)}} if images else {}
+            out = (await llm_engine.generate(tokens, deepcopy(sampling_params), **mm)).outputs[0]
             action = list(out.token_ids)
             ranges.append((len(tokens), len(tokens) + len(action)))
             res = await agent.step({"observation_text": observation, "action_text": out.text, "label": label,
                                     "sampling_params": sampling_params})
-            images_dropped(f"{where}.step", res)
             try:
                 reward, score, feedback, done = check_step_result(res, f"{where}.step", feedback_required=True)
             except AgentContractError as e:  # the episode so far, its reward NaN: counted as failed
@@ -122,7 +125,10 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             total += reward
             scores = total if score is None else score
             logs = res.get("extra_logs", {})
-            fb = hf_tokenizer(text=feedback, add_special_tokens=False)["input_ids"]
+            new = list(res.get("environment_images") or [])  # OpenRLHF: one placeholder per image in the feedback
+            vis = llm_engine.image_inputs if new else vis
+            fb = expand_images(vis, hf_tokenizer(text=feedback, add_special_tokens=False)["input_ids"], new)
+            images += new
             observation = observation + out.text + feedback
             tokens = tokens + action + fb
             if logprobs is not None:
@@ -136,11 +142,13 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 "action_ranges": ranges, "rollout_log_probs": logprobs, "extra_logs": logs, "truncated": truncated}
 
     @staticmethod
-    def _failed(prompt, label, hf_tokenizer, err: AgentContractError, key: str) -> Dict[str, Any]:
-        """A failed episode: the prompt, no action, reward NaN (excluded from the loss, counted invalid)."""
+    def _failed(prompt, label, hf_tokenizer, err: AgentContractError, key: str, vis=None, images=None
+                ) -> Dict[str, Any]:
+        """A failed episode: the prompt (its images kept), no action, reward NaN (excluded from the loss, counted
+        invalid)."""
         episode_failed(err, key)
-        tokens = hf_tokenizer(text=prompt, add_special_tokens=False)["input_ids"]
-        return {"prompt": prompt, "label": label, "images": None, "reward": math.nan, "scores": math.nan,
+        tokens = expand_images(vis, hf_tokenizer(text=prompt, add_special_tokens=False)["input_ids"], images)
+        return {"prompt": prompt, "label": label, "images": images, "reward": math.nan, "scores": math.nan,
                 "observation_tokens": tokens, "action_ranges": [], "rollout_log_probs": None, "extra_logs": {},
                 "truncated": False}
 
@@ -263,28 +271,41 @@ class ExecuteAdapter(NativeExecutorBase):
         super().__init__(agent_cls, max_steps, max_length, engine, tokenizer)
         self.executor = self.openrlhf_cls()
 
-    async def _run(self, prompt_ids, prompts, labels, params: SamplingParams) -> Batch:
-        eng = AsyncEngine(self.engine, self.tokenizer, params.max_new_tokens)
+    async def _run(self, prompt_ids, prompts, labels, params: SamplingParams, images=None) -> Batch:
+        eng = AsyncEngine(self.engine, self.tokenizer, params.max_new_tokens, self.image_inputs)
         sp = OpenRLHFSamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                     max_tokens=params.max_new_tokens, seed=params.seed,
                                     stop_token_ids=tuple(params.stop_token_ids))
-        jobs, budgets = [], []
-        for ids, text, lab in zip(prompt_ids, prompts, labels):
+        jobs, budgets, pics = [], [], []
+        for ids, text, lab, im in zip(prompt_ids, prompts, labels, images or [None] * len(prompts)):
             for _ in range(params.n):
                 budgets.append(len(ids) + self.max_length)
-                jobs.append(self._episode(len(jobs), list(ids), text, lab, deepcopy(sp), budgets[-1], eng))
+                pics.append(list(im or []))
+                jobs.append(self._episode(len(jobs), list(ids), text, lab, deepcopy(sp), budgets[-1], eng, im))
         where = f"{agent_file(self.openrlhf_cls)}: {self.openrlhf_cls.__name__}.execute"
         results = await self.run_episodes(jobs)
         rows = [result_to_row(r, b, where) for r, b in zip(results, budgets)]
         p, r, am, lp, tr, rw, sc = (list(c) for c in zip(*rows))
-        return batch_from_rows(p, r, lp, tr, self.tokenizer.pad_token_id, action_masks=am, rewards=rw, scores=sc)
+        out = batch_from_rows(p, r, lp, tr, self.tokenizer.pad_token_id, action_masks=am, rewards=rw, scores=sc)
+        if self.image_inputs is not None:  # each row's episode images (the prompt's, then the environment's)
+            per = [row_tensors(self.image_inputs, res.get("images", im) if isinstance(res, dict) else im)
+                   for res, im in zip(results, pics)]
+            out.pixel_values, out.image_grid_thw = [t[0] for t in per], [t[1] for t in per]
+        return out
 
-    async def _episode(self, k: int, ids, text, lab, sp, budget: int, eng):
+    def run_items(self, items, params: SamplingParams) -> Batch:
+        """``run`` with each prompt's images (PIL, from its files) for ``execute(..., images=...)``."""
+        imgs = [open_images(list(p.images[2])) if p.images is not None else None for p in items]
+        return asyncio.run(self._run([p.ids for p in items], [p.prompt for p in items], [p.label for p in items],
+                                     params, imgs if any(i is not None for i in imgs) else None))
+
+    async def _episode(self, k: int, ids, text, lab, sp, budget: int, eng, images=None):
         """One ``execute`` as episode ``k``; an exception ends this episode only (said once per kind)."""
         with episode_stats.episode(k) as st:
             try:
                 res = await self.executor.execute(prompt=text, label=lab, sampling_params=sp, max_length=budget,
-                                                  hf_tokenizer=self.tokenizer, llm_engine=eng, images=None)
+                                                  hf_tokenizer=self.tokenizer, llm_engine=eng,
+                                                  images=list(images) if images else None)
                 st.extra.update(extra_log_values(res, f"{agent_file(self.openrlhf_cls)}: "
                                                       f"{self.openrlhf_cls.__name__}.execute"))
                 return res, st

@@ -57,8 +57,8 @@ class RequestScheduler:
         self._wake = asyncio.Event()
         self._task = None
 
-    async def generate(self, prompt_ids, params: SamplingParams) -> Completion:
-        req = Request(f"req-{next(self._ids)}", list(prompt_ids), params)
+    async def generate(self, prompt_ids, params: SamplingParams, images=None) -> Completion:
+        req = Request(f"req-{next(self._ids)}", list(prompt_ids), params, images)
         fut = asyncio.get_running_loop().create_future()
         self.pending.append((req, fut))
         if self._task is None or self._task.done():

@@ -68,9 +68,12 @@ class HFEngine(RolloutEngine):
     def step_requests(self, admit, abort=()) -> StepResult:
         """One step of the running batch (``hf_continuous.ContinuousDecoder``: at most micro_batch_size rows
         decode together, as ``generate`` decodes in chunks of that many rows); a model whose cache is not
-        full-attention only runs each admitted request whole (``requests.run_whole``)."""
+        full-attention, or a vision-language model, runs each admitted request whole (``requests.run_whole``)."""
         if not self._continuous:
             return run_whole(self, admit)
+        if any(r.images is not None for r in admit) or vision_token_ids(getattr(self.model, "config", None)):
+            return run_whole(self, admit)  # a VLM: generate's path (an image prompt's prefill needs pixel_values
+            # and mrope positions, which the running batch does not compute; a sampled placeholder is cut there)
         if self.decoder is None:
             self.decoder = ContinuousDecoder(self.model, self.device, self.tokenizer.pad_token_id, self._stop_ids,
                                              self.max_model_len, max_rows=self.micro_batch_size)

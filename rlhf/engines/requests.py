@@ -19,6 +19,7 @@ class Request:
     request_id: str
     prompt_ids: List[int]
     params: SamplingParams
+    images: Any = None  # a VLM prompt's (pixel_values, image_grid_thw): its placeholders are already expanded
 
     def __post_init__(self):
         if self.params.n != 1:
@@ -71,7 +72,9 @@ def run_whole(engine, requests: Sequence[Request]) -> StepResult:
         groups.setdefault(setting(r.params), []).append(r)
     done: List[Completion] = []
     for reqs in groups.values():
-        out = engine.generate([r.prompt_ids for r in reqs], reqs[0].params)
+        imgs = [r.images for r in reqs]  # passed only when some request has images (RolloutEngine.generate)
+        out = engine.generate([r.prompt_ids for r in reqs], reqs[0].params,
+                              **({"images": imgs} if any(i is not None for i in imgs) else {}))
         if out is None:
             raise RuntimeError("the rollout engine returned no rows on this rank (a non-first TP rank of a vLLM "
                                "engine): run the agent through RolloutRole.generate")

@@ -45,6 +45,10 @@ def step_llm(llm, vllm, admit: Sequence[Request], abort: Sequence[str], eos: int
         eng.abort_request(list(abort))
     failed = []
     for r in admit:
+        if r.images is not None:  # not built: vLLM's Qwen-VL models need torchvision, absent here (docs: vlmagent)
+            failed.append((r.request_id, f"request {r.request_id} has images: agent turns with images run on the HF "
+                                         f"engine only (--rollout_engine hf)"))
+            continue
         try:
             prompt = llm._preprocess_cmpl_one({"prompt_token_ids": list(r.prompt_ids)})
             eng.add_request(r.request_id, prompt, vllm_params(vllm, r, eos), lora_request=lora)

@@ -130,10 +130,12 @@ class Rollouts:
     ``with_rewards``: agent rollouts, whose environment scored each row."""
     pad_id: int
     with_rewards: bool
+    with_images: bool = False  # agent rows of a VLM carry their episode's images (pixel_values, image_grid_thw)
 
     def gather(self, roles, local: Optional[Batch], prompts: list, n_samples: int) -> Batch:
         """The full batch of these prompts' samples on every rank, from this rank's generated rows (collective)."""
-        return roles.rollout.gather(local, len(prompts), n_samples, self.pad_id, with_rewards=self.with_rewards)
+        return roles.rollout.gather(local, len(prompts), n_samples, self.pad_id, with_rewards=self.with_rewards,
+                                     with_images=self.with_images)
 
     def generate(self, roles, prompts: list, params: SamplingParams) -> Batch:
         return self.gather(roles, roles.rollout.generate(prompts, params), prompts, params.n)

@@ -49,7 +49,8 @@ class RolloutStage(Stage):
         roles.rollout.take_agent_metrics()  # an eval's episodes are not this step's
         batch.fill(self.rollouts.generate(roles, batch.prompts, self.sampler.params(batch.step)))
         batch.metrics.update(roles.rollout.take_agent_metrics())  # turns, latency, occupancy (agent/*), tools (tool/*)
-        batch.pixel_values, batch.image_grid_thw = row_images(batch.prompts, batch.n_samples)  # VLM prompts' images
+        if batch.pixel_values is None:  # VLM prompts' images (agent rows bring their episodes' own)
+            batch.pixel_values, batch.image_grid_thw = row_images(batch.prompts, batch.n_samples)
         self.scheduler.sync_follows("rollout")  # the step's weight sync comes before the next generate: vLLM
         # sleeps level 2
 
@@ -130,7 +131,8 @@ class RefillRolloutStage(Stage):
         chosen = (kept + spare)[:target]
         st.prompts = [c[0] for c in chosen]
         st.fill(cat([c[1] for c in chosen], self.rollouts.pad_id))
-        st.pixel_values, st.image_grid_thw = row_images(st.prompts, n)  # the chosen prompts' images (VLM)
+        if st.pixel_values is None:  # the chosen prompts' images (VLM; agent rows bring their episodes' own)
+            st.pixel_values, st.image_grid_thw = row_images(st.prompts, n)
         st.metrics.update({"dynamic_filter_rounds": float(rounds), "dynamic_filter_pass_rate": passed / seen,
                            "dynamic_filter_generated_prompts": float(seen)})
         st.metrics.update(roles.rollout.take_agent_metrics())  # every round's episodes (agent/*, tool/*)

@@ -85,6 +85,11 @@ class RLTrainer:
         self.images = ImageInputs.from_model_dir(self.path, cfg.vision.image_key, cfg.vision.max_images_per_prompt)
         if self.images is not None:  # a vision-language policy: no critic or reward model (rlhf.models.vision)
             refuse_vision_roles(job_role_needs(cfg))
+            if r.agent_func_path and r.async_train:  # the async queue gathers no episode images
+                from rlhf.errors import InputError
+
+                raise InputError("--async_train with --agent_func_path on a vision-language model is not supported "
+                                 "(episode images are not carried through the async queue): drop --async_train")
         self.prompts, eval_prompts, eval_sources = load_prompt_sets(
             cfg.data, cfg.optim.seed, self.tokenizer, None if cfg.model.pretrain else self.path,
             tool_schemas(cfg.agent.tools_path), self.images)
@@ -156,7 +161,8 @@ class RLTrainer:
         self.forwards = Forwards.from_config(cfg.rollout, cfg.model, dynamic_budgets(cfg)[1])
         self.sampler = Sampler.from_config(cfg.rollout, cfg.data.generate_max_len, cfg.optim.seed,
                                            self.tokenizer.eos_token_id, self.roles.rollout.engine_index)
-        self.rollouts = Rollouts(self.tokenizer.pad_token_id, with_rewards=self.agent_mode)
+        self.rollouts = Rollouts(self.tokenizer.pad_token_id, with_rewards=self.agent_mode,
+                                 with_images=bool(cfg.rollout.agent_func_path) and self.images is not None)
         self.scorer = Scorer(self.agent_mode, self.reward_source, self.tokenizer, self.watchdog, self.forwards,
                              self.rank, self.world)
         queue = QueueSettings.from_config(cfg.rollout, a, cfg.data.generate_max_len)

@@ -73,6 +73,10 @@ def build_roles(cfg, groups: Groups, device, total_steps: int) -> Roles:
             inst, exe = load_agent(cfg.rollout.agent_func_path, endpoint_settings(cfg.agent, cfg.rollout, rollout))
             rollout.agent = exe(inst, cfg.rollout.max_steps, cfg.data.generate_max_len * cfg.rollout.max_steps,
                                 rollout.engine, load_tokenizer(path))
+            from rlhf.data.images import ImageInputs  # a VLM: episodes carry images (rlhf.agents.episode_images)
+
+            rollout.agent.image_inputs = ImageInputs.from_model_dir(path, cfg.vision.image_key,
+                                                                    cfg.vision.max_images_per_prompt)
         elif cfg.agent.tools_path:  # tool episodes (rlhf.agents.tool_agent)
             from rlhf.agents.tool_setup import build_tool_executor
 

@@ -71,7 +71,7 @@ class RolloutRole(Role):
         return self.agent.take_metrics() if self.agent is not None else {}
 
     def gather(self, local: Optional[Batch], n_prompts: int, n_samples: int, pad_id: int,
-               with_rewards: bool = False) -> Batch:
+               with_rewards: bool = False, with_images: bool = False) -> Batch:
         """The full batch on every rank, re-padded to a common prompt and response width (``gather_batch``: one
         max of the widths, one gather of the int fields, one of the float fields; every rank, whatever it holds).
         ``with_rewards``: the rows carry the environment's rewards and scores (agents)."""
@@ -83,5 +83,5 @@ class RolloutRole(Role):
             assert local.sequences.size(0) == owned.stop - owned.start, \
                 f"engine {e} returned {local.sequences.size(0)} rows for {owned.stop - owned.start}"
         names = row_fields("rollout", "routing" if self.routes else None) + (
-            ["rewards", "scores"] if with_rewards else [])
+            ["rewards", "scores"] if with_rewards else []) + (["pixel_values", "image_grid_thw"] if with_images else [])
         return gather_batch(local, owned, n_prompts * n_samples, names, pad_id)

@@ -150,10 +150,11 @@ def _fresh_notices():
     yield
 
 
-def test_openrlhf_vlm_agent_runs_and_says_its_images_are_dropped(tiny_kit, tmp_path, capsys):
-    """OpenRLHF's examples/python/vlm_multiturn_agent.py, unchanged (git blob 4f63b339 at OpenRLHF main): its step
-    returns ``environment_images`` (a screenshot) at even steps; they were dropped without a word.  Now one notice,
-    once, and the run completes with the text episode."""
+def test_openrlhf_vlm_agent_on_a_text_model_is_refused_by_name(tiny_kit, tmp_path, capsys):
+    """OpenRLHF's examples/python/vlm_multiturn_agent.py, unchanged (git blob 4f63b339 at OpenRLHF main), on a
+    text-only model: its step returns ``environment_images`` (a screenshot) at step 2.  The images were once
+    dropped with a notice; now images reach the engine (tests/unit/test_vlm_agent.py trains it on the tiny VLM), so
+    a text-only --pretrain fails those episodes (reward NaN) with one message naming the fix."""
     import random
 
     random.seed(0)
@@ -165,9 +166,9 @@ def test_openrlhf_vlm_agent_runs_and_says_its_images_are_dropped(tiny_kit, tmp_p
     batch = exe(inst, max_steps=4, max_length=4096, engine=engine, tokenizer=tok).run(
         [tok("3+4=", add_special_tokens=False)["input_ids"]], ["3+4="], ["7"], SamplingParams(n=2, max_new_tokens=4))
     err = capsys.readouterr().err
-    assert err.count("environment_images") == 1, err
-    assert "vlm_multiturn_agent.py: AgentInstance.step returned environment_images (1 image(s)): dropped" in err
-    assert batch.rewards.tolist() == [1.0, 1.0] and engine.calls in (3, 4)
+    assert err.count("text-only model") == 1, err
+    assert "the agent gave 1 image(s) but --pretrain is a text-only model" in err, err
+    assert all(math.isnan(r) for r in batch.rewards.tolist()) and engine.calls == 2, (batch.rewards, engine.calls)
 
 
 @pytest.mark.parametrize("style", ["native"])  # OpenRLHF's awaits it: test_openrlhf_agent_examples.py
