@@ -97,6 +97,8 @@ def test_three_turn_episodes_are_stitched_token_exactly(kit, tmp_path):
     m = ex.take_metrics()
     assert (m["endpoint/requests"], m["endpoint/sessions"], m["endpoint/requests_per_session"]) == (12, 4, 3.0), m
     assert m["endpoint/stitched_len_max"] == int(batch.attention_mask.sum(1).max()) and m["endpoint/4xx"] == 0, m
+    # the episodes' agent metrics count the endpoint's calls (made on the server's thread, not in the episode task)
+    assert m["agent/turns_mean"] == 3 and m["agent/turns_max"] == 3 and 0 < m["agent/gen_s"], m
     assert batch.sequences.size(0) == 4 and batch.rewards.tolist() == [1.0, 1.0, 2.0, 2.0], batch.rewards
     assert batch.scores.tolist() == [0.5] * 4
     calls = g["CALLS"]

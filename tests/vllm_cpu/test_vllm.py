@@ -316,15 +316,16 @@ def test_agent_endpoint_three_turns_token_exact(engine, vllm_kit, tmp_path):
 
 
 # ---- several ranks ---------------------------------------------------------------------------------------------
-def _colocated_tp2(rank, world, kit):
-    """Both ranks hold one TP=2 engine (external_launcher). Rank 1 passes other prompts: rank 0's are used."""
+def _colocated_tp2(rank, world, kit, tmp):
+    """Both ranks hold one TP=2 engine (external_launcher). Rank 1 passes other prompts: rank 0's are used.
+    LoRA is enabled (rank 4) for the adapter-sync check at the end; until then no adapter is loaded."""
     import torch.distributed as dist
 
     from rlhf.distributed.weight_sync import WeightSync
     from rlhf.engines.vllm_engine import VLLMEngine
 
     eng = VLLMEngine(kit, 2, mode="colocated", max_model_len=256, dtype="float32", enforce_eager=True,
-                     tp_group=dist.group.WORLD, tp_src=0)
+                     tp_group=dist.group.WORLD, tp_src=0, lora_rank=4)
     mine = PROMPTS if rank == 0 else [[20, 21]]
     new = perturbed(kit, seed=2)
     WeightSync(None, eng, bucket_mb=0.05).sync_colocated(new)
@@ -365,12 +366,46 @@ def _colocated_tp2(rank, world, kit):
         eng.serve()
     after = eng.generate(mine, SamplingParams(n=1, temperature=0.0, max_new_tokens=3))
     assert after.sequences.shape[0] == len(PROMPTS), "TP ranks out of step after serving the agent's calls"
+    _agents_and_lora_at_tp2(rank, eng, new, kit, tmp)
 
 
-def test_colocated_tp2_two_ranks(vllm_kit):
+def _agents_and_lora_at_tp2(rank, eng, new, kit, tmp):
+    """Issue 44 at TP 2 (the endpoint and a tool episode on rank 0, rank 1 in serve) and adapter LoRA sync."""
+    import helpers.tp2_agents as t2
+    import torch.distributed as dist
+
+    from rlhf.distributed.weight_sync import WeightSync
+
+    gap = t2.on_first_rank(rank, eng, t2.endpoint_episodes, eng, new, kit, tmp)
+    assert rank or gap < 1e-4, f"TP 2: the trainer's log-probs on the endpoint's stitched samples differ by {gap}"
+    print(f"rank {rank}: TP 2 endpoint 3-turn sessions, trainer vs recorded log-prob gap {gap}")
+    undo = t2.force_tool_call(kit)  # both ranks: their engines must build identical requests
+    gap = t2.on_first_rank(rank, eng, t2.tool_episode, eng, new, kit, tmp)
+    undo()
+    assert rank or gap < 1e-4, f"TP 2: the trainer's log-probs on the tool episode's free turn differ by {gap}"
+    print(f"rank {rank}: TP 2 tool episode, trainer vs vLLM log-prob gap on the free turn {gap}")
+    lora, ws = t2.lora_model(kit, new, seed=5), WeightSync(None, eng, bucket_mb=0.05, lora_sync="adapter")
+    p = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
+    for version in (1, 2):
+        if version == 2:
+            t2.bump_adapter(lora, seed=6)
+        ws.sync_colocated(lora)
+        gap, off, out = t2.lora_gap(eng, lora, new, PROMPTS if rank == 0 else [[20, 21]], p)
+        assert gap < 1e-4, f"rank {rank}, adapter v{version}: rollout vs trainer log-prob gap {gap}"
+        assert off > 1e-2, f"adapter v{version}: vLLM's log-probs are the base model's ({off}): adapter not used"
+        print(f"rank {rank}: TP 2 adapter v{version}, rollout vs trainer log-prob gap {gap:.2e} (base: {off:.2f})")
+        box = [None, None]
+        dist.all_gather_object(box, out.sequences)
+        assert torch.equal(box[0], box[1]), f"adapter v{version}: the TP ranks returned different samples"
+    step_gap = t2.on_first_rank(rank, eng, t2.lora_step, eng, lora, PROMPTS[2])
+    assert rank or step_gap < 1e-4, f"per-request steps ignore the adapter at TP 2: gap {step_gap}"
+    print(f"rank {rank}: TP 2 adapter per-request step gap {step_gap}")
+
+
+def test_colocated_tp2_two_ranks(vllm_kit, tmp_path):
     from helpers.mp import spawn
 
-    spawn(_colocated_tp2, 2, vllm_kit)
+    spawn(_colocated_tp2, 2, vllm_kit, str(tmp_path))
 
 
 def _separate_ranks(rank, world, kit):

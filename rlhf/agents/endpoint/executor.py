@@ -19,6 +19,7 @@ import threading
 import traceback
 from typing import Any, Callable, Dict, Optional
 
+from rlhf.agents import episode_stats
 from rlhf.agents.base import AgentContractError, _number, agent_file, episode_failed, say_once
 from rlhf.agents.endpoint.hub import LoopBridge, Settings
 from rlhf.agents.endpoint.protocol import SESSION_HEADER
@@ -104,6 +105,7 @@ class EndpointExecutor(AgentExecutorBase):
         finally:
             hub.finish(s.id)
             await client.close()
+            count_turns(s)
         out = self.sample(s, prompt, label, hf_tokenizer, reward, score, logs)
         if by_source and s.turns:
             out = score_missing({**out, "reward": None}, label, hf_tokenizer, self.settings.score, where)
@@ -121,6 +123,14 @@ class EndpointExecutor(AgentExecutorBase):
             out["rollout_log_probs"], reward = None, math.nan
         return {"prompt": prompt, "label": label, "images": None, "reward": reward,
                 "scores": reward if math.isnan(reward) else score, "extra_logs": logs, **out}
+
+
+def count_turns(s) -> None:
+    """The session's calls into its episode's stats (agent/turns_*, agent/gen_s): the calls ran on the server's
+    thread, outside the episode task whose context holds them (``episode_stats.current()``)."""
+    ep = episode_stats.current()
+    if ep is not None:
+        ep.turns, ep.gen_s = len(s.turns), s.gen_s
 
 
 def run_agent_executor(fn, path: str, settings: Optional[Settings] = None) -> type:

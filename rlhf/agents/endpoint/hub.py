@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from copy import copy
 from dataclasses import dataclass
@@ -156,7 +157,10 @@ class Hub:
             else:
                 prompt, bridge, limit = full, self.slots[self.place()], self.settings.max_model_len
             sp = self._sampling(req, s, len(prompt), limit, sid)
+            t0 = time.perf_counter()
             out = (await bridge.generate(prompt, sp)).outputs[0]
+            if s is not None:
+                s.gen_s += time.perf_counter() - t0
             ids = list(out.token_ids)
             lps = [d[t].logprob for t, d in zip(ids, out.logprobs or [])]
             if len(lps) != len(ids):

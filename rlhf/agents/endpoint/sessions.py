@@ -57,6 +57,7 @@ class Session:
     repairs: int = 0
     busy: bool = False
     finished: bool = False
+    gen_s: float = 0.0                # seconds its calls waited for the engine (the episode's agent/gen_s)
 
 
 def _common_text(a: str, b: str) -> int:
