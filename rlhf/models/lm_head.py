@@ -96,7 +96,7 @@ _ARENA = _KeepArena()
 
 class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, b, labels, temperature, chunk, with_entropy, keep_bytes):
+    def forward(ctx, h, w, b, labels, temperature, chunk, with_entropy, keep_bytes, extra=None):
         n = h.size(0)
         chunk = rows_per_chunk(chunk, w.size(0), h.device)
         V = w.size(0)
@@ -109,9 +109,11 @@ class _HeadLogprobs(torch.autograd.Function):
         logp, lse = torch.empty(n, **f32), torch.empty(n, **f32)
         ent = torch.empty(n, **f32) if with_entropy else None
         ez = torch.empty(n, **f32) if with_entropy else None
+        xl = torch.empty(extra.shape, **f32) if extra is not None else torch.zeros(0, **f32)  # (n, k): extra ids
         for s in range(0, n, chunk):
             z = _chunk_logits(h[s:s + chunk], w, b, temperature)
             zl = z.gather(-1, labels[s:s + chunk, None]).squeeze(-1)
+            zx = z.gather(-1, extra[s:s + chunk]) if extra is not None else None
             m = z.amax(-1, keepdim=True)
             y = z.sub_(m)  # in place: z - max
             keep = s + y.size(0) <= keep_rows
@@ -121,20 +123,21 @@ class _HeadLogprobs(torch.autograd.Function):
             kept.append((e, tot.reciprocal()) if keep else None)
             lse[s:s + chunk] = lse_c
             logp[s:s + chunk] = zl - lse_c
+            if zx is not None:
+                xl[s:s + chunk] = zx - lse_c.unsqueeze(-1)
             if with_entropy:  # E_p[z] = max + sum(e * y) / sum(e), without an (n, V) product buffer
                 ey = torch.bmm(e.unsqueeze(1), y.unsqueeze(2)).view(-1) / tot
                 ez[s:s + chunk] = m.squeeze(-1) + ey
                 ent[s:s + chunk] = lse_c - ez[s:s + chunk]
-        ctx.save_for_backward(h, w, b, labels, lse, ez)
+        ctx.save_for_backward(h, w, b, labels, lse, ez, extra)
         ctx.set_materialize_grads(False)  # an unused output (the entropy as a metric) gets None, not zeros
         ctx.temperature, ctx.chunk, ctx.kept, ctx.lease = temperature, chunk, kept, lease
-        if with_entropy:
-            return logp, ent
-        return logp, torch.zeros(0, device=h.device)
+        return logp, (ent if with_entropy else torch.zeros(0, device=h.device)), xl
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
-        h, w, b, labels, lse, ez = ctx.saved_tensors
+    def backward(ctx, g_logp, g_ent, g_x=None):
+        h, w, b, labels, lse, ez, extra = ctx.saved_tensors
+        use_x = extra is not None and g_x is not None and g_x.numel() > 0  # d logp_j / dz = onehot_j - p
         T, chunk = ctx.temperature, ctx.chunk
         use_ent = ez is not None and g_ent is not None and g_ent.numel() > 0
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -148,18 +151,21 @@ class _HeadLogprobs(torch.autograd.Function):
         for i, s in enumerate(range(0, h.size(0), chunk)):
             hc = h[s:s + chunk]
             gl = g_logp[s:s + chunk, None]
+            gp = gl + g_x[s:s + chunk].sum(-1, keepdim=True) if use_x else gl  # what multiplies -p
             if kept[i] is not None and not use_ent:  # p = exp(z - max) / sum, kept from forward
                 e, inv = kept[i]
                 kept[i] = None
-                gz = e.mul_(inv.unsqueeze(1).mul(gl).neg_())  # -p g_logp, in place
+                gz = e.mul_(inv.unsqueeze(1).mul(gp).neg_())  # -p g_logp, in place
             else:
                 z = _chunk_logits(hc, w, b, T)
                 if use_ent:  # coef = g_logp + g_H (z - E_p[z])
-                    coef = (z - ez[s:s + chunk, None]).mul_(g_ent[s:s + chunk, None]).add_(gl)
+                    coef = (z - ez[s:s + chunk, None]).mul_(g_ent[s:s + chunk, None]).add_(gp)
                     gz = z.sub_(lse[s:s + chunk, None]).exp_().mul_(coef).neg_()
                 else:
-                    gz = z.sub_(lse[s:s + chunk, None]).exp_().mul_(gl).neg_()  # -p g_logp, in place
+                    gz = z.sub_(lse[s:s + chunk, None]).exp_().mul_(gp).neg_()  # -p g_logp, in place
             gz.scatter_add_(-1, labels[s:s + chunk, None], gl)
+            if use_x:
+                gz.scatter_add_(-1, extra[s:s + chunk], g_x[s:s + chunk])
             if T != 1.0:
                 gz.div_(T)
             if need_h:
@@ -175,7 +181,7 @@ class _HeadLogprobs(torch.autograd.Function):
         if ctx.lease is not None:
             ctx.lease.release()
         return (gh, None if gw is None else gw.to(w.dtype), None if gb is None else gb.to(b.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, temperature: float = 1.0,
@@ -191,9 +197,23 @@ def head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels
     if is_vocab_sharded(weight):  # --tp_size: a vocabulary shard per TP rank (rlhf.models.vocab_parallel)
         return vocab_parallel_logprobs(hidden, weight, bias, labels, temperature, chunk_size, with_entropy)
     keep = max(0, int(keep_bytes)) if torch.is_grad_enabled() else 0  # no graph (no_grad): nothing to keep for
-    lp, ent = _HeadLogprobs.apply(hidden, weight, bias, labels, float(temperature), max(1, int(chunk_size)),
-                                  bool(with_entropy), keep)          # backward (needs_input_grad says True there)
+    lp, ent, _ = _HeadLogprobs.apply(hidden, weight, bias, labels, float(temperature), max(1, int(chunk_size)),
+                                     bool(with_entropy), keep)       # backward (needs_input_grad says True there)
     return lp, (ent if with_entropy else None)
+
+
+def head_logprobs_at(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, extra_ids: Tensor,
+                     temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
+                     keep_bytes: int = KEEP_BYTES) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+    """head_logprobs, and the log-probs of ``extra_ids`` (N, k) (e.g. a teacher's top-k tokens) from the same
+    chunks: log softmax(z / T)[extra_ids], (N, k) float32, differentiable (d/dz = onehot - p).  Not over a
+    vocabulary-sharded head (--tp_size: refused at parse time with --opd_topk)."""
+    if is_vocab_sharded(weight):
+        raise ValueError("head_logprobs_at: a vocabulary-sharded head (--tp_size > 1) is not supported")
+    keep = max(0, int(keep_bytes)) if torch.is_grad_enabled() else 0
+    lp, ent, xl = _HeadLogprobs.apply(hidden, weight, bias, labels, float(temperature), max(1, int(chunk_size)),
+                                      bool(with_entropy), keep, extra_ids)
+    return lp, (ent if with_entropy else None), xl
 
 
 def fusable_head(model) -> Optional[torch.nn.Linear]:
