@@ -73,6 +73,11 @@ class Batch:
     teacher_logprobs: torch.Tensor = tensor_field(
         TOKEN, "float", torch.float32, 0.0, "teacher", "(B, R) the frozen teacher's log-probs of the sampled "
         "tokens, masked")
+    teacher_topk_logprobs: torch.Tensor = tensor_field(
+        TOKEN, "float", torch.float32, 0.0, "teacher", "(B, R, k) --opd_topk: the teacher's k largest log-probs at "
+        "each response position (0 on padding)", only="topk")
+    teacher_topk_ids: torch.Tensor = tensor_field(
+        TOKEN, "int", torch.long, 0, "teacher", "(B, R, k) --opd_topk: their token ids", only="topk")
     old_logprobs: torch.Tensor = tensor_field(
         TOKEN, "float", torch.float32, 0.0, "old_logprobs", "(B, R) actor log-probs before the update (None: one "
         "on-policy update needs none)")
@@ -91,6 +96,7 @@ class Batch:
     prompts: list = meta_field(list, "loop", "the step's prompts, one per group of n_samples rows")
     n_samples: int = meta_field(1, "loop", "samples per prompt")
     kl_coef: float = meta_field(0.0, "loop", "the KL controller's coefficient this step")
+    opd_topk_coef: float = meta_field(0.0, "teacher", "--opd_coef of the top-k term (the actor's loss)")
     metrics: Dict[str, float] = meta_field(dict, "every stage", "this step's metrics", per_view=True)
     pixel_values: List[torch.Tensor] = tensor_field(
         IMAGES, "object", torch.float32, None, "prompts", "B x (patches, C*t*p*p) the row's prompt's image patches "

@@ -13,10 +13,12 @@ as a per-token loss whose gradient is  sg(log pi_s - log pi_t) * grad log pi_s  
 loss as a per-token advantage, A_t += coef * r_t (rlhf.rl.opd): at the on-policy ratio 1 the policy gradient
 -A_t grad log pi_s is PR #1276's gradient, and PPO's clip and the RL reward's advantage compose with it.
 
-A top-k term (issue 46's ``--opd_topk``; not yet wired into the step: the step record has no (rows, tokens, k)
-field) is the forward KL restricted to the teacher's k most likely tokens at each response position, the mass
-outside them one tail bucket (OpenRLHF PR #1276 ``compute_topk_token_kl`` is the reverse KL over the student's top
-k with the same tail bucket):
+The top-k term (issue 46's ``--opd_topk k``: a loss term of the actor's update, weight --opd_coef, rlhf.roles.actor)
+is the forward KL restricted to the teacher's k most likely tokens at each response position, the mass outside
+them one tail bucket.  OpenRLHF PR #1276 (openrlhf/trainer/opd_trainer.py ``compute_topk_token_kl``) takes the
+reverse KL over the student's current top k with the same tail bucket, which needs the teacher's logits inside the
+student's update; here the teacher scores once per step before the update (its stage; on ranks of its own too),
+so its top k is recorded then and the student's log-probs of those ids come from the update's forward:
 
     KL_k(p_t || p_s) = sum_{v in topk(p_t)} p_t(v) (log p_t(v) - log p_s(v)) + p_t(tail) (log p_t(tail) - log p_s(tail)),
     p(tail) = 1 - sum_{v in topk(p_t)} p(v)  (clamped to [1e-7, 1]).
@@ -59,6 +61,15 @@ def topk_forward_kl(student_logits: Tensor, teacher_topk_logprobs: Tensor, teach
     ``student_logits`` (..., V), the teacher's top-k log-probs and token ids (..., k) -> (...) float32, with a
     gradient to the student's logits."""
     log_s = torch.log_softmax(student_logits.float() / temperature, dim=-1).gather(-1, teacher_topk_ids)
+    return topk_forward_kl_at(log_s, teacher_topk_logprobs)
+
+
+@DISTILLATION.register("topk_forward_kl_at")
+def topk_forward_kl_at(student_topk_logprobs: Tensor, teacher_topk_logprobs: Tensor) -> Tensor:
+    """KL_k(p_t || p_s) (module docstring) from the student's log-probs of the teacher's top-k ids and the
+    teacher's own, both (..., k) -> (...) float32 (what the fused head gives: the student's full logits never
+    exist at once)."""
+    log_s = student_topk_logprobs.float()
     log_t = teacher_topk_logprobs.float()
     p_t = log_t.exp()
     kl = (p_t * (log_t - log_s)).sum(-1)

@@ -29,7 +29,8 @@ def vocab_difference(student, teacher) -> Optional[str]:
 
 def check_teacher(cfg, kind: str) -> None:
     """Refuse (ConfigError naming the flag and a value that works) a teacher whose tokenizer or LM-head size differs
-    from --pretrain's, --teacher_url outside RL, --opd_topk > 0, --kd_coef outside [0, 1]."""
+    from --pretrain's, --teacher_url outside RL, an --opd_topk that cannot run (``check_topk``), --kd_coef outside
+    [0, 1]."""
     t = cfg.teacher
     if not (t.teacher_pretrain or t.teacher_url):
         return
@@ -41,10 +42,8 @@ def check_teacher(cfg, kind: str) -> None:
                                          f"log-probs from the raw logits) and the student's are at --temperature "
                                          f"{cfg.rollout.temperature}: give --temperature 1.0, or a local "
                                          f"--teacher_pretrain (scored at the rollout's temperature)")
-    if t.opd_topk != 0:  # rlhf.algorithms.distill.topk_forward_kl is the term; the step record lacks its fields
-        raise ConfigError("opd_topk", f"--opd_topk {t.opd_topk}: the top-k term is not available yet (the step "
-                                      f"record has no (rows, tokens, k) field for the teacher's top-k log-probs); "
-                                      f"give --opd_topk 0, the sampled-token reverse KL (OpenRLHF's default)")
+    if t.opd_topk != 0:
+        check_topk(cfg, kind)
     if kind == "sft" and cfg.topology.ring_attn_size > 1:
         raise ConfigError("ring_attn_size", f"--teacher_pretrain in SFT compares full-vocabulary distributions on "
                                             f"whole rows: give --ring_attn_size 1 (got {cfg.topology.ring_attn_size})")
@@ -65,3 +64,23 @@ def check_teacher(cfg, kind: str) -> None:
                                               f"student's vocabulary (--pretrain {student}): {why}. Distillation "
                                               f"compares log-probs of the same token ids: give a teacher with the "
                                               f"student's tokenizer (e.g. an SFT of --pretrain)")
+
+
+def check_topk(cfg, kind: str) -> None:
+    """--opd_topk k > 0 (the top-k forward-KL loss term, rlhf.algorithms.distill ``topk_forward_kl_at``): RL with a
+    local teacher (its forward records the top k), a vocabulary the head holds whole and rows not split."""
+    t, why = cfg.teacher, None
+    if t.opd_topk < 0:
+        why = "k must be >= 0"
+    elif kind not in RL_KINDS:
+        why = f"the top-k term is on-policy distillation (rlhf.train_grpo / train_ppo); {kind} uses --kd_coef"
+    elif t.teacher_url:
+        why = ("--teacher_url returns the sampled tokens' prompt log-probs only; the top-k term needs the "
+               "teacher's top-k at every position: give a local --teacher_pretrain DIR")
+    elif cfg.parallel.tp_size > 1:
+        why = f"--tp_size {cfg.parallel.tp_size} shards the LM head's vocabulary: give --tp_size 1"
+    elif cfg.topology.ring_attn_size > 1:
+        why = f"--ring_attn_size {cfg.topology.ring_attn_size} splits the rows: give --ring_attn_size 1"
+    if why:
+        raise ConfigError("opd_topk", f"--opd_topk {t.opd_topk}: {why} (or --opd_topk 0, the sampled-token "
+                                      f"reverse KL alone)")

@@ -36,7 +36,8 @@ class TeacherConfig:
                                "teacher's log-probs are logged only)")
     opd_only: bool = opt(False, "on-policy distillation alone: the advantages are the OPD term only (the task "
                                 "reward is still computed and logged, not trained on)")
-    opd_topk: int = opt(0, "OpenRLHF --opd.topk (a KL over the top-k tokens at each response position): only 0 "
-                           "(the sampled-token reverse KL) runs here; k > 0 is refused with the reason")
+    opd_topk: int = opt(0, "OpenRLHF --opd.topk: k > 0 adds opd_coef * KL_k(teacher || student) over the "
+                           "teacher's k most likely tokens at each response position (plus a tail bucket) to the "
+                           "actor's loss (OpenRLHF: a reverse KL over the student's top k); 0: none")
     kd_coef: float = opt(0.5, "SFT with --teacher_pretrain: loss = (1 - kd_coef) * CE + kd_coef * KL(teacher || "
                               "student) over the data tokens (OpenRLHF train_kd.py's --kd_coef)")

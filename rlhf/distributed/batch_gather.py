@@ -27,7 +27,7 @@ def gather_batch(local: Optional[Batch], owned: Optional[slice], n_rows: int, na
     cls = cls or Batch
     specs = [(n, spec(n, cls)) for n in names]
     P = R = 0
-    deep = {n: 1 for n, m in specs if m.get("only") == "routing"}  # (B, T, D) fields: D per column, from the owners
+    deep = {n: 1 for n, m in specs if m.get("only") in ("routing", "topk")}  # (B, T, D): D per column, from owners
     if any(m["kind"] in (SEQ, TOKEN) for _, m in specs):
         P, R, *ds = gather_max([local.prompt_len if local is not None else 0,
                                 local.num_actions if local is not None else 0]

@@ -180,7 +180,7 @@ class RLTrainer:
             reward_norm=self.reward_norm, guard=self.invalid_rewards, queue=self.async_rollout,
             refill_draw=self.refill_prompts, total_steps=self.total_steps,
             timeouts=(t.watchdog_timeout_s, t.watchdog_slow_timeout_s, round_s, refill_s),
-            distill=distill_stages(cfg.teacher, t.watchdog_slow_timeout_s)))
+            distill=distill_stages(cfg.teacher, t.watchdog_slow_timeout_s, self.forwards)))
         self.watchdog.deadlines.update(stage_deadlines(self.stages))
 
     # ---- phases ----------------------------------------------------------------------------------------------------

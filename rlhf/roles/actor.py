@@ -19,11 +19,13 @@ from typing import Dict, List, Optional
 import torch
 
 from rlhf.algorithms import aggregate, compute_kl, importance_weights, kl_unbiased_gradient
+from rlhf.algorithms.distill import topk_forward_kl_at
 from rlhf.algorithms.is_filter import is_filter_ratio
 from rlhf.algorithms.masked import masked_mean
 from rlhf.algorithms.registry import POLICY_LOSSES
 from rlhf.models import moe
 from rlhf.models.forward import action_logprobs, packed_action_logprobs
+from rlhf.models.topk_forward import action_logprobs_at
 from rlhf.models.vision import batch_images
 from rlhf.roles.routing import route_metrics, routed_forward
 from rlhf.roles.update_batches import (
@@ -103,7 +105,7 @@ class Actor(UpdatingRole):
             for k, v in met.items():
                 logs[k].append(v)
         # this rank's share of the step's full-batch value, times world: the mean over ranks is the value
-        for k in ("policy_loss", "entropy", "kl_loss"):
+        for k in ("policy_loss", "entropy", "kl_loss", "opd/topk_kl"):
             if k in step or k == "policy_loss":
                 logs[k].append(step[k] * world)
         for k in ("aux_loss", "vllm_kl"):
@@ -113,26 +115,35 @@ class Actor(UpdatingRole):
             logs[k].append(v)
 
     def _forward(self, mb, dev, ent_grad: bool):
-        """(log-probs, entropy) of the micro-batch's response tokens, padded or packed (one row, no padding)."""
+        """(log-probs, entropy, log-probs of the teacher's top-k ids or None) of the micro-batch's response tokens,
+        padded or packed (one row, no padding); the top-k ones with --opd_topk (rlhf.models.topk_forward)."""
         s, model = self.settings, self.engine.model
         kw = dict(with_entropy=True, entropy_grad=ent_grad, keep_bytes=s.lm_head_keep_bytes,
                   images=batch_images(mb, slice(None), dev))  # a vision-language model's images (None: text-only)
         with routed_forward(self.route, "update", mb, slice(None), mb.attention_mask.to(dev), s.packing_samples,
                             keep=True):  # a gradient-checkpointed recompute replays the same ids
+            if mb.teacher_topk_ids is not None:  # no sequence split (rlhf.config.teacher_checks); text-only:
+                if kw["images"] is not None:
+                    raise ValueError("--opd_topk with a vision-language model's images: give --opd_topk 0")
+                return action_logprobs_at(model, mb.sequences.to(dev), mb.attention_mask.to(dev),
+                                          mb.action_mask.to(dev), mb.teacher_topk_ids.to(dev), s.temperature,
+                                          s.logprob_chunk_size, s.packing_samples, True, ent_grad,
+                                          s.lm_head_keep_bytes)
             if s.packing_samples:
-                return packed_action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev),
-                                              mb.action_mask.to(dev), s.temperature, s.logprob_chunk_size, **kw)
-            return action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev), mb.action_mask.size(1),
-                                   s.temperature, s.logprob_chunk_size, **kw)
+                return (*packed_action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev),
+                                                mb.action_mask.to(dev), s.temperature, s.logprob_chunk_size, **kw),
+                        None)
+            return (*action_logprobs(model, mb.sequences.to(dev), mb.attention_mask.to(dev), mb.action_mask.size(1),
+                                     s.temperature, s.logprob_chunk_size, **kw), None)
 
     def _micro_loss(self, mb, mr: Micro, tot, kl_coef: float, n_real: int, step, logs):
         """(loss, policy loss, entropy term, policy-loss metrics) of one micro-batch, before the backward scale:
-        policy_loss - entropy_loss_coef * entropy + kl_coef * kl_loss."""
+        policy_loss - entropy_loss_coef * entropy + kl_coef * kl_loss (+ opd_coef * the top-k KL, --opd_topk)."""
         a = self.algo
         dev = self.engine.compute_device  # not the parameters' device: --adam_offload keeps FSDP2's shards on the host
         ent_grad = a.entropy_loss_coef != 0
         mask = mb.action_mask.to(dev).float()
-        logp, ent = self._forward(mb, dev, ent_grad)
+        logp, ent, at_k = self._forward(mb, dev, ent_grad)
         old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs.to(dev)
         ratio_base, is_w = old, None
         if a.enable_is_correction:
@@ -155,6 +166,11 @@ class Actor(UpdatingRole):
             kl_loss = aggregate(kl, mask, a.loss_agg_mode, float(self.settings.generate_max_len), tot)
             loss = loss + kl_coef * kl_loss
             step["kl_loss"] += float(kl_loss.detach()) * mr.real
+        if at_k is not None:  # --opd_topk: KL_k(teacher || student) over the teacher's top k, per token
+            kl_k = aggregate(topk_forward_kl_at(at_k, mb.teacher_topk_logprobs.to(dev)), mask, a.loss_agg_mode,
+                             float(self.settings.generate_max_len), tot)
+            loss = loss + mb.opd_topk_coef * kl_k
+            step["opd/topk_kl"] += float(kl_k.detach()) * mr.real
         return loss, pl, ent_term, met
 
     def _is_correction(self, mb, old: torch.Tensor, mask: torch.Tensor, logs):

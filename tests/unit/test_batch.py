@@ -39,6 +39,9 @@ def rows_batch(P: int, R: int, prompt_lens, resp_lens, seed: int = 0, every: boo
         # (B, P + R, L * k): 3 layers x top-2 of 5 experts, -1 on padding (a column that is itself (L * k,))
         b.routed_experts = torch.where(att.bool().unsqueeze(-1), torch.randint(0, 5, (B, P + R, 6), generator=g), -1)
         b.teacher_logprobs = tok()
+        # --opd_topk: (B, R, 3) the teacher's top-3 log-probs and ids, 0 on padding (a column that is (k,))
+        b.teacher_topk_logprobs = torch.randn(B, R, 3, generator=g) * am.unsqueeze(-1)
+        b.teacher_topk_ids = torch.randint(1, 90, (B, R, 3), generator=g) * am.unsqueeze(-1)
     return b
 
 
@@ -50,7 +53,7 @@ def unpadded(b: Batch, i: int, name: str):
         return v[i][keep].reshape(-1).tolist()  # routed_experts: each column (L * k,) in turn
     if m["kind"] == TOKEN:
         n = int(b.attention_mask[i, P:].sum())
-        return v[i, :n].tolist()
+        return v[i, :n].reshape(-1).tolist()  # teacher_topk_*: each column (k,) in turn
     if m["kind"] == NAMED:
         return {k: float(t[i]) for k, t in v.items()}
     return v[i].item()
@@ -183,7 +186,8 @@ def world(monkeypatch):
 
 
 @pytest.mark.parametrize("names", [row_fields("rollout"), row_fields("rollout", "async") + row_fields("reward"),
-                                   [n for n in PER_ROW if n != "routed_experts"]])  # its depth: next test
+                                   [n for n in PER_ROW if n != "routed_experts" and spec(n)["only"] != "topk"]])
+# their depth: the next test, tests/unit/test_opd_topk.py
 def test_gather_over_ranks_with_awkward_shards(world, names):
     """4 ranks: two own rows (of different widths), one owns none, one holds nothing (local None): every rank
     gets every row back, exactly, with one widths max, [one names gather,] one int and one float gather."""
@@ -277,3 +281,20 @@ def test_a_new_field_needs_no_code_in_the_ops(world):
     w = world(2)
     got = w.run(lambda r: gather_batch((a, b)[r], (slice(0, 2), slice(2, 3))[r], 3, names, PAD, cls=Wider))
     assert all(torch.equal(g.prm_token_scores, c.prm_token_scores) for g in got)
+
+
+def test_gather_carries_the_teacher_topk_fields(world):
+    """--opd_topk's (B, R, k) fields from 3 ranks of awkward widths (one owning no rows, one holding nothing):
+    k rides in the widths max, the ids come back as long and exact, the log-probs exact, 0 on padding."""
+    parts = [rows_batch(3, 2, [3, 1], [2, 0], seed=1), rows_batch(1, 4, [1, 1, 1], [4, 1, 3], seed=2)]
+    full = cat(parts, PAD)
+    names = ["sequences", "attention_mask", "action_mask", "teacher_topk_logprobs", "teacher_topk_ids"]
+    w = world(3)
+    got = w.run(lambda r: gather_batch(parts[r] if r < 2 else None, (slice(0, 2), slice(2, 5), None)[r], 5, names,
+                                       PAD))
+    for g in got:
+        assert g.teacher_topk_ids.shape == (5, 4, 3) and g.teacher_topk_ids.dtype == torch.long
+        assert torch.equal(g.teacher_topk_ids, full.teacher_topk_ids), "top-k ids changed in the gather"
+        assert torch.equal(g.teacher_topk_logprobs, full.teacher_topk_logprobs), "top-k log-probs changed"
+        assert float(g.teacher_topk_logprobs[~g.action_mask.bool()].abs().sum()) == 0.0, "padding must read 0"
+    assert w.calls[0][0] == ("all_reduce", "max", (4,)), w.calls[0]
