@@ -35,7 +35,7 @@ from rlhf.models.lm_head import (
 def _response_rows(model, sequences: Tensor, attention_mask: Tensor, action_mask: Tensor, packing: bool,
                    head) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(states (N, D), labels (N,), row (N,), col (N,)) of every response position's predicting state: the hidden
-    states with ``head`` (removed for the forward), else the logits; padded rows give every (row, column)."""
+    states with ``head`` (removed for the forward), else the logits; padded rows: the action mask's positions."""
     R = action_mask.size(1)
     if packing:
         ids, pos, lengths = pack(sequences, attention_mask)
@@ -46,10 +46,8 @@ def _response_rows(model, sequences: Tensor, attention_mask: Tensor, action_mask
     with head_removed(model, head) if head is not None else nullcontext():
         out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(
             attention_mask), logits_to_keep=R + 1, use_cache=False).logits[:, :-1]
-    B = sequences.size(0)
-    row = torch.arange(B, device=sequences.device).repeat_interleave(R)
-    col = torch.arange(R, device=sequences.device).repeat(B)
-    return out.reshape(B * R, -1), sequences[:, -R:].reshape(-1), row, col
+    row, col = action_mask.nonzero(as_tuple=True)
+    return out[row, col], sequences[:, -R:][row, col], row, col
 
 
 def _place(vals: Tensor, row: Tensor, col: Tensor, B: int, R: int) -> Tensor:
