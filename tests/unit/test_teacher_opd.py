@@ -116,8 +116,9 @@ def test_mismatched_vocabulary_refused_before_any_process_group(tmp_path):
 
     check_teacher(cfg, "grpo")
     cfg.teacher.opd_topk = 2
+    check_teacher(cfg, "grpo")  # the top-k term runs in RL (tests/unit/test_opd_topk.py); SFT has --kd_coef
     with pytest.raises(ConfigError, match="opd_topk 0"):
-        check_teacher(cfg, "grpo")
+        check_teacher(cfg, "sft")
     cfg.teacher.opd_topk, cfg.teacher.teacher_url, cfg.rollout.temperature = 0, "http://h:1", 0.7
     with pytest.raises(ConfigError, match="temperature 1.0"):  # vLLM's prompt log-probs are at temperature 1
         check_teacher(cfg, "grpo")
