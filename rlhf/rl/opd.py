@@ -63,31 +63,32 @@ class RemoteTeacherStage(Stage):
 
 
 class TeacherTopkStage(Stage):
-    """--opd_topk k: the local teacher's k most likely tokens and their log-probs at every response position
-    (rlhf.roles.teacher_topk ``role_topk``: a second teacher forward, after its declared one) and the top-k term's
-    weight for the actor's loss (``opd_topk_coef`` = --opd_coef: rlhf.roles.actor, rlhf.algorithms.distill
-    ``topk_forward_kl_at``)."""
+    """--opd_topk k: the local teacher's forward in place of its declared one (same name, ``teacher``; one forward,
+    rlhf.roles.teacher_topk ``role_topk``): its log-probs of the sampled tokens, its k most likely tokens and their
+    log-probs at every response position, and the top-k term's weight for the actor's loss (``opd_topk_coef`` =
+    --opd_coef: rlhf.roles.actor, rlhf.algorithms.distill ``topk_forward_kl_at``)."""
     trainers_only = True
     reads = ("sequences", "attention_mask", "action_mask")
-    writes = ("teacher_topk_logprobs", "teacher_topk_ids", "opd_topk_coef")
+    writes = ("teacher_logprobs", "teacher_topk_logprobs", "teacher_topk_ids", "opd_topk_coef")
 
     def __init__(self, forwards, k: int, coef: float):
-        # the teacher's forward (woken as its declared stage), named per object as OPDStage
-        self.name, self.role, self.memory = "teacher_topk", "teacher", "forward"
+        # the teacher's declared forward stage's name, role and memory kind (it stands in for it: rlhf.rl.stages)
+        self.name, self.role, self.memory = "teacher", "teacher", "forward"
         self.forwards, self.k, self.coef = forwards, k, coef
 
     def run(self, batch: Batch, roles) -> None:
         from rlhf.roles.teacher_topk import role_topk
 
-        _, batch.teacher_topk_logprobs, batch.teacher_topk_ids = role_topk(roles.teacher, batch, self.forwards, self.k)
+        batch.teacher_logprobs, batch.teacher_topk_logprobs, batch.teacher_topk_ids = role_topk(
+            roles.teacher, batch, self.forwards, self.k)
         batch.opd_topk_coef = self.coef
 
 
 def distill_stages(teacher, deadline_s: Optional[float], forwards=None) -> Tuple[List[Stage], List[Stage]]:
     """(the remote teacher's forward, the OPD term) for ``rlhf.rl.stages.StageParts.distill``; ``teacher``: the
     teacher flag group (rlhf.config.teacher_schema.TeacherConfig).  Without a teacher: none.  A local teacher's
-    forward is its role's declared stage (rlhf.distributed.role_table), not one of these; with --opd_topk its
-    top-k forward (``TeacherTopkStage``, ``forwards``: rlhf.rl.components.Forwards) follows it."""
+    forward is its role's declared stage (rlhf.distributed.role_table), not one of these; with --opd_topk
+    ``TeacherTopkStage`` (``forwards``: rlhf.rl.components.Forwards) stands in for it."""
     if not (teacher.teacher_pretrain or teacher.teacher_url):
         return [], []
     remote: List[Stage] = []

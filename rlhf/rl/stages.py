@@ -339,7 +339,8 @@ def build_stages(r, a, o, logging, data, p: StageParts) -> List[Stage]:
                                   p.refill_draw, round_s), refill_s) if refill else None,
         ProduceStage(p.queue, r.async_queue_size, p.total_steps, slow_s) if r.async_train else None,
         RefStage(p.forwards) if p.has["ref"] else None,
-        *declared_forwards(p.forwards, p.has), *p.distill[0],
+        *[s for s in declared_forwards(p.forwards, p.has) if s.name not in {d.name for d in p.distill[0]}],
+        *p.distill[0],  # a distillation stage named for a role stands in for its declared forward (--opd_topk)
         ValuesStage(p.forwards) if p.has["critic"] else None,
         OldLogprobsStage(p.forwards) if old_logprobs else None,
         LogprobGapStage(p.forwards, p.scheduler, logging.logprob_gap_interval)

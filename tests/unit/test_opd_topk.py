@@ -165,7 +165,9 @@ def test_grpo_step_with_opd_topk_in_process(monkeypatch, tmp_path):
                   "--save_path", str(tmp_path / "m"), "--log_dir", str(tmp_path / "logs"), "--no_progress_bar"])
     trainer = rl_trainer.run_rl(cfg, "grpo")
     names = [s.name for s in trainer.stages]
-    assert trainer.step == 1 and names.index("teacher") < names.index("teacher_topk") < names.index("actor_update"), names
+    # one teacher forward (its top-k stage stands in for the declared one) before the update
+    assert trainer.step == 1 and names.count("teacher") == 1 and names.index("teacher") < names.index("actor_update")
+    assert type(trainer.stages[names.index("teacher")]).__name__ == "TeacherTopkStage", names
     assert len(checks) == 2, f"expected 2 real micro-batches, got {len(checks)}"
     for diff, want, g_err, g_size, _ in checks:
         # the loss is the --opd_topk 0 loss plus 0.5 * the top-k KL from the full logits; its gradient reaches the head
@@ -176,8 +178,11 @@ def test_grpo_step_with_opd_topk_in_process(monkeypatch, tmp_path):
         att = mb.attention_mask
         t = trainer.roles.teacher.engine.model(input_ids=mb.sequences, attention_mask=att,
                                                position_ids=(att.cumsum(1) - 1).clamp(min=0)).logits[:, -6:-1]
-    top, ids = torch.log_softmax(t.float(), -1).topk(4, -1)
+    full = torch.log_softmax(t.float(), -1)
+    top, ids = full.topk(4, -1)
     on = mb.action_mask.bool()
+    sampled = full.gather(-1, mb.sequences[:, -5:, None])[..., 0]  # and its log-probs of the sampled tokens
+    assert torch.allclose(sampled[on], mb.teacher_logprobs[on], atol=1e-5)
     assert torch.equal(ids[on], mb.teacher_topk_ids[on]) and torch.allclose(top[on], mb.teacher_topk_logprobs[on],
                                                                             atol=1e-5)
-    assert seen[0]["opd/topk_kl"] > 1e-3 and "time_teacher_topk" in seen[0], seen[0]
+    assert seen[0]["opd/topk_kl"] > 1e-3 and "time_teacher" in seen[0] and "opd/reverse_kl" in seen[0], seen[0]
