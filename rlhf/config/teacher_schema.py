@@ -33,7 +33,7 @@ class TeacherConfig:
                                                   "first /v1/models entry)")
     opd_coef: float = opt(1.0, "weight of the on-policy distillation term: advantage_t += opd_coef * "
                                "-(log pi_student(y_t) - log pi_teacher(y_t)) on every sampled token (0: the "
-                               "teacher's log-probs are logged only)")
+                               "teacher's log-probs are logged only); also the weight of the --opd_topk loss term")
     opd_only: bool = opt(False, "on-policy distillation alone: the advantages are the OPD term only (the task "
                                 "reward is still computed and logged, not trained on)")
     opd_topk: int = opt(0, "OpenRLHF --opd.topk: k > 0 adds opd_coef * KL_k(teacher || student) over the "
