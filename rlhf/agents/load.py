@@ -32,6 +32,11 @@ def load_agent(path: str, endpoint=None):
     if exe is None and getattr(mod, "AgentInstance", None) is None and hasattr(mod, "run_agent"):
         from rlhf.agents.endpoint.executor import run_agent_adapter
 
+        missing = [m for m in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(m) is None]
+        if missing:  # the in-job endpoint serves the client: refused here, before any process group
+            raise ValueError(f"{path} defines run_agent, which trains through the in-job OpenAI endpoint; it needs "
+                             f"{', '.join(missing)}: pip install -e \".[agents]\" (fastapi, openai)")
+
         return None, run_agent_adapter(mod.run_agent, path, endpoint)
     for name in ("AgentInstance", "AgentExecutor")[orl.is_openrlhf_executor(exe):]:  # OpenRLHF's awaits it
         check_sync_init(getattr(mod, name, None), name, path)
