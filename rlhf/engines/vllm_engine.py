@@ -127,6 +127,7 @@ class VLLMEngine(VLLMAdapters, RolloutEngine):
         # it (vLLM refuses a prompt of max_model_len tokens, vllm/v1/engine/input_processor.py _validate_prompt_len,
         # and caps a generation there, vllm/v1/core/sched/utils.py check_stop: finish_reason "length")
         self.max_model_len = _cap_len(model_path, max_model_len)
+        log(f"[vllm] {mode} engine: tensor parallel {tp_size}, max_model_len {self.max_model_len}")
         if not self.driver:
             return
         kw = engine_kwargs(model_path, tp_size=tp_size, max_model_len=self.max_model_len, seed=seed,

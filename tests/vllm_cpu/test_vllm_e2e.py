@@ -125,7 +125,7 @@ def test_grpo_vllm_async_partial_rollout_exact_behaviour_logprobs(vllm_kit, vllm
     train, _, out = torchrun("rlhf.train_grpo", 2, args, tmp_path, str(tmp_path / "logs"))
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
     assert "[weights] direct to 1 vLLM worker(s) of 1 engine(s)" in out, "the engine did not run on its own rank"
-    mml = [int(x) for x in re.findall(r"'max_model_len': (\d+)", out)]
+    mml = [int(x) for x in re.findall(r"\[vllm\] \w+ engine: tensor parallel \d+, max_model_len (\d+)", out)]
     assert mml == [4 + max_new], f"vLLM's max_model_len should be prompt_max_len + generate_max_len: {mml}"
     a = lambda k: [r[f"async/{k}"] for r in train]  # noqa: E731
     # the queue: warm-up batches are 0 and 1 syncs old, later ones at least K; none beyond --max_staleness
