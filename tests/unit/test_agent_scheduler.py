@@ -3,7 +3,6 @@ scheduler coroutine (rlhf.agents.scheduler) and the executors on it (every episo
 import asyncio
 import math
 import os
-import time
 import types
 
 import torch
@@ -88,29 +87,47 @@ def test_at_most_micro_batch_rows_decode_together_the_rest_wait_in_order():
 
 
 def test_a_request_joins_a_running_batch_and_a_slow_episode_holds_no_other():
-    """Episode A: a 60-token turn, an environment step of 1.0 s, another turn.  Episode B arrives 20 ms later
-    and finishes its short turn while A's first turn still decodes (it joined without waiting); episode C's
-    four quick turns all end while A's environment step waits."""
+    """Ordered by engine steps and events, not by wall-clock time (a loaded machine must not change the verdict).
+    Episode A: a 60-token turn, then an environment step that lasts until episode C has finished (a wave-batched
+    engine, where C's turns wait for A's, would never get there: the wait times out), then another turn.  Episode B
+    is submitted once A's first turn has run 2 engine steps and must finish its 3-token turn before A's turn ends
+    (it joined the running batch instead of waiting for it); C's four quick turns all run during A's environment
+    step."""
     eng = tiny_engine()
     llm = AsyncEngine(eng, TOK, 8)
-    ends = {}
+    order, c_done = [], asyncio.Event()
 
-    async def episode(name, delay, turns, tokens, env_s):
-        await asyncio.sleep(delay)
+    async def turn(name, ids, tokens):
+        sp = OpenRLHFSamplingParams(temperature=1.0, max_tokens=tokens, seed=1, stop_token_ids=(1000,))
+        ids += (await llm.generate(ids, sp)).outputs[0].token_ids
+        order.append(name)
+
+    async def a():
         ids = [5, 6, 7, 8]
-        for _ in range(turns):
-            sp = OpenRLHFSamplingParams(temperature=1.0, max_tokens=tokens, seed=1, stop_token_ids=(1000,))
-            ids += (await llm.generate(ids, sp)).outputs[0].token_ids
-            ends.setdefault(name, []).append(time.perf_counter())
-            await asyncio.sleep(env_s)
+        await turn("A", ids, 60)
+        await asyncio.wait_for(c_done.wait(), 120)  # A's environment step: C must run meanwhile
+        await turn("A", ids, 60)
+
+    async def b():
+        while len(scheduler_for(eng).occupancy) < 2:  # A's turn is running
+            await asyncio.sleep(0)
+        await turn("B", [5, 6, 7, 8], 3)
+
+    async def c():
+        while "A" not in order:  # from A's environment step on
+            await asyncio.sleep(0.001)
+        ids = [5, 6, 7, 8]
+        for _ in range(4):
+            await turn("C", ids, 3)
+        c_done.set()
 
     async def main():
-        await asyncio.gather(episode("A", 0, 2, 60, 1.0), episode("B", 0.02, 1, 3, 0), episode("C", 0.3, 4, 3, 0))
+        await asyncio.gather(a(), b(), c())
         return close_scheduler(eng)
 
     sched = asyncio.run(main())
-    assert ends["B"][0] < ends["A"][0], "B's request waited for A's running turn instead of joining the batch"
-    assert ends["C"][-1] < ends["A"][0] + 1.0, "C's turns waited for A's environment step"
+    assert order.index("B") < order.index("A"), f"B's request waited for A's running turn instead of joining: {order}"
+    assert order == ["B", "A", "C", "C", "C", "C", "A"], order
     assert max(sched.occupancy) >= 2 and min(sched.occupancy) == 1, sched.occupancy
 
 
