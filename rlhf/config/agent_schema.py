@@ -4,37 +4,31 @@ Its flags are command-line flags of the same name and YAML keys (flat, or under 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
-
-def _opt(default, help: str, choices=None):
-    """rlhf.config.schema's ``opt`` (copied: schema.py imports this file, so importing it here would be a circle)."""
-    meta = {"help": help}
-    if choices is not None:
-        meta["choices"] = tuple(choices)
-    return field(default=default, metadata=meta)
+from rlhf.config.fields import opt
 
 
 @dataclass
 class AgentConfig:
     """The ``agent`` flag group (fields are added by the feature that reads them; see docs/FLAGS.md)."""
     # ---- tool calls (rlhf.agents.tool_agent) ----
-    tools_path: Optional[str] = _opt(None, "python file of tools (its TOOLS list, else its public functions; schemas "
+    tools_path: Optional[str] = opt(None, "python file of tools (its TOOLS list, else its public functions; schemas "
                                            "from signatures and Google-style docstrings): with no --agent_func_path "
                                            "the rollout runs multi-turn tool episodes (turns: --max_steps)")
-    tool_call_parser: str = _opt("hermes", "vLLM tool parser that reads the model's tool calls (any name in vLLM's "
+    tool_call_parser: str = opt("hermes", "vLLM tool parser that reads the model's tool calls (any name in vLLM's "
                                            "ToolParserManager: hermes, qwen3_xml, qwen3_coder, llama3_json, ...); "
                                            "without vLLM only hermes (rlhf's own parser)")
-    max_tool_calls: int = _opt(8, "tool calls per episode; calls beyond it get an error message instead of running")
-    tool_timeout_s: float = _opt(30.0, "seconds one tool call may run; a call cut there returns an error message")
-    tool_output_max_chars: int = _opt(4000, "characters of a tool's output kept in its tool message (the rest cut)")
-    max_episode_tokens: Optional[int] = _opt(None, "response tokens of one episode (model turns + tool messages); "
+    max_tool_calls: int = opt(8, "tool calls per episode; calls beyond it get an error message instead of running")
+    tool_timeout_s: float = opt(30.0, "seconds one tool call may run; a call cut there returns an error message")
+    tool_output_max_chars: int = opt(4000, "characters of a tool's output kept in its tool message (the rest cut)")
+    max_episode_tokens: Optional[int] = opt(None, "response tokens of one episode (model turns + tool messages); "
                                                    "default --generate_max_len x --max_steps")
 
     # ---- the OpenAI-compatible endpoint (rlhf.agents.endpoint; a --agent_func_path file defining run_agent) -----
-    agent_endpoint_host: str = field(default="127.0.0.1", metadata={
-        "help": "address the in-job OpenAI-compatible endpoint binds on each engine's first rank (/v1/chat/"
-                "completions, /v1/completions, /v1/models, /tokenize, /health); 0.0.0.0 exposes it to the network"})
-    agent_endpoint_port: int = field(default=0, metadata={
-        "help": "port of that endpoint; 0 picks a free port (printed at start); P > 0: engine i binds P + i"})
+    agent_endpoint_host: str = opt("127.0.0.1", "address the in-job OpenAI-compatible endpoint binds on each engine's "
+                                   "first rank (/v1/chat/completions, /v1/completions, /v1/models, /tokenize, "
+                                   "/health); 0.0.0.0 exposes it to the network")
+    agent_endpoint_port: int = opt(0, "port of that endpoint; 0 picks a free port (printed at start); P > 0: engine i "
+                                      "binds P + i")

@@ -11,23 +11,11 @@ from dataclasses import dataclass, field, fields
 from typing import Optional, Tuple
 
 from rlhf.config.agent_schema import AgentConfig
+from rlhf.config.fields import opt  # noqa: F401  (also imported from here)
 from rlhf.config.parallel_schema import ParallelConfig
 from rlhf.config.teacher_schema import TeacherConfig
 from rlhf.config.vision_schema import VisionConfig
 from rlhf.engines.rollout_registry import engine_kinds
-
-
-def opt(default, help: str, choices=None, nargs=None, flag_type=None, optional_value=None):
-    meta = {"help": help}
-    if optional_value is not None:
-        meta["optional_value"] = optional_value  # the flag alone means this value; --flag VALUE gives another
-    if choices is not None:
-        meta["choices"] = tuple(choices)
-    if nargs is not None:
-        meta["nargs"] = nargs
-    if flag_type is not None:
-        meta["type"] = flag_type
-    return field(default=default, metadata=meta)
 
 
 @dataclass

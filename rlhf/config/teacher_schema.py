@@ -7,16 +7,10 @@ rlhf.config.schema.TopologyConfig) because the placement reads only the topology
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
-
-def opt(default, help: str, choices=None):
-    """A flag (as rlhf.config.schema ``opt``; copied: schema imports this file)."""
-    meta = {"help": help}
-    if choices is not None:
-        meta["choices"] = tuple(choices)
-    return field(default=default, metadata=meta)
+from rlhf.config.fields import opt
 
 
 @dataclass

@@ -6,11 +6,9 @@ a text-only model reads no images (rlhf.data.images, rlhf.models.vision).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-
-def opt(default, help: str):
-    return field(default=default, metadata={"help": help})
+from rlhf.config.fields import opt
 
 
 @dataclass
